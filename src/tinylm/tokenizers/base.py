@@ -1,0 +1,291 @@
+"""The interface every tinylm tokenizer shares, and the versioned JSON file they are saved in.
+
+A tokenizer maps text to a list of token ids from a vocabulary V and back. Every tokenizer's
+vocabulary has two parts, in this order:
+
+1. the *base* vocabulary, which is what the tokenizer itself learned or was built with
+   (characters, words, or the 256 bytes followed by the BPE merges), and
+2. the *special* tokens, with ids right after the base vocabulary: ``<|bos|>`` (the fixed
+   beginning-of-sequence token x_0 of the lecture notes), ``<|eos|>`` (ends a document; a model
+   learns to stop by predicting it), ``<|pad|>`` (fills short sequences; masked out of attention
+   and loss), then a reserved range ``<|reserved_0|>``, ``<|reserved_1|>``, ... kept free for
+   later use (chat markers, fine-tuning tags) without resizing the model.
+
+Every token has a byte string (`token_bytes`), and decoding always goes through bytes: this is
+what lets a byte-level tokenizer end a token in the middle of a multi-byte character and still
+decode correctly once the rest arrives (see `StreamDecoder`).
+
+Special-token text inside user input is plain text unless the caller allows it: by default
+``encode("<|eos|>")`` tokenizes the seven characters, so a document cannot inject an EOS.
+
+Usage::
+
+    tok = CharTokenizer.train(text)
+    ids = tok.encode("hello")
+    assert tok.decode(ids) == "hello"
+    tok.save("tok.json")
+    tok = load_tokenizer("tok.json")
+"""
+
+from __future__ import annotations
+
+import codecs
+import hashlib
+import json
+import os
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+import regex
+
+from tinylm.errors import TinyLMError
+
+FORMAT_NAME = "tinylm.tokenizer"
+FORMAT_VERSION = 1
+
+BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
+
+
+def special_token_names(n_reserved: int = 0) -> list[str]:
+    """The special tokens in id order: bos, eos, pad, then ``n_reserved`` reserved ones."""
+    if n_reserved < 0:
+        raise TinyLMError(f"the reserved range must be 0 or more tokens, got {n_reserved}")
+    return [BOS, EOS, PAD] + [f"<|reserved_{i}|>" for i in range(n_reserved)]
+
+
+AllowedSpecial = Literal["all"] | Iterable[str]
+
+
+class Tokenizer(ABC):
+    """Text <-> token ids. Subclasses implement the base vocabulary; this class adds the rest.
+
+    Subclasses must set `kind` and implement `base_vocab_size`, `encode_ordinary`,
+    `_base_token_bytes`, `_to_dict` and `_from_dict`.
+    """
+
+    kind: ClassVar[str]
+
+    def __init__(self, n_reserved: int = 0) -> None:
+        names = special_token_names(n_reserved)
+        self.n_reserved = n_reserved
+        self.special_tokens: dict[str, int] = {
+            name: self.base_vocab_size + i for i, name in enumerate(names)
+        }
+        self._special_bytes = {i: name.encode("utf-8") for name, i in self.special_tokens.items()}
+
+    # ----- the vocabulary -------------------------------------------------------------------
+
+    @property
+    @abstractmethod
+    def base_vocab_size(self) -> int:
+        """Number of ids before the special tokens."""
+
+    @property
+    def vocab_size(self) -> int:
+        """|V|: every id this tokenizer can produce, special tokens included."""
+        return self.base_vocab_size + len(self.special_tokens)
+
+    @property
+    def bos_id(self) -> int:
+        return self.special_tokens[BOS]
+
+    @property
+    def eos_id(self) -> int:
+        return self.special_tokens[EOS]
+
+    @property
+    def pad_id(self) -> int:
+        return self.special_tokens[PAD]
+
+    def is_special(self, token_id: int) -> bool:
+        return token_id >= self.base_vocab_size
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes that token stands for (a special token stands for its own name)."""
+        if not 0 <= token_id < self.vocab_size:
+            raise TinyLMError(
+                f"token id {token_id} is outside this tokenizer's vocabulary 0..{self.vocab_size - 1}"
+            )
+        if token_id >= self.base_vocab_size:
+            return self._special_bytes[token_id]
+        return self._base_token_bytes(token_id)
+
+    @abstractmethod
+    def _base_token_bytes(self, token_id: int) -> bytes: ...
+
+    # ----- encoding -------------------------------------------------------------------------
+
+    @abstractmethod
+    def encode_ordinary(self, text: str) -> list[int]:
+        """Encode text with every special token's text treated as plain text."""
+
+    def encode(self, text: str, *, allowed_special: AllowedSpecial = ()) -> list[int]:
+        """Encode text. Special-token names in ``text`` become special ids only if allowed.
+
+        ``allowed_special`` is ``"all"`` or an iterable of special token names such as
+        ``{"<|eos|>"}``; everything else is encoded as ordinary text.
+        """
+        return self._encode_with_specials(text, self._allowed(allowed_special), self.encode_ordinary)
+
+    def _encode_with_specials(
+        self, text: str, allowed: set[str], encode_ordinary: Callable[[str], list[int]]
+    ) -> list[int]:
+        """Cut out the allowed special tokens' text; encode the rest with ``encode_ordinary``."""
+        if not allowed:
+            return encode_ordinary(text)
+        ids: list[int] = []
+        pattern = "(" + "|".join(regex.escape(name) for name in sorted(allowed, key=len, reverse=True)) + ")"
+        for i, piece in enumerate(regex.split(pattern, text)):
+            if i % 2:  # the split pattern is one capture group, so odd pieces are the specials
+                ids.append(self.special_tokens[piece])
+            elif piece:
+                ids.extend(encode_ordinary(piece))
+        return ids
+
+    def _allowed(self, allowed_special: AllowedSpecial) -> set[str]:
+        if allowed_special == "all":
+            return set(self.special_tokens)
+        allowed = set(allowed_special)
+        unknown = allowed - set(self.special_tokens)
+        if unknown:
+            raise TinyLMError(
+                f"unknown special token(s) {sorted(unknown)}; this tokenizer has {list(self.special_tokens)}"
+            )
+        return allowed
+
+    def encode_batch(
+        self, texts: Sequence[str], *, allowed_special: AllowedSpecial = ()
+    ) -> list[list[int]]:
+        """Encode many texts; subclasses with a native batch path override this."""
+        return [self.encode(t, allowed_special=allowed_special) for t in texts]
+
+    # ----- decoding -------------------------------------------------------------------------
+
+    def decode_bytes(self, ids: Iterable[int]) -> bytes:
+        return b"".join(self.token_bytes(int(i)) for i in ids)
+
+    def decode(self, ids: Iterable[int], errors: str = "replace") -> str:
+        """Decode ids to text through their bytes; invalid UTF-8 becomes U+FFFD by default."""
+        return self.decode_bytes(ids).decode("utf-8", errors=errors)
+
+    def stream_decoder(self) -> StreamDecoder:
+        return StreamDecoder(self)
+
+    def pieces(self, text: str, *, allowed_special: AllowedSpecial = ()) -> list[tuple[int, bytes]]:
+        """How a text splits into tokens: (id, bytes) pairs, for showing to a person."""
+        return [(i, self.token_bytes(i)) for i in self.encode(text, allowed_special=allowed_special)]
+
+    # ----- saving and loading ---------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT_NAME,
+            "version": FORMAT_VERSION,
+            "kind": self.kind,
+            "n_reserved": self.n_reserved,
+            "special_tokens": self.special_tokens,
+            **self._to_dict(),
+        }
+
+    @abstractmethod
+    def _to_dict(self) -> dict[str, Any]: ...
+
+    @classmethod
+    @abstractmethod
+    def _from_dict(cls, data: dict[str, Any]) -> Tokenizer: ...
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write the tokenizer as JSON, atomically (a crash never leaves a half-written file)."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(self.to_dict(), ensure_ascii=False, indent=1) + "\n", encoding="utf-8")
+        os.replace(tmp, path)
+        return path
+
+    def fingerprint(self) -> str:
+        """A short hash of everything that decides the ids: equal fingerprints, equal encodings."""
+        canonical = json.dumps(self.to_dict(), sort_keys=True, ensure_ascii=True)
+        return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(vocab_size={self.vocab_size})"
+
+
+class StreamDecoder:
+    """Turns token ids into text as they arrive, never splitting a multi-byte character.
+
+    A byte-level tokenizer may end a token in the middle of a UTF-8 sequence (an emoji is four
+    bytes and may be two tokens); the incomplete bytes are held back until they complete.
+    `flush` returns whatever is left at the end (invalid bytes become U+FFFD).
+    """
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, token_id: int) -> str:
+        return self._decoder.decode(self.tokenizer.token_bytes(token_id))
+
+    def push_many(self, ids: Iterable[int]) -> Iterator[str]:
+        for i in ids:
+            piece = self.push(i)
+            if piece:
+                yield piece
+
+    def flush(self) -> str:
+        return self._decoder.decode(b"", final=True)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        raw = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise TinyLMError(f"tokenizer file {path} does not exist; train one with `tinylm tokenizer train`") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise TinyLMError(f"cannot read tokenizer file {path}: {e}") from None
+    try:
+        data = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise TinyLMError(
+            f"tokenizer file {path} is corrupt (invalid JSON at line {e.lineno}, column {e.colno}); "
+            "re-create it with `tinylm tokenizer train`"
+        ) from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT_NAME:
+        raise TinyLMError(
+            f"{path} is not a tinylm tokenizer file (no \"format\": \"{FORMAT_NAME}\"); "
+            "to read a Hugging Face tokenizer.json or a .tiktoken file use `tinylm tokenizer import`"
+        )
+    version = data.get("version")
+    if version != FORMAT_VERSION:
+        raise TinyLMError(
+            f"tokenizer file {path} has format version {version!r}, but this tinylm reads version "
+            f"{FORMAT_VERSION}; upgrade tinylm or re-train the tokenizer"
+        )
+    return data
+
+
+def tokenizer_from_dict(data: dict[str, Any], source: str = "<dict>") -> Tokenizer:
+    """Rebuild a tokenizer from `Tokenizer.to_dict()` output."""
+    from tinylm.tokenizers import KINDS  # the registry of kinds lives with the package
+
+    kind = data.get("kind")
+    if kind not in KINDS:
+        raise TinyLMError(f"tokenizer file {source} has unknown kind {kind!r}; expected one of {sorted(KINDS)}")
+    try:
+        tok = KINDS[kind]._from_dict(data)
+    except (KeyError, TypeError, ValueError, IndexError) as e:
+        raise TinyLMError(
+            f"tokenizer file {source} is corrupt ({type(e).__name__}: {e}); re-create it with `tinylm tokenizer train`"
+        ) from None
+    if tok.special_tokens != data.get("special_tokens"):
+        raise TinyLMError(f"tokenizer file {source} is corrupt: its special token ids do not match its vocabulary")
+    return tok
+
+
+def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
+    """Load any tinylm tokenizer saved with `Tokenizer.save`."""
+    path = Path(path)
+    return tokenizer_from_dict(_read_json(path), str(path))
