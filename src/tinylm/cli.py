@@ -1,0 +1,402 @@
+"""The `tinylm` command: thin argparse subcommands over the library.
+
+Each subcommand parses its flags and calls one library function; everything it does can be
+done from Python too. A user mistake raises `TinyLMError`, which is printed as one line on
+stderr with exit status 2 and no traceback; so is a bad flag value.
+
+    tinylm tokenizer train --corpus shakespeare --kind bpe --vocab-size 4096 --out tok.json
+    tinylm tokenizer encode --tokenizer tok.json --text "To be, or not to be" --show
+    tinylm tokenizer info --tokenizer tok.json
+    tinylm prepare --corpus shakespeare --out data/shakespeare
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import NoReturn
+
+from tinylm.errors import TinyLMError
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a bad flag is one line ("what is wrong; see --help"), exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number between 0 and 1, got {text!r}") from None
+    if not 0.0 < value < 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number strictly between 0 and 1, got {value}")
+    return value
+
+
+# ----- shared flag groups ---------------------------------------------------------------------
+
+
+def _add_corpus_flags(p: argparse.ArgumentParser, default: str | None = "shakespeare") -> None:
+    from tinylm.data.corpora import CORPORA
+
+    p.add_argument(
+        "--corpus",
+        default=default,
+        help=f"a built-in corpus ({', '.join(CORPORA)}) or a path to a text file, a folder of text "
+        f"files, or a .jsonl file (default: {default})",
+    )
+    p.add_argument("--glob", help="for a folder: which files to read, e.g. '**/*.md' (default: **/*.txt)")
+    p.add_argument("--text-field", default="text", help="for JSONL: the field that holds the text (default: text)")
+    p.add_argument(
+        "--errors",
+        choices=["strict", "replace", "ignore"],
+        default="strict",
+        help="what to do with bytes that are not valid UTF-8: stop with an error naming the file "
+        "and offset (strict, the default), replace them with U+FFFD, or drop them",
+    )
+
+
+def _load_corpus(args: argparse.Namespace):
+    from tinylm.data.corpora import load_corpus
+
+    return load_corpus(args.corpus, glob=args.glob, text_field=args.text_field, errors=args.errors)
+
+
+def _add_tokenizer_training_flags(p: argparse.ArgumentParser, vocab_default: int) -> None:
+    from tinylm.tokenizers import PATTERNS
+
+    p.add_argument("--kind", choices=["bpe", "char", "word"], default="bpe", help="tokenizer kind (default: bpe)")
+    p.add_argument(
+        "--vocab-size",
+        type=_positive_int,
+        default=vocab_default,
+        help=f"|V| including special tokens, for bpe and word (default: {vocab_default}); char "
+        "tokenizers take every character of the corpus",
+    )
+    p.add_argument(
+        "--pattern",
+        default="gpt4",
+        help=f"bpe pre-tokenization split: {', '.join(PATTERNS)}, or a regex of your own (default: gpt4)",
+    )
+    p.add_argument("--reserved", type=int, default=0, help="extra reserved special tokens after bos, eos, pad (default: 0)")
+    p.add_argument(
+        "--unknown",
+        choices=["unk", "bytes"],
+        default="unk",
+        help="char and word tokenizers: unseen input becomes <unk> (default) or its UTF-8 bytes",
+    )
+    p.add_argument("--workers", type=_positive_int, help="processes for counting and encoding (default: all cores)")
+
+
+def _train_tokenizer(args: argparse.Namespace, corpus):
+    from tinylm.tokenizers import CharTokenizer, WordTokenizer, train_bpe
+
+    texts = corpus.texts()
+    if args.kind == "char":
+        return CharTokenizer.train(texts, unknown=args.unknown, n_reserved=args.reserved)
+    if args.kind == "word":
+        return WordTokenizer.train(texts, args.vocab_size, unknown=args.unknown, n_reserved=args.reserved)
+    return train_bpe(
+        texts,
+        vocab_size=args.vocab_size,
+        pattern=args.pattern,
+        n_reserved=args.reserved,
+        workers=args.workers,
+        progress=sys.stderr.isatty(),
+    )
+
+
+def _read_input(args: argparse.Namespace) -> str:
+    if args.text is not None:
+        return args.text
+    if args.file is not None:
+        path = Path(args.file)
+        if not path.is_file():
+            raise TinyLMError(f"input file {path} does not exist; check the path")
+        try:
+            return path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise TinyLMError(f"{path} is not valid UTF-8 (byte offset {e.start}); convert it to UTF-8 first") from None
+    if sys.stdin is None or sys.stdin.isatty():
+        raise TinyLMError("no input: give --text TEXT, --file PATH, or pipe text on stdin")
+    return sys.stdin.read()
+
+
+# ----- tinylm tokenizer ... -------------------------------------------------------------------
+
+
+def cmd_tokenizer_train(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    if out.exists() and not args.force:
+        raise TinyLMError(f"{out} already exists; choose another --out or pass --force to overwrite it")
+    corpus = _load_corpus(args)
+    start = time.perf_counter()
+    tok = _train_tokenizer(args, corpus)
+    tok.save(out)
+    print(f"trained a {tok.kind} tokenizer with |V| = {tok.vocab_size} on {corpus.name} in "
+          f"{time.perf_counter() - start:.1f}s; saved to {out}")
+    return 0
+
+
+def cmd_tokenizer_encode(args: argparse.Namespace) -> int:
+    from tinylm.tokenizers import load_tokenizer
+
+    tok = load_tokenizer(args.tokenizer)
+    text = _read_input(args)
+    allowed = "all" if args.allow_special else ()
+    ids = tok.encode(text, allowed_special=allowed)
+    if args.count:
+        n_bytes = len(text.encode("utf-8"))
+        ratio = n_bytes / len(ids) if ids else 0.0
+        print(f"{len(ids)} tokens, {len(text)} characters, {n_bytes} bytes ({ratio:.2f} bytes per token)")
+    elif args.show:
+        for i, piece in tok.pieces(text, allowed_special=allowed):
+            shown = piece.decode("utf-8", errors="backslashreplace")
+            print(f"{i:>7}  {shown!r}")
+    else:
+        print(" ".join(map(str, ids)))
+    return 0
+
+
+def cmd_tokenizer_decode(args: argparse.Namespace) -> int:
+    from tinylm.tokenizers import load_tokenizer
+
+    tok = load_tokenizer(args.tokenizer)
+    words = args.ids if args.ids else (sys.stdin.read().split() if not sys.stdin.isatty() else [])
+    if not words:
+        raise TinyLMError("no ids to decode: give them as arguments or on stdin, e.g. `tinylm tokenizer decode --tokenizer tok.json 72 101`")
+    try:
+        ids = [int(w) for w in words]
+    except ValueError:
+        bad = next(w for w in words if not w.lstrip("-").isdigit())
+        raise TinyLMError(f"token ids must be integers, got {bad!r}") from None
+    sys.stdout.write(tok.decode(ids))
+    if sys.stdout.isatty():
+        sys.stdout.write("\n")
+    return 0
+
+
+def cmd_tokenizer_info(args: argparse.Namespace) -> int:
+    from tinylm.tokenizers import load_tokenizer
+
+    tok = load_tokenizer(args.tokenizer)
+    info: dict[str, object] = {
+        "kind": tok.kind,
+        "vocab_size": tok.vocab_size,
+        "base_vocab_size": tok.base_vocab_size,
+        "special_tokens": tok.special_tokens,
+        "fingerprint": tok.fingerprint(),
+    }
+    if tok.kind == "bpe":
+        from tinylm.tokenizers.bpe import pattern_name
+
+        info["pattern"] = pattern_name(tok.pattern) or tok.pattern
+        info["merges"] = len(tok.merges)
+        longest = sorted(range(256, tok.base_vocab_size), key=lambda i: (-len(tok.token_bytes(i)), i))[:5]
+        info["longest_tokens"] = [tok.token_bytes(i).decode("utf-8", "backslashreplace") for i in longest]
+    else:
+        info["unknown"] = tok.unknown
+    if args.json:
+        print(json.dumps(info, ensure_ascii=False, indent=1))
+    else:
+        for key, value in info.items():
+            print(f"{key:>16}: {value}")
+    return 0
+
+
+def cmd_tokenizer_export(args: argparse.Namespace) -> int:
+    from tinylm.tokenizers import load_tokenizer
+    from tinylm.tokenizers.formats import export_tokenizer
+
+    tok = load_tokenizer(args.tokenizer)
+    path = export_tokenizer(tok, args.out, args.format, overwrite=args.force)
+    print(f"wrote {args.format} tokenizer to {path}")
+    return 0
+
+
+def cmd_tokenizer_import(args: argparse.Namespace) -> int:
+    from tinylm.tokenizers.formats import import_tokenizer
+
+    out = Path(args.out)
+    if out.exists() and not args.force:
+        raise TinyLMError(f"{out} already exists; choose another --out or pass --force to overwrite it")
+    tok = import_tokenizer(args.path, pattern=args.pattern, n_reserved=args.reserved)
+    tok.save(out)
+    print(f"imported a {tok.kind} tokenizer with |V| = {tok.vocab_size} from {args.path}; saved to {out}")
+    return 0
+
+
+# ----- tinylm prepare ---------------------------------------------------------------------------
+
+
+def cmd_prepare(args: argparse.Namespace) -> int:
+    from tinylm.data.shards import prepare
+    from tinylm.tokenizers import load_tokenizer
+
+    corpus = _load_corpus(args)
+    out = Path(args.out) if args.out else Path("data") / Path(corpus.name).name
+    if args.tokenizer:
+        tok = load_tokenizer(args.tokenizer)
+    else:
+        # No tokenizer given: train one on the corpus, or reuse the one trained here last time.
+        tok_path = out / "tokenizer.json"
+        if tok_path.exists() and not args.force:
+            tok = load_tokenizer(tok_path)
+            print(f"reusing the tokenizer in {tok_path} (pass --force to train a new one)")
+        else:
+            start = time.perf_counter()
+            tok = _train_tokenizer(args, corpus)
+            tok.save(tok_path)
+            print(f"trained a {tok.kind} tokenizer with |V| = {tok.vocab_size} in {time.perf_counter() - start:.1f}s: {tok_path}")
+    start = time.perf_counter()
+    shards = prepare(
+        corpus, tok, out, val_fraction=args.val_fraction, seed=args.seed, workers=args.workers,
+        progress=sys.stderr.isatty(), overwrite=args.force,
+    )
+    verb = "reused" if shards.reused else f"wrote in {time.perf_counter() - start:.1f}s"
+    print(f"{verb}: token shards in {out}")
+    for split in ("train", "val"):
+        m = shards.meta["splits"][split]
+        print(f"  {split:>5}: {m['documents']:>6} documents {m['tokens']:>11,} tokens {m['bytes']:>12,} bytes "
+              f"({m['bytes'] / max(m['tokens'], 1):.2f} bytes/token)")
+    return 0
+
+
+def _show_help(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], int]:
+    """For a command group run without its action (`tinylm tokenizer`): print its help, exit 2."""
+
+    def show(args: argparse.Namespace) -> int:
+        parser.print_help(sys.stderr)
+        return 2
+
+    return show
+
+
+# ----- the parser -------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="tinylm",
+        description="Autoregressive Transformer language models end to end: tokenize, prepare data, "
+        "train, evaluate, generate.",
+    )
+    from tinylm import __version__
+
+    parser.add_argument("--version", action="version", version=f"tinylm {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+
+    # tinylm tokenizer ...
+    tok = sub.add_parser("tokenizer", help="train, inspect and convert tokenizers",
+                         description="Train, use, inspect, export and import tokenizers.")
+    tok.set_defaults(func=_show_help(tok))
+    tsub = tok.add_subparsers(dest="tokenizer_command", metavar="ACTION", parser_class=_Parser)
+
+    p = tsub.add_parser("train", help="train a tokenizer on a corpus",
+                        description="Train a byte-level BPE, character or word tokenizer on a corpus "
+                        "and save it as tinylm JSON.")
+    _add_corpus_flags(p)
+    _add_tokenizer_training_flags(p, vocab_default=4096)
+    p.add_argument("--out", required=True, help="where to save the tokenizer (JSON)")
+    p.add_argument("--force", action="store_true", help="overwrite --out if it exists")
+    p.set_defaults(func=cmd_tokenizer_train)
+
+    def add_input(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--tokenizer", required=True, help="a tinylm tokenizer JSON file")
+        src = p.add_mutually_exclusive_group()
+        src.add_argument("--text", help="the text (default: read --file, or stdin)")
+        src.add_argument("--file", help="read the text from this UTF-8 file")
+
+    p = tsub.add_parser("encode", help="encode text to ids, count tokens, or show the split",
+                        description="Encode text with a tokenizer. Prints the ids, or with --count the "
+                        "number of tokens, or with --show one line per token with its text.")
+    add_input(p)
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--count", action="store_true", help="print the token, character and byte counts")
+    mode.add_argument("--show", action="store_true", help="print each token's id and text, one per line")
+    p.add_argument("--allow-special", action="store_true",
+                   help="treat special-token text such as <|eos|> in the input as the special token "
+                   "(default: it is plain text)")
+    p.set_defaults(func=cmd_tokenizer_encode)
+
+    p = tsub.add_parser("decode", help="decode ids to text",
+                        description="Decode token ids (arguments or whitespace-separated on stdin) to text.")
+    p.add_argument("--tokenizer", required=True, help="a tinylm tokenizer JSON file")
+    p.add_argument("ids", nargs="*", help="token ids")
+    p.set_defaults(func=cmd_tokenizer_decode)
+
+    p = tsub.add_parser("info", help="describe a tokenizer", description="Print a tokenizer's kind, sizes, "
+                        "special tokens, split pattern and fingerprint.")
+    p.add_argument("--tokenizer", required=True, help="a tinylm tokenizer JSON file")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=cmd_tokenizer_info)
+
+    p = tsub.add_parser("export", help="write a BPE tokenizer as tokenizer.json or .tiktoken",
+                        description="Export a BPE tokenizer for other tools: a Hugging Face tokenizer.json "
+                        "(loads in `tokenizers` and `transformers`) or a tiktoken ranks file.")
+    p.add_argument("--tokenizer", required=True, help="a tinylm tokenizer JSON file")
+    p.add_argument("--format", required=True, choices=["hf", "tiktoken"], help="hf or tiktoken")
+    p.add_argument("--out", required=True, help="output file (or folder for hf: writes tokenizer.json in it)")
+    p.add_argument("--force", action="store_true", help="overwrite --out if it exists")
+    p.set_defaults(func=cmd_tokenizer_export)
+
+    p = tsub.add_parser("import", help="read a tokenizer.json or .tiktoken file into tinylm",
+                        description="Import a Hugging Face tokenizer.json (byte-level BPE) or a tiktoken "
+                        "ranks file as a tinylm tokenizer.")
+    p.add_argument("path", help="a tokenizer.json, a folder holding one, or a .tiktoken file")
+    p.add_argument("--out", required=True, help="where to save the tinylm tokenizer JSON")
+    p.add_argument("--pattern", default="gpt4", help=".tiktoken files carry no split pattern: name it (default: gpt4)")
+    p.add_argument("--reserved", type=int, default=0, help=".tiktoken files carry no special tokens: reserved count (default: 0)")
+    p.add_argument("--force", action="store_true", help="overwrite --out if it exists")
+    p.set_defaults(func=cmd_tokenizer_import)
+
+    # tinylm prepare
+    p = sub.add_parser("prepare", help="tokenize a corpus into train/validation token shards",
+                       description="Tokenize a corpus into binary token shards (numpy memmaps) with a "
+                       "deterministic train/validation split by document and EOS between documents. "
+                       "Without --tokenizer, trains one on the corpus first. Running it again on the "
+                       "same inputs reuses the result.")
+    _add_corpus_flags(p)
+    p.add_argument("--tokenizer", help="a tinylm tokenizer JSON file (default: train one, see --kind)")
+    _add_tokenizer_training_flags(p, vocab_default=4096)
+    p.add_argument("--out", help="output folder (default: data/CORPUS)")
+    p.add_argument("--val-fraction", type=_fraction, default=0.1, help="share of documents for validation (default: 0.1)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the train/validation split (default: 0)")
+    p.add_argument("--force", action="store_true", help="re-train the tokenizer and rewrite the shards")
+    p.set_defaults(func=cmd_prepare)
+
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    func: Callable[[argparse.Namespace], int] = getattr(args, "func", _show_help(parser))
+    try:
+        return func(args)
+    except TinyLMError as e:
+        print(f"tinylm: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("tinylm: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # `tinylm tokenizer encode ... | head`
+        sys.stderr.close()
+        return 0
