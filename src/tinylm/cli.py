@@ -362,8 +362,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "ranks file as a tinylm tokenizer.")
     p.add_argument("path", help="a tokenizer.json, a folder holding one, or a .tiktoken file")
     p.add_argument("--out", required=True, help="where to save the tinylm tokenizer JSON")
-    p.add_argument("--pattern", default="gpt4", help=".tiktoken files carry no split pattern: name it (default: gpt4)")
-    p.add_argument("--reserved", type=int, default=0, help=".tiktoken files carry no special tokens: reserved count (default: 0)")
+    p.add_argument("--pattern", help="only for .tiktoken files, which carry no split pattern (default: gpt4)")
+    p.add_argument("--reserved", type=int, help="only for .tiktoken files, which carry no special tokens: "
+                   "how many reserved tokens follow bos, eos, pad (default: 0)")
     p.add_argument("--force", action="store_true", help="overwrite --out if it exists")
     p.set_defaults(func=cmd_tokenizer_import)
 

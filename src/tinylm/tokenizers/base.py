@@ -40,6 +40,7 @@ from typing import Any, ClassVar, Literal
 
 import regex
 
+from tinylm.atomic import atomic_write_text
 from tinylm.errors import TinyLMError
 
 FORMAT_NAME = "tinylm.tokenizer"
@@ -198,12 +199,7 @@ class Tokenizer(ABC):
 
     def save(self, path: str | os.PathLike) -> Path:
         """Write the tokenizer as JSON, atomically (a crash never leaves a half-written file)."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(self.to_dict(), ensure_ascii=False, indent=1) + "\n", encoding="utf-8")
-        os.replace(tmp, path)
-        return path
+        return atomic_write_text(path, json.dumps(self.to_dict(), ensure_ascii=False, indent=1) + "\n")
 
     def fingerprint(self) -> str:
         """A short hash of everything that decides the ids: equal fingerprints, equal encodings."""

@@ -48,12 +48,26 @@ def resolve_pattern(pattern: str) -> str:
     if pattern in PATTERNS:
         return PATTERNS[pattern]
     try:
-        regex.compile(pattern)
+        compiled = regex.compile(pattern)
     except regex.error as e:
         raise TinyLMError(
             f"split pattern {pattern!r} is neither a known name ({', '.join(PATTERNS)}) nor a valid regex: {e}"
         ) from None
+    # Text the pattern does not match is silently dropped by a findall-style split, and an
+    # empty match makes tiktoken panic; refuse both up front (end the pattern with `|\s|.`).
+    if compiled.fullmatch(""):
+        raise TinyLMError(f"split pattern {pattern!r} can match empty text; make every branch match at least one character")
+    if "".join(compiled.findall(_PATTERN_PROBE)) != _PATTERN_PROBE:
+        raise TinyLMError(
+            f"split pattern {pattern!r} does not cover every character, so text would be lost; "
+            r"add a catch-all branch such as `|\s+|[^\s]`"
+        )
     return pattern
+
+
+# A probe for custom split patterns: letters, digits, punctuation, whitespace runs, CRLF,
+# accents, CJK and an emoji.
+_PATTERN_PROBE = "Hello,  world!\r\n\tIt's 2024... naïve e\u0301 中文 😀 $x_1+y=3\n\n"
 
 
 def pattern_name(pattern: str) -> str | None:

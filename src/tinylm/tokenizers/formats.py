@@ -1,0 +1,611 @@
+"""Import and export of BPE tokenizers in the two file formats the ecosystem uses.
+
+tinylm's own file (`Tokenizer.save`) stores a BPE tokenizer as its merge list. Other tools
+store the same object differently, and this module converts between them:
+
+**tiktoken ranks** (``.tiktoken``, OpenAI's ``cl100k_base.tiktoken``, Llama 3's
+``tokenizer.model``): one line per token, ``base64(token bytes) rank``. The rank is the id,
+and it is also the merge priority: tiktoken's encoder merges, within a chunk, the adjacent
+pair whose *joined bytes* have the lowest rank. There are no merges in the file, and no
+split pattern and no special tokens either; the format has no place for them, so
+`load_tiktoken` takes the pattern and the reserved range as arguments. The merge list is
+recovered from the ranks: token ``r`` was made from the two tokens that tiktoken's own
+encoder produces for its bytes when only ranks below ``r`` are allowed (`merges_from_ranks`).
+
+**Hugging Face ``tokenizer.json``** (the `tokenizers` library, hence `transformers`): a JSON
+pipeline ``normalizer -> pre_tokenizer -> model -> post_processor``, plus a ``decoder`` and
+the ``added_tokens``. tinylm's BPE maps onto the GPT-2 / Llama 3 style layout:
+
+==========================  ======================================================
+tinylm                      tokenizer.json
+==========================  ======================================================
+split pattern               pre_tokenizer ``Split`` (Oniguruma regex, "Isolated")
+bytes of a chunk            pre_tokenizer ``ByteLevel`` (bytes -> printable chars)
+vocab (token bytes -> id)   model ``BPE`` vocab (byte-level string -> id)
+merges in rank order        model ``BPE`` merges ``"left right"``, in rank order
+bos/eos/pad/reserved        ``added_tokens``, ``special: true``, same ids
+decode through bytes        decoder ``ByteLevel``
+==========================  ======================================================
+
+Three traps, each handled here and pinned by a test:
+
+- *Byte-level strings.* HF vocabularies are strings, not bytes, so GPT-2 gave every byte a
+  printable stand-in character (`BYTE_TO_UNICODE`; the space becomes ``Ġ``, the newline
+  ``Ċ``). A token's vocab key is its bytes spelled in those characters.
+- *The regex engine.* HF runs the split pattern on Oniguruma, tiktoken on Rust's
+  fancy-regex. The character classes agree, but two constructs in our patterns do not:
+  Oniguruma reads ``\\p{N}{1,3}+`` as "one or more runs of 1-3 digits" (a repeat, not a
+  possessive interval, so "12345" stays one chunk), and its ``$`` also matches before every
+  newline. `oniguruma_pattern` rewrites them (``(?>\\p{N}{1,3})``, ``\\z``); the other
+  possessive quantifiers (``?+``, ``++``, ``*+``) mean the same in both.
+- *Merge order vs vocab hits.* HF's ``ignore_merges: true`` (Llama 3's setting) takes a
+  chunk that is itself a vocab entry as one token without running BPE, which can differ
+  from merge-order BPE. We write ``false``.
+
+One difference is by design and cannot be expressed in the file: HF cuts every added token
+out of the text before anything else, so ``"<|eos|>"`` in user text *is* the EOS token
+there, while tinylm treats it as plain text unless the caller passes ``allowed_special``
+(a document must not be able to inject an EOS). On text without special-token names the
+ids are identical; with them, HF equals ``tok.encode(text, allowed_special="all")``.
+
+Both loaders accept only what tinylm can represent exactly: the 256 bytes at ids 0..255 in
+byte order, then merge ``r`` at id ``256 + r``, then (tokenizer.json) bos, eos, pad and the
+reserved range. Anything else (OpenAI's files, whose bytes are in another order; WordPiece;
+normalizers; byte fallback) is a `TinyLMError` naming what does not map, never wrong ids.
+
+Usage::
+
+    export_tokenizer(tok, "out/", "hf")           # out/tokenizer.json
+    export_tokenizer(tok, "tok.tiktoken", "tiktoken")
+    tok = import_tokenizer("out/tokenizer.json")  # or a .tiktoken file, or a tinylm file
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import regex
+
+from tinylm.atomic import atomic_write_text
+from tinylm.errors import TinyLMError
+from tinylm.tokenizers.base import BOS, EOS, PAD, FORMAT_NAME, Tokenizer, load_tokenizer
+from tinylm.tokenizers.bpe import PATTERNS, BPETokenizer
+
+FORMATS = ("tinylm", "tiktoken", "hf")
+
+# The file written when `export_tokenizer` is given a folder. tokenizer.json is the name
+# `transformers` looks for; tinylm's own file gets another name so both fit in one folder.
+DEFAULT_FILENAMES = {"tinylm": "tinylm_tokenizer.json", "tiktoken": "tokenizer.tiktoken", "hf": "tokenizer.json"}
+
+
+def _read_text(path: Path, what: str) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise TinyLMError(f"{what} {path} does not exist") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise TinyLMError(f"cannot read {what} {path}: {e}") from None
+
+
+# ----- GPT-2's byte <-> printable character map ---------------------------------------------
+
+
+def _byte_to_unicode_table() -> tuple[str, ...]:
+    """GPT-2's stand-in character for each byte, from its definition.
+
+    Bytes that are already visible, unambiguous Latin-1 characters ('!'..'~', '¡'..'¬',
+    '®'..'ÿ') stand for themselves. The other 68 (control characters, the space, DEL, the
+    C1 controls, the no-break space and the soft hyphen) take the code points 256, 257, ...
+    in byte order, so every byte gets one printable character and none is whitespace.
+    """
+    keep = set(range(ord("!"), ord("~") + 1)) | set(range(ord("¡"), ord("¬") + 1)) | set(range(ord("®"), 256))
+    table: list[str] = []
+    next_free = 256
+    for b in range(256):
+        if b in keep:
+            table.append(chr(b))
+        else:
+            table.append(chr(next_free))
+            next_free += 1
+    return tuple(table)
+
+
+BYTE_TO_UNICODE: tuple[str, ...] = _byte_to_unicode_table()
+UNICODE_TO_BYTE: dict[str, int] = {ch: b for b, ch in enumerate(BYTE_TO_UNICODE)}
+# str.translate tables: decoding bytes as Latin-1 gives chr(b) for each byte b, which the
+# first table maps to its stand-in; the second undoes it before encoding back to Latin-1.
+_TO_STAND_IN = {b: ch for b, ch in enumerate(BYTE_TO_UNICODE)}
+_FROM_STAND_IN = {ord(ch): b for b, ch in enumerate(BYTE_TO_UNICODE)}
+
+
+def bytes_to_byte_level(data: bytes) -> str:
+    """Token bytes -> the byte-level string HF uses as its vocab key (b" the" -> "Ġthe")."""
+    return data.decode("latin-1").translate(_TO_STAND_IN)
+
+
+def byte_level_to_bytes(text: str) -> bytes:
+    """A byte-level vocab string back to the token's bytes; any other character is an error."""
+    foreign = set(text) - UNICODE_TO_BYTE.keys()
+    if foreign:
+        raise TinyLMError(
+            f"vocab entry {text!r} has character(s) {sorted(foreign)} that are not GPT-2 byte-level "
+            "characters; this tokenizer.json is not byte-level BPE"
+        )
+    return text.translate(_FROM_STAND_IN).encode("latin-1")
+
+
+# ----- tiktoken ranks (.tiktoken) ---------------------------------------------------------
+
+
+def save_tiktoken(tok: BPETokenizer, path: str | os.PathLike) -> Path:
+    """Write ``tok``'s base vocabulary as a tiktoken ranks file (``base64 rank`` per line).
+
+    Only the bytes and ids are written: the format has no place for the split pattern or the
+    special tokens, so pass them to `load_tiktoken` (or to ``tiktoken.Encoding``) yourself.
+    """
+    _require_bpe(tok, "tiktoken")
+    lines = [f"{base64.b64encode(tok.vocab[i]).decode('ascii')} {i}\n" for i in range(tok.base_vocab_size)]
+    return atomic_write_text(Path(path), "".join(lines))
+
+
+def read_tiktoken_ranks(path: str | os.PathLike) -> dict[bytes, int]:
+    """Parse a tiktoken ranks file into token bytes -> rank, with errors that name the line."""
+    path = Path(path)
+    ranks: dict[bytes, int] = {}
+    for lineno, line in enumerate(_read_text(path, "tiktoken file").splitlines(), 1):
+        if not line.strip():
+            continue
+        fields = line.split()
+        try:
+            if len(fields) != 2:
+                raise ValueError("expected two fields")
+            token, rank = base64.b64decode(fields[0], validate=True), int(fields[1])
+        except (ValueError, binascii.Error):
+            raise TinyLMError(
+                f"{path} line {lineno} is not 'base64-bytes rank' ({line[:60]!r}); is it a tiktoken file?"
+            ) from None
+        if token in ranks:
+            raise TinyLMError(f"{path} line {lineno}: token {token!r} already has rank {ranks[token]}")
+        ranks[token] = rank
+    return ranks
+
+
+def merges_from_ranks(ranks: dict[bytes, int], source: str = "<ranks>") -> list[tuple[int, int]]:
+    """Recover the merge list from tiktoken ranks laid out as tinylm's ids.
+
+    The ranks must be 0..N-1 with the single bytes at 0..255 in byte order. For each token of
+    rank r >= 256 we run BPE on its bytes with only the ranks below r, exactly as tiktoken
+    would have when r was learned: it must stop at two tokens, and those two are the merge.
+    (With fewer merges the result is longer; any more and the token itself would appear.)
+    """
+    by_rank = sorted(ranks.items(), key=lambda item: item[1])
+    if sorted(ranks.values()) != list(range(len(ranks))):
+        raise TinyLMError(f"{source}: the ranks are not 0..{len(ranks) - 1} without gaps or repeats")
+    if len(ranks) < 256:
+        raise TinyLMError(f"{source} has {len(ranks)} tokens; byte-level BPE needs at least the 256 bytes")
+    for rank, (token, _) in enumerate(by_rank[:256]):
+        if token != bytes([rank]):
+            raise TinyLMError(
+                f"{source}: rank {rank} is {token!r}, but tinylm's id layout needs the single byte "
+                f"{bytes([rank])!r} there (bytes 0..255 at ranks 0..255 in byte order). This file orders "
+                "the bytes differently (as OpenAI's r50k/cl100k/o200k files do), so importing it would "
+                "renumber tokens; tinylm cannot load it"
+            )
+    merges: list[tuple[int, int]] = []
+    for token, rank in by_rank[256:]:
+        parts = _bpe_below(token, ranks, rank)
+        if len(parts) != 2:
+            raise TinyLMError(
+                f"{source}: token {token!r} (rank {rank}) is not the merge of two earlier tokens "
+                f"(BPE with the lower ranks gives {len(parts)} pieces); it is not a BPE merge list "
+                "tinylm can represent"
+            )
+        merges.append((ranks[parts[0]], ranks[parts[1]]))
+    return merges
+
+
+def _bpe_below(token: bytes, ranks: dict[bytes, int], max_rank: int) -> list[bytes]:
+    """tiktoken's rule on ``token``'s bytes: merge the lowest-rank joined pair, ranks < max_rank only."""
+    parts = [bytes([b]) for b in token]
+    while len(parts) > 1:
+        best, best_rank = -1, max_rank
+        for i in range(len(parts) - 1):
+            r = ranks.get(parts[i] + parts[i + 1])
+            if r is not None and r < best_rank:  # strict: the leftmost of equal ranks wins
+                best, best_rank = i, r
+        if best < 0:
+            break
+        parts[best : best + 2] = [parts[best] + parts[best + 1]]
+    return parts
+
+
+def load_tiktoken(path: str | os.PathLike, pattern: str = "gpt4", n_reserved: int = 0) -> BPETokenizer:
+    """Load a tiktoken ranks file whose ids follow tinylm's layout (as `save_tiktoken` writes).
+
+    ``pattern`` (a name in `PATTERNS` or a regex) and ``n_reserved`` are not in the file and
+    must be given; the special tokens bos, eos, pad and the reserved range follow the vocab.
+    """
+    merges = merges_from_ranks(read_tiktoken_ranks(path), str(path))
+    return BPETokenizer(merges, pattern=pattern, n_reserved=n_reserved)
+
+
+# ----- Oniguruma <-> tiktoken regex dialects ------------------------------------------------
+
+# A counted repeat {m}, {m,}, {m,n} (a bare "{" is a literal in every engine involved).
+_INTERVAL = regex.compile(r"\{\d+(?:,\d*)?\}")
+
+
+def oniguruma_pattern(pattern: str) -> str:
+    """Our split pattern (a name or a regex) as a regex Oniguruma runs the same way.
+
+    ``X{m,n}+`` (possessive, for tiktoken) becomes the atomic group ``(?>X{m,n})``, its
+    definition; ``$`` (end of text, for tiktoken) becomes ``\\z``. Everything else is kept.
+    The pattern must match every character, as ours do: tiktoken drops text that no match
+    covers, while HF's Split keeps it as a piece of its own.
+    """
+    return _rewrite_regex(PATTERNS.get(pattern, pattern), lambda atom, rep: f"(?>{atom}{rep})", r"\z")
+
+
+def pattern_from_oniguruma(pattern: str) -> str:
+    """The inverse direction: an Oniguruma split regex as a pattern for tinylm (and tiktoken).
+
+    Our own exported patterns come back as their names; in any other regex Oniguruma's
+    ``X{m,n}+`` (a repeat of the interval) becomes ``(?:X{m,n})+`` and its ``$`` (end of
+    any line) becomes ``(?=\\n|\\z)``. Other Oniguruma-only syntax is passed through as is.
+    """
+    for name in PATTERNS:
+        if pattern == oniguruma_pattern(name):
+            return name
+    return _rewrite_regex(pattern, lambda atom, rep: f"(?:{atom}{rep})+", r"(?=\n|\z)")
+
+
+def _rewrite_regex(pattern: str, interval_plus: Callable[[str], str], dollar: str) -> str:
+    """Walk a regex atom by atom; rewrite ``ATOM{m,n}+`` with ``interval_plus`` and ``$`` as ``dollar``.
+
+    Each atom (a character, an escape, a class, a whole group) is kept as one string with its
+    quantifiers attached, so an interval always knows which atom it repeats.
+    """
+    atoms: list[str] = []  # the atoms of the group being read
+    outer: list[list[str]] = []  # the atoms of the groups around it
+    i, n = 0, len(pattern)
+    while i < n:
+        c = pattern[i]
+        if c == "\\":
+            j = _escape_end(pattern, i)
+            atoms.append(pattern[i:j])
+        elif c == "[":
+            j = _class_end(pattern, i)
+            atoms.append(pattern[i:j])
+        elif c == "(":
+            outer.append(atoms)
+            atoms, j = ["("], i + 1  # "(?:", "(?>", "(?i:" ... are read as atoms of the group
+        elif c == ")" and outer:
+            group = "".join(atoms) + ")"
+            atoms, j = outer.pop(), i + 1
+            atoms.append(group)
+        elif c == "{" and atoms and (m := _INTERVAL.match(pattern, i)):
+            j = m.end()
+            if j < n and pattern[j] == "+":
+                atoms[-1] = interval_plus(atoms[-1], m.group())
+                j += 1
+            else:
+                atoms[-1] += m.group()
+        elif c in "*+?" and atoms:
+            atoms[-1] += c
+            j = i + 1
+        elif c == "$":
+            atoms.append(dollar)
+            j = i + 1
+        else:
+            atoms.append(c)
+            j = i + 1
+        i = j
+    while outer:  # an unbalanced "(": leave the text as it was; the regex engine will complain
+        atoms = outer.pop() + atoms
+    return "".join(atoms)
+
+
+def _escape_end(p: str, i: int) -> int:
+    """End of the escape starting at p[i] == "\\" (\\p{L}, \\pL, \\x41, \\x{263A}, \\u00e9, \\n ...)."""
+    kind = p[i + 1 : i + 2]
+    if kind in ("p", "P", "x", "N") and p[i + 2 : i + 3] == "{":
+        close = p.find("}", i + 3)
+        return close + 1 if close >= 0 else len(p)
+    widths = {"p": 3, "P": 3, "x": 4, "u": 6, "U": 10}
+    return min(i + widths.get(kind, 2), len(p))
+
+
+def _class_end(p: str, i: int) -> int:
+    """End of the character class starting at p[i] == "[" (a "]" first in the class is literal)."""
+    j = i + 1
+    if p[j : j + 1] == "^":
+        j += 1
+    if p[j : j + 1] == "]":
+        j += 1
+    while j < len(p):
+        if p[j] == "\\":
+            j = _escape_end(p, j)
+        elif p.startswith("[:", j):  # POSIX class [:alpha:]
+            close = p.find(":]", j + 2)
+            j = close + 2 if close >= 0 else len(p)
+        elif p[j] == "]":
+            return j + 1
+        else:
+            j += 1
+    return len(p)
+
+
+# ----- Hugging Face tokenizer.json ----------------------------------------------------------
+
+
+def to_hf_tokenizer_json(tok: BPETokenizer) -> dict[str, Any]:
+    """``tok`` as a Hugging Face tokenizer.json (a dict; `save_hf_tokenizer_json` writes it).
+
+    Loaded with ``tokenizers.Tokenizer.from_file`` it gives the same ids as ``tok.encode`` on
+    text without special-token names (and the same as ``allowed_special="all"`` on text with
+    them: HF always treats them as special), and the same decoding.
+    """
+    _require_bpe(tok, "hf")
+    spell = [bytes_to_byte_level(b) for b in tok.vocab]
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}
+    return {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": [
+            {
+                "id": i,
+                "content": name,
+                "single_word": False,
+                "lstrip": False,
+                "rstrip": False,
+                "normalized": False,
+                "special": True,
+            }
+            for name, i in tok.special_tokens.items()
+        ],
+        "normalizer": None,
+        "pre_tokenizer": {
+            "type": "Sequence",
+            "pretokenizers": [
+                {
+                    "type": "Split",
+                    "pattern": {"Regex": oniguruma_pattern(tok.pattern)},
+                    "behavior": "Isolated",
+                    "invert": False,
+                },
+                # use_regex false: the Split above already cut the chunks; this only maps bytes
+                byte_level,
+            ],
+        },
+        "post_processor": None,  # tinylm adds bos itself where a model needs x_0
+        "decoder": dict(byte_level),  # decoding only maps the characters back to bytes
+        "model": {
+            "type": "BPE",
+            "dropout": None,
+            "unk_token": None,
+            "continuing_subword_prefix": None,
+            "end_of_word_suffix": None,
+            "fuse_unk": False,
+            "byte_fallback": False,
+            "ignore_merges": False,  # run BPE on every chunk, even one that is a vocab entry
+            "vocab": {s: i for i, s in enumerate(spell)},
+            # "left right" strings: every tokenizers version reads them (0.20+ writes pairs, and
+            # reads both), and byte-level strings never contain a space, so the split is exact
+            "merges": [f"{spell[a]} {spell[b]}" for a, b in tok.merges],
+        },
+    }
+
+
+def save_hf_tokenizer_json(tok: BPETokenizer, path: str | os.PathLike) -> Path:
+    """Write `to_hf_tokenizer_json` to ``path`` (a tokenizer.json file)."""
+    return atomic_write_text(Path(path), json.dumps(to_hf_tokenizer_json(tok), ensure_ascii=False, indent=2) + "\n")
+
+
+def load_hf_tokenizer_json(path: str | os.PathLike) -> BPETokenizer:
+    """Read a tokenizer.json with tinylm's layout (as `save_hf_tokenizer_json` writes) back."""
+    path = Path(path)
+    try:
+        data = json.loads(_read_text(path, "tokenizer.json"))
+    except json.JSONDecodeError as e:
+        raise TinyLMError(f"{path} is not valid JSON (line {e.lineno}, column {e.colno})") from None
+    return tokenizer_from_hf_json(data, str(path))
+
+
+def tokenizer_from_hf_json(data: dict[str, Any], source: str = "<tokenizer.json>") -> BPETokenizer:
+    """Rebuild a BPETokenizer from a parsed tokenizer.json, or say what does not map."""
+
+    def fail(what: str) -> TinyLMError:
+        return TinyLMError(f"{source}: {what}; tinylm reads byte-level BPE tokenizer.json files in its own id layout")
+
+    model = data.get("model") if isinstance(data, dict) else None
+    if not isinstance(model, dict) or "vocab" not in model:
+        raise fail("no model with a vocab (not a Hugging Face tokenizer.json)")
+    # type is optional in the file: tokenizers infers BPE from the fields
+    if model.get("type", "BPE") != "BPE":
+        raise fail(f"the model is {model['type']}, not BPE")
+    if model.get("byte_fallback"):
+        raise fail("the BPE model uses byte_fallback (<0xNN> tokens), which tinylm's byte-level BPE does not have")
+    if model.get("ignore_merges"):
+        raise fail("ignore_merges is true (whole-chunk vocab hits skip the merges), which tinylm cannot reproduce")
+    for field in ("continuing_subword_prefix", "end_of_word_suffix", "dropout"):
+        if model.get(field):
+            raise fail(f"the BPE model sets {field}={model[field]!r}")
+    if data.get("normalizer"):
+        raise fail(f"it has a {data['normalizer'].get('type')} normalizer, which tinylm does not apply")
+    post = data.get("post_processor")
+    if post and post.get("type") != "ByteLevel":
+        raise fail(f"it has a {post.get('type')} post-processor (it adds tokens), which tinylm does not apply")
+    decoder = data.get("decoder")
+    if decoder and decoder.get("type") != "ByteLevel":
+        raise fail(f"its decoder is {decoder.get('type')}, not ByteLevel")
+    pattern = _pattern_from_pre_tokenizer(data.get("pre_tokenizer"), fail)
+
+    # vocab and merges -> tinylm's merge list, checking the id layout as we go
+    vocab: dict[str, int] = model["vocab"]
+    merges_raw = model.get("merges", [])
+    base = 256 + len(merges_raw)
+    by_id: dict[int, bytes] = {}
+    for text, i in vocab.items():
+        if i in by_id:
+            raise fail(f"id {i} appears twice in the vocab")
+        by_id[i] = byte_level_to_bytes(text) if i < base else b""
+    for b in range(256):
+        if by_id.get(b) != bytes([b]):
+            raise fail(
+                f"id {b} is {by_id.get(b)!r}, not the byte {bytes([b])!r}: the 256 bytes are not at ids "
+                "0..255 in byte order (GPT-2 and Llama 3 files order them differently)"
+            )
+    merges: list[tuple[int, int]] = []
+    for rank, m in enumerate(merges_raw):
+        pair = m.split(" ") if isinstance(m, str) else m  # "left right" or ["left", "right"]
+        if len(pair) != 2:
+            raise fail(f"merge {rank} {m!r} is not two tokens")
+        left, right = pair
+        a, b, z = vocab.get(left), vocab.get(right), vocab.get(left + right)
+        if a is None or b is None or z is None:
+            raise fail(f"merge {rank} ({left!r}, {right!r}) uses or makes a token missing from the vocab")
+        if z != 256 + rank:
+            raise fail(f"merge {rank} makes id {z}, but tinylm's layout puts merge r at id 256 + r = {256 + rank}")
+        merges.append((a, b))
+
+    # the added tokens must be exactly tinylm's specials, right after the merges
+    added = {t["content"]: t["id"] for t in data.get("added_tokens", [])}
+    extra = set(vocab.values()) - set(range(base)) - set(added.values())
+    if extra:
+        raise fail(f"vocab ids {sorted(extra)[:5]} are neither bytes, merges nor added tokens")
+    for name in (BOS, EOS, PAD):
+        if name not in added:
+            raise fail(
+                f"the special token {name} is missing (it has {sorted(added)[:6]}); tinylm tokenizers "
+                f"have {BOS}, {EOS}, {PAD} and <|reserved_i|> right after the merges"
+            )
+    n_reserved = len(added) - 3
+    tok = BPETokenizer(merges, pattern=pattern, n_reserved=max(n_reserved, 0))
+    if added != tok.special_tokens:
+        raise fail(
+            f"the added tokens {added} are not tinylm's {BOS}, {EOS}, {PAD}, <|reserved_0|>... "
+            f"at ids {base}, {base + 1}, ..."
+        )
+    return tok
+
+
+def _pattern_from_pre_tokenizer(pre: dict[str, Any] | None, fail: Callable[[str], TinyLMError]) -> str:
+    """The split pattern a pre_tokenizer stands for: Split(Regex) + ByteLevel, or GPT-2's ByteLevel."""
+    steps = pre.get("pretokenizers", []) if pre and pre.get("type") == "Sequence" else [pre] if pre else []
+    if not steps or steps[-1].get("type") != "ByteLevel":
+        raise fail("the pre_tokenizer does not end in ByteLevel, so the model does not see bytes")
+    byte_level = steps[-1]
+    if byte_level.get("add_prefix_space"):
+        raise fail("ByteLevel adds a prefix space, which tinylm does not do")
+    if len(steps) == 1:
+        # ByteLevel's own regex is GPT-2's original pattern; our "gpt2" gives the same chunks
+        return "gpt2" if byte_level.get("use_regex", True) else "none"
+    if len(steps) != 2 or byte_level.get("use_regex", True):
+        raise fail("the pre_tokenizer is not Split(regex) followed by ByteLevel(use_regex=false)")
+    split = steps[0]
+    regex_text = split.get("pattern", {}).get("Regex")
+    if split.get("type") != "Split" or regex_text is None:
+        raise fail(f"the pre_tokenizer step {split.get('type')} is not a Split on a regex")
+    if split.get("behavior") != "Isolated" or split.get("invert"):
+        raise fail(f"the Split behaviour is {split.get('behavior')} (invert={split.get('invert')}), not Isolated")
+    return pattern_from_oniguruma(regex_text)
+
+
+# ----- one entry point for all formats ------------------------------------------------------
+
+
+def _require_bpe(tok: Tokenizer, fmt: str) -> None:
+    if not isinstance(tok, BPETokenizer):
+        raise TinyLMError(
+            f"a {tok.kind} tokenizer cannot be exported as {fmt}: that format holds byte-level BPE "
+            "only; save it in the tinylm format instead"
+        )
+
+
+def export_tokenizer(tok: Tokenizer, path: str | os.PathLike, format: str, *, overwrite: bool = False) -> Path:
+    """Write ``tok`` as ``format`` ("tinylm", "tiktoken" or "hf"); returns the file written.
+
+    ``path`` is a file, or a folder (an existing one, or a path without a suffix), in which
+    case the format's usual name is used (`DEFAULT_FILENAMES`: tokenizer.json for hf).
+    """
+    if format not in FORMATS:
+        raise TinyLMError(f"unknown tokenizer format {format!r}; expected one of {', '.join(FORMATS)}")
+    path = Path(path)
+    if path.is_dir() or not path.suffix:
+        path = path / DEFAULT_FILENAMES[format]
+    if path.exists() and not overwrite:
+        raise TinyLMError(f"{path} already exists; choose another output or overwrite it explicitly (--force)")
+    if format == "tinylm":
+        return tok.save(path)
+    _require_bpe(tok, format)
+    assert isinstance(tok, BPETokenizer)
+    if format == "tiktoken":
+        return save_tiktoken(tok, path)
+    return save_hf_tokenizer_json(tok, path)
+
+
+_TIKTOKEN_LINE = regex.compile(r"[A-Za-z0-9+/]+=*\s+\d+")
+
+
+def detect_format(path: str | os.PathLike) -> str:
+    """Which of `FORMATS` a file is in, from its content (the name is only a hint)."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4096)
+    except FileNotFoundError:
+        raise TinyLMError(f"tokenizer file {path} does not exist") from None
+    except OSError as e:
+        raise TinyLMError(f"cannot read tokenizer file {path}: {e}") from None
+    text = head.decode("utf-8", errors="replace").lstrip()
+    if text.startswith("{"):
+        try:
+            data = json.loads(_read_text(path, "tokenizer file"))
+        except json.JSONDecodeError as e:
+            raise TinyLMError(f"{path} is not valid JSON (line {e.lineno}, column {e.colno})") from None
+        if isinstance(data, dict) and data.get("format") == FORMAT_NAME:
+            return "tinylm"
+        if isinstance(data, dict) and "model" in data:
+            return "hf"
+        raise TinyLMError(f"{path} is JSON but neither a tinylm tokenizer nor a Hugging Face tokenizer.json")
+    first_line = text.split("\n", 1)[0].strip()
+    if path.suffix == ".tiktoken" or _TIKTOKEN_LINE.fullmatch(first_line):
+        return "tiktoken"
+    raise TinyLMError(
+        f"{path} is neither a tinylm tokenizer, a Hugging Face tokenizer.json nor a tiktoken ranks file"
+    )
+
+
+def import_tokenizer(
+    path: str | os.PathLike, *, pattern: str | None = None, n_reserved: int | None = None
+) -> Tokenizer:
+    """Load a tokenizer from a tinylm file, a tokenizer.json or a .tiktoken file (or a folder with one).
+
+    ``pattern`` and ``n_reserved`` are for .tiktoken files only, which do not record them
+    (defaults "gpt4" and 0); the other formats carry their own.
+    """
+    path = Path(path)
+    if path.is_dir():
+        found = [path / name for name in ("tokenizer.json", "tinylm_tokenizer.json", "tokenizer.tiktoken")]
+        found = [p for p in found if p.is_file()] or sorted(path.glob("*.tiktoken"))
+        if not found:
+            raise TinyLMError(f"{path} has no tokenizer.json, tinylm_tokenizer.json or *.tiktoken file")
+        path = found[0]
+    fmt = detect_format(path)
+    if fmt == "tiktoken":
+        return load_tiktoken(path, pattern=pattern or "gpt4", n_reserved=n_reserved or 0)
+    if pattern is not None or n_reserved is not None:
+        raise TinyLMError(
+            f"{path} is a {fmt} file, which records its own split pattern and special tokens; "
+            "pattern and n_reserved are only for .tiktoken files"
+        )
+    if fmt == "tinylm":
+        return load_tokenizer(path)
+    return load_hf_tokenizer_json(path)

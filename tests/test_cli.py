@@ -1,0 +1,148 @@
+"""End-to-end runs of the `tinylm` command: the real entry point, real files, real exit codes."""
+
+import json
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tinylm.cli import build_parser, main
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+CORPUS_TEXT = (
+    "First Citizen:\nBefore we proceed any further, hear me speak.\n\n"
+    "All:\nSpeak, speak.\n\nFirst Citizen:\nYou are all resolved rather to die than to famish?\n"
+) * 20
+
+
+def run(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+    """Run the installed command exactly as a user would."""
+    return subprocess.run(
+        [sys.executable, "-m", "tinylm", *args], capture_output=True, text=True, input=stdin, timeout=300
+    )
+
+
+@pytest.fixture
+def corpus_file(tmp_path):
+    path = tmp_path / "corpus.txt"
+    path.write_text(CORPUS_TEXT, encoding="utf-8")
+    return path
+
+
+@pytest.fixture
+def bpe_file(tmp_path, corpus_file):
+    out = tmp_path / "tok.json"
+    assert main(["tokenizer", "train", "--corpus", str(corpus_file), "--vocab-size", "300", "--out", str(out)]) == 0
+    return out
+
+
+def test_every_readme_command_parses():
+    """The README tour is the documentation: every `tinylm ...` line in it must still parse."""
+    blocks = re.findall(r"```bash\n(.*?)```", README.read_text(), flags=re.S)
+    lines = [line.split("#")[0].strip() for block in blocks for line in block.splitlines()]
+    commands = [line for line in lines if line.startswith("tinylm ")]
+    assert len(commands) >= 8
+    parser = build_parser()
+    for command in commands:
+        parser.parse_args(shlex.split(command)[1:])  # raises SystemExit on a renamed flag
+
+
+def test_help_pages(capsys):
+    for argv in (["--help"], ["tokenizer", "--help"], ["tokenizer", "train", "--help"], ["prepare", "--help"]):
+        with pytest.raises(SystemExit) as exit_info:
+            main(argv)
+        assert exit_info.value.code == 0
+    assert "--vocab-size" in capsys.readouterr().out
+
+
+def test_tokenizer_train_encode_decode_info(tmp_path, corpus_file, bpe_file, capsys):
+    capsys.readouterr()
+    text = "Speak, speak. You are all resolved"
+    assert main(["tokenizer", "encode", "--tokenizer", str(bpe_file), "--text", text]) == 0
+    ids = capsys.readouterr().out.split()
+    assert main(["tokenizer", "decode", "--tokenizer", str(bpe_file), *ids]) == 0
+    assert capsys.readouterr().out == text
+
+    assert main(["tokenizer", "encode", "--tokenizer", str(bpe_file), "--file", str(corpus_file), "--count"]) == 0
+    count = capsys.readouterr().out
+    n_tokens = int(count.split()[0])
+    assert f"{len(CORPUS_TEXT.encode())} bytes" in count
+    assert 0 < n_tokens < len(CORPUS_TEXT)  # the merges compress the text they were trained on
+
+    assert main(["tokenizer", "encode", "--tokenizer", str(bpe_file), "--text", "Speak", "--show"]) == 0
+    shown = capsys.readouterr().out.splitlines()
+    assert "".join(eval(line.split(None, 1)[1]) for line in shown) == "Speak"
+
+    assert main(["tokenizer", "info", "--tokenizer", str(bpe_file), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["kind"] == "bpe" and info["vocab_size"] == 300 and info["pattern"] == "gpt4"
+    assert info["merges"] == 300 - 256 - 3
+
+
+def test_encode_reads_stdin_and_respects_special_tokens(bpe_file):
+    plain = run("tokenizer", "encode", "--tokenizer", str(bpe_file), stdin="a<|eos|>")
+    allowed = run("tokenizer", "encode", "--tokenizer", str(bpe_file), "--allow-special", stdin="a<|eos|>")
+    assert plain.returncode == 0 and allowed.returncode == 0
+    info = json.loads(run("tokenizer", "info", "--tokenizer", str(bpe_file), "--json").stdout)
+    eos = str(info["special_tokens"]["<|eos|>"])
+    assert eos not in plain.stdout.split()
+    assert allowed.stdout.split()[-1] == eos
+
+
+@pytest.mark.parametrize("kind", ["char", "word"])
+def test_train_char_and_word(tmp_path, corpus_file, kind, capsys):
+    out = tmp_path / f"{kind}.json"
+    assert main(["tokenizer", "train", "--corpus", str(corpus_file), "--kind", kind, "--vocab-size", "40", "--out", str(out)]) == 0
+    capsys.readouterr()
+    assert main(["tokenizer", "encode", "--tokenizer", str(out), "--text", "Speak, speak."]) == 0
+    ids = capsys.readouterr().out.split()
+    assert main(["tokenizer", "decode", "--tokenizer", str(out), *ids]) == 0
+    assert capsys.readouterr().out == "Speak, speak."
+
+
+USER_ERRORS = [
+    (["tokenizer", "train", "--corpus", "/no/such/dir", "--out", "x.json"], "/no/such/dir"),
+    (["tokenizer", "train", "--corpus", "shakspeare", "--out", "x.json"], "shakspeare"),
+    (["tokenizer", "train", "--vocab-size", "lots", "--out", "x.json"], "--vocab-size"),
+    (["tokenizer", "train", "--vocab-size", "0", "--out", "x.json"], "positive integer"),
+    (["tokenizer", "encode", "--tokenizer", "/no/tok.json", "--text", "x"], "does not exist"),
+    (["tokenizer", "decode", "--tokenizer", "/no/tok.json", "1"], "does not exist"),
+    (["prepare", "--val-fraction", "2", "--out", "x"], "between 0 and 1"),
+    (["frobnicate"], "invalid choice"),
+]
+
+
+@pytest.mark.parametrize("argv,needle", USER_ERRORS)
+def test_user_errors_are_one_line_exit_2_no_traceback(tmp_path, argv, needle):
+    result = subprocess.run(
+        [sys.executable, "-m", "tinylm", *argv], capture_output=True, text=True, cwd=tmp_path, timeout=120
+    )
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert needle in lines[0]
+
+
+def test_bad_token_id_and_existing_output(tmp_path, corpus_file, bpe_file):
+    result = run("tokenizer", "decode", "--tokenizer", str(bpe_file), "99999")
+    assert result.returncode == 2 and "outside this tokenizer's vocabulary" in result.stderr
+    result = run("tokenizer", "decode", "--tokenizer", str(bpe_file), "12x")
+    assert result.returncode == 2 and "'12x'" in result.stderr
+    # an existing output file is never overwritten without --force
+    before = bpe_file.read_bytes()
+    result = run("tokenizer", "train", "--corpus", str(corpus_file), "--kind", "char", "--out", str(bpe_file))
+    assert result.returncode == 2 and "--force" in result.stderr
+    assert bpe_file.read_bytes() == before
+
+
+def test_console_script_entry_point():
+    """`tinylm` is installed as a console script pointing at the same main()."""
+    from importlib.metadata import entry_points
+
+    (ep,) = [ep for ep in entry_points(group="console_scripts") if ep.name == "tinylm"]
+    assert ep.value == "tinylm.cli:main"
