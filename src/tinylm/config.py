@@ -1,0 +1,487 @@
+"""Configuration as data: the model's settings, named presets, TOML files and `--key value` overrides.
+
+A run's configuration is a small TOML document with one table per part of the pipeline. Today
+there is one, ``[model]`` (the fields of `GPTConfig`); a ``[train]`` table joins it later, and
+every helper here works table by table, so adding one is a new entry in `SECTIONS`.
+
+    [model]
+    n_layer = 4
+    d_model = 192
+    positions = "rope"
+
+Where settings come from, later ones winning:
+
+1. the dataclass defaults (`GPTConfig()` is GPT-2 small, like nanoGPT's),
+2. a named preset (``src/tinylm/presets/<name>.toml``, see `list_presets`),
+3. a TOML file of the user's; a top-level ``preset = "tiny"`` line in it starts from that preset,
+4. command-line style overrides, ``["--n-layer", "6", "--positions=rope", "--no-bias"]`` or a
+   dict ``{"n_layer": 6}``; a key may be qualified by its table (``--model.n-layer``) and must be
+   when two tables share a name.
+
+Unknown keys and values of the wrong type are `TinyLMError`s that name the valid keys or the
+expected type; impossible combinations (a head count that does not divide d_model, ...) are
+rejected by `GPTConfig` itself, with a message that says what to change.
+
+Usage::
+
+    cfg = resolve_config(preset="tiny", overrides=["--n-layer", "6"])
+    model = GPT(cfg.model)
+    text = dump_toml(cfg.to_dict())        # the resolved configuration, saved with the run
+
+This module imports nothing heavier than the standard library: it sits at the bottom of the
+package, below the model, so anything may read a configuration without importing torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import math
+import tomllib
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal
+
+from tinylm.errors import TinyLMError
+
+MLPKind = Literal["gelu", "swiglu"]
+NormKind = Literal["layernorm", "rmsnorm"]
+NormPosition = Literal["pre", "post"]
+PositionKind = Literal["learned", "sinusoidal", "rope", "none"]
+AttentionKind = Literal["sdpa", "reference", "tiled"]
+
+# SwiGLU's hidden width when not given: 8/3 d (so its three matrices hold as many weights as
+# GELU's two at 4 d), rounded up to a multiple of this so the matrices tile well on hardware.
+SWIGLU_MULTIPLE = 64
+
+
+@dataclass
+class GPTConfig:
+    """The shape and the choices of a GPT-style Transformer (SPEC section 3).
+
+    The defaults are GPT-2 small (124M parameters with vocab 50257). Fields:
+
+    - ``vocab_size`` |V|, ``block_size`` the context length T (the most tokens the model sees).
+    - ``n_layer`` blocks, each attention then MLP; ``d_model`` the width d of every position's vector.
+    - ``n_head`` query heads n_h, each of size d_h = d_model / n_head; ``n_kv_head`` key/value heads
+      (grouped-query attention): None or equal to n_head is multi-head attention, 1 is multi-query.
+    - ``mlp`` "gelu" (GPT-2: x W_1, GELU, W_2; GELU in GPT-2's tanh form) or "swiglu"
+      (Llama: (SiLU(x W_1) * x W_3) W_2); ``d_ff`` the hidden width, None for the usual rule
+      (4 d for gelu, 8/3 d rounded up to a multiple of 64 for swiglu; see `hidden_dim`).
+    - ``norm`` "layernorm" or "rmsnorm", ``norm_position`` "pre" (normalize the input of each
+      sublayer, as modern LMs do; a final norm before the head) or "post" (normalize after each
+      residual addition, as the original Transformer; no final norm), ``norm_eps``.
+    - ``positions`` "learned" (a trained table added to the token embeddings), "sinusoidal" (the
+      fixed sin/cos table of Vaswani et al., added), "rope" (rotary: q and k rotated by their
+      position, ``rope_theta`` the base), or "none" (attention alone cannot tell order).
+    - ``bias`` on every linear layer and LayerNorm; ``tie_embeddings`` shares the output head with
+      the token embedding E; ``dropout``; ``init_std`` the standard deviation of the initial weights.
+    - ``attention`` "sdpa" (PyTorch's fused kernel), "reference" (the definition written out) or
+      "tiled" (online softmax over key blocks of ``tile_size``, the FlashAttention idea). All three
+      compute the same function; the tests pin them equal.
+    """
+
+    vocab_size: int = 50257
+    block_size: int = 1024
+    n_layer: int = 12
+    d_model: int = 768
+    n_head: int = 12
+    n_kv_head: int | None = None
+    mlp: MLPKind = "gelu"
+    d_ff: int | None = None
+    norm: NormKind = "layernorm"
+    norm_position: NormPosition = "pre"
+    norm_eps: float = 1e-5
+    positions: PositionKind = "learned"
+    rope_theta: float = 10000.0
+    bias: bool = True
+    tie_embeddings: bool = True
+    dropout: float = 0.0
+    init_std: float = 0.02
+    attention: AttentionKind = "sdpa"
+    tile_size: int = 64
+
+    def __post_init__(self) -> None:
+        hints = _type_hints(type(self))
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, check_type(f.name, getattr(self, f.name), hints[f.name]))
+        self._check_combinations()
+
+    @property
+    def head_dim(self) -> int:
+        """d_h, the size of one head: d_model / n_head."""
+        return self.d_model // self.n_head
+
+    @property
+    def kv_heads(self) -> int:
+        """The number of key/value heads (n_kv_head, or n_head when it is None)."""
+        return self.n_head if self.n_kv_head is None else self.n_kv_head
+
+    @property
+    def hidden_dim(self) -> int:
+        """The MLP's hidden width: d_ff, or 4 d for gelu and 8/3 d rounded up to a multiple of 64 for swiglu."""
+        if self.d_ff is not None:
+            return self.d_ff
+        if self.mlp == "gelu":
+            return 4 * self.d_model
+        return SWIGLU_MULTIPLE * math.ceil(8 * self.d_model / 3 / SWIGLU_MULTIPLE)
+
+    def _check_combinations(self) -> None:
+        for name in ("vocab_size", "block_size", "n_layer", "d_model", "n_head", "tile_size"):
+            if getattr(self, name) <= 0:
+                raise TinyLMError(f"{name} must be a positive integer, got {getattr(self, name)}")
+        for name in ("n_kv_head", "d_ff"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise TinyLMError(f"{name} must be a positive integer (or left out), got {getattr(self, name)}")
+        if self.d_model % self.n_head:
+            raise TinyLMError(
+                f"d_model ({self.d_model}) must be divisible by n_head ({self.n_head}), since each head gets "
+                f"d_model / n_head dimensions; use n_head in {_divisors(self.d_model)} or a d_model that is a "
+                f"multiple of {self.n_head}"
+            )
+        if self.n_head % self.kv_heads:
+            raise TinyLMError(
+                f"n_kv_head ({self.kv_heads}) must divide n_head ({self.n_head}), so that every key/value head "
+                f"serves the same number of query heads; use n_kv_head in {_divisors(self.n_head)}"
+            )
+        if self.positions == "rope" and self.head_dim % 2:
+            raise TinyLMError(
+                f"positions = 'rope' rotates pairs of coordinates, so the head size d_model / n_head must be "
+                f"even; it is {self.d_model} / {self.n_head} = {self.head_dim}: change d_model or n_head"
+            )
+        if self.positions == "sinusoidal" and self.d_model % 2:
+            raise TinyLMError(
+                f"positions = 'sinusoidal' pairs a sine and a cosine per frequency, so d_model must be even; "
+                f"got {self.d_model}"
+            )
+        if not 0.0 <= self.dropout < 1.0:
+            raise TinyLMError(f"dropout is a probability in [0, 1), got {self.dropout}")
+        for name in ("init_std", "norm_eps", "rope_theta"):
+            if not getattr(self, name) > 0:
+                raise TinyLMError(f"{name} must be positive, got {getattr(self, name)}")
+
+
+@dataclass
+class Config:
+    """A whole run's configuration: one dataclass per TOML table."""
+
+    model: GPTConfig = field(default_factory=GPTConfig)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        """The nested dict `dump_toml` writes; fields left as None (meaning "the default rule") are omitted."""
+        return {
+            f.name: {k: v for k, v in dataclasses.asdict(getattr(self, f.name)).items() if v is not None}
+            for f in dataclasses.fields(self)
+        }
+
+
+# table name -> the dataclass its keys are the fields of
+SECTIONS: dict[str, type] = {"model": GPTConfig}
+
+
+# -- presets and files ---------------------------------------------------------------------------
+
+
+def list_presets() -> list[str]:
+    """The names of the presets shipped in ``tinylm/presets``."""
+    folder = resources.files("tinylm") / "presets"
+    return sorted(p.name.removesuffix(".toml") for p in folder.iterdir() if p.name.endswith(".toml"))
+
+
+def load_preset(name: str) -> dict[str, dict[str, Any]]:
+    """A named preset as a nested dict ``{"model": {...}}``, checked like any configuration file."""
+    return _load_preset(name, seen=())
+
+
+def load_config_file(path: str | Path) -> dict[str, dict[str, Any]]:
+    """A TOML configuration file as a nested dict, merged over its ``preset = "..."`` if it names one."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise TinyLMError(f"configuration file not found: {path}") from None
+    except OSError as e:
+        raise TinyLMError(f"cannot read configuration file {path}: {e.strerror}") from None
+    return _parse_toml(text, source=str(path), seen=())
+
+
+def _load_preset(name: str, seen: tuple[str, ...]) -> dict[str, dict[str, Any]]:
+    if name in seen:
+        raise TinyLMError(f"preset {name!r} includes itself through {' -> '.join(seen + (name,))}")
+    resource = resources.files("tinylm") / "presets" / f"{name}.toml"
+    if not resource.is_file():
+        raise TinyLMError(f"unknown preset {name!r}{_did_you_mean(name, list_presets())}; "
+                          f"the presets are: {', '.join(list_presets())}")
+    return _parse_toml(resource.read_text(encoding="utf-8"), source=f"preset {name!r}", seen=seen + (name,))
+
+
+def _parse_toml(text: str, source: str, seen: tuple[str, ...]) -> dict[str, dict[str, Any]]:
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise TinyLMError(f"{source} is not valid TOML: {e}") from None
+    base: dict[str, dict[str, Any]] = {}
+    if "preset" in raw:
+        preset = raw.pop("preset")
+        if not isinstance(preset, str):
+            raise TinyLMError(f"{source}: 'preset' must be a preset name in quotes, got {preset!r}")
+        base = _load_preset(preset, seen)
+    for key, table in raw.items():
+        if key not in SECTIONS or not isinstance(table, dict):
+            raise TinyLMError(
+                f"{source}: unexpected {'table [' + key + ']' if isinstance(table, dict) else 'key ' + repr(key)}; "
+                f"a configuration has the tables {', '.join('[' + s + ']' for s in SECTIONS)} "
+                f"and an optional top-level preset = \"name\""
+            )
+        cls = SECTIONS[key]
+        hints = _type_hints(cls)
+        for name, value in table.items():
+            if name not in hints:
+                raise TinyLMError(f"{source}: unknown key {name!r} in [{key}]{_did_you_mean(name, list(hints))}; "
+                                  f"the valid keys are: {', '.join(hints)}")
+            check_type(f"{key}.{name}", value, hints[name])
+    return _merge(base, raw)
+
+
+def _merge(base: Mapping[str, Mapping[str, Any]], top: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+    merged = {section: dict(table) for section, table in base.items()}
+    for section, table in top.items():
+        merged.setdefault(section, {}).update(table)
+    return merged
+
+
+# -- overrides -----------------------------------------------------------------------------------
+
+
+def apply_overrides(
+    cfg: Mapping[str, Mapping[str, Any]], overrides: Sequence[str] | Mapping[str, Any]
+) -> dict[str, dict[str, Any]]:
+    """A copy of ``cfg`` with the overrides applied.
+
+    ``overrides`` is either command-line style, ``["--n-layer", "6", "--positions=rope"]`` (a bool
+    key alone means true, ``--no-<key>`` means false), or a dict ``{"n_layer": 6, "model.bias":
+    False}``; dict values that are strings are parsed like command-line text. Keys use dashes or
+    underscores alike.
+    """
+    out = _merge(cfg, {})
+    pairs = _override_pairs(overrides)
+    for flag, value in pairs:
+        section, name = _resolve_key(flag)
+        tp = _type_hints(SECTIONS[section])[name]
+        label = f"--{name.replace('_', '-')}"
+        if isinstance(value, str) and tp is not str and typing.get_origin(tp) is not Literal:
+            value = parse_value(label, value, tp)
+        out.setdefault(section, {})[name] = check_type(label, value, tp)
+        if value is None:
+            del out[section][name]  # None means "use the default rule": the same as leaving the key out
+    return out
+
+
+def _override_pairs(overrides: Sequence[str] | Mapping[str, Any]) -> list[tuple[str, Any]]:
+    if isinstance(overrides, Mapping):
+        return list(overrides.items())
+    if isinstance(overrides, str):
+        raise TinyLMError("overrides must be a list of arguments such as ['--n-layer', '4'], not one string")
+    pairs: list[tuple[str, Any]] = []
+    args = list(overrides)
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or len(arg) == 2:
+            raise TinyLMError(f"expected a setting such as --n-layer, got {arg!r}")
+        key, eq, value = arg[2:].partition("=")
+        if eq:
+            pairs.append((key, value))
+            i += 1
+            continue
+        if i + 1 < len(args) and not args[i + 1].startswith("--"):
+            pairs.append((key, args[i + 1]))
+            i += 2
+            continue
+        # a bare flag: `--bias` is true and `--no-bias` false; anything else needs a value
+        negated = key.startswith(("no-", "no_")) and _is_bool_key(key[3:])
+        section, name = _resolve_key(key[3:] if negated else key)
+        if not _is_bool_key(f"{section}.{name}"):
+            raise TinyLMError(f"--{key} needs a value, e.g. --{key} VALUE or --{key}=VALUE")
+        pairs.append((f"{section}.{name}", not negated))
+        i += 1
+    return pairs
+
+
+def _is_bool_key(key: str) -> bool:
+    try:
+        section, name = _resolve_key(key)
+    except TinyLMError:
+        return False
+    return _type_hints(SECTIONS[section])[name] is bool
+
+
+def _resolve_key(key: str) -> tuple[str, str]:
+    """``"n-layer"`` or ``"model.n_layer"`` -> ``("model", "n_layer")``, or an error naming the valid keys."""
+    key = key.removeprefix("--").replace("-", "_")
+    section, dot, name = key.rpartition(".")
+    if dot:
+        if section not in SECTIONS:
+            raise TinyLMError(f"unknown table {section!r} in --{key}; the tables are: {', '.join(SECTIONS)}")
+        candidates = [section] if name in _type_hints(SECTIONS[section]) else []
+    else:
+        candidates = [s for s, cls in SECTIONS.items() if name in _type_hints(cls)]
+    if len(candidates) == 1:
+        return candidates[0], name
+    if len(candidates) > 1:
+        raise TinyLMError(f"--{name} is ambiguous; say which table: " + ", ".join(f"--{s}.{name}" for s in candidates))
+    valid = [f"--{n.replace('_', '-')}" for s, cls in SECTIONS.items() if not dot or s == section
+             for n in _type_hints(cls)]
+    flag = "--" + name.replace("_", "-")
+    raise TinyLMError(f"unknown setting {flag}{_did_you_mean(flag, valid)}; the valid settings are: {', '.join(valid)}")
+
+
+# -- building and writing ------------------------------------------------------------------------
+
+
+def build_config(cfg: Mapping[str, Mapping[str, Any]]) -> Config:
+    """The dataclasses for a nested dict; unknown tables and keys are errors, then each dataclass validates itself."""
+    kwargs = {}
+    for section, table in cfg.items():
+        if section not in SECTIONS:
+            raise TinyLMError(f"unknown table [{section}]; the tables are: {', '.join(SECTIONS)}")
+        hints = _type_hints(SECTIONS[section])
+        unknown = [k for k in table if k not in hints]
+        if unknown:
+            raise TinyLMError(f"unknown key {unknown[0]!r} in [{section}]{_did_you_mean(unknown[0], list(hints))}; "
+                              f"the valid keys are: {', '.join(hints)}")
+        kwargs[section] = SECTIONS[section](**table)
+    return Config(**kwargs)
+
+
+def resolve_config(
+    preset: str | None = None,
+    path: str | Path | None = None,
+    overrides: Sequence[str] | Mapping[str, Any] = (),
+) -> Config:
+    """Defaults, then ``preset``, then the file at ``path``, then ``overrides``: the checked `Config`."""
+    cfg: dict[str, dict[str, Any]] = load_preset(preset) if preset is not None else {}
+    if path is not None:
+        cfg = _merge(cfg, load_config_file(path))
+    return build_config(apply_overrides(cfg, overrides))
+
+
+def dump_toml(cfg: Mapping[str, Mapping[str, Any]]) -> str:
+    """A nested dict of scalars as TOML text that `load_config_file` reads back to the same dict."""
+    lines: list[str] = []
+    for section, table in cfg.items():
+        lines.append(f"[{section}]")
+        for key, value in table.items():
+            if value is not None:
+                lines.append(f"{key} = {_toml_value(value)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "nan"
+        if math.isinf(value):
+            return "inf" if value > 0 else "-inf"
+        return repr(value)  # repr is the shortest text that reads back to the same float
+    if isinstance(value, str):
+        return json.dumps(value)  # TOML basic strings escape like JSON strings
+    raise TinyLMError(f"cannot write {value!r} ({type(value).__name__}) as a TOML value")
+
+
+# -- types ---------------------------------------------------------------------------------------
+
+
+def check_type(name: str, value: Any, tp: Any) -> Any:
+    """``value`` if it fits the annotation ``tp`` (ints are accepted as floats), else a `TinyLMError`.
+
+    Handles the annotations configuration fields use: int, float, bool, str, Literal[...] and
+    ``X | None``.
+    """
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices or not isinstance(value, str):
+            raise TinyLMError(f"{name} must be one of {', '.join(repr(c) for c in choices)}; got {value!r}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None:
+            return None
+        (inner,) = args
+        return check_type(name, value, inner)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    else:
+        raise TypeError(f"configuration fields cannot have the annotation {tp!r}")
+    raise TinyLMError(f"{name} expects {_describe(tp)}, got {value!r} ({type(value).__name__})")
+
+
+def parse_value(name: str, text: str, tp: Any) -> Any:
+    """Command-line text to a value of type ``tp``: "4" -> 4, "true" -> True, "none" -> None (for ``X | None``)."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        if text.strip().lower() in ("none", "null", "auto", "default"):
+            return None
+        (inner,) = [a for a in typing.get_args(tp) if a is not type(None)]
+        return parse_value(name, text, inner)
+    s = text.strip()
+    try:
+        if tp is bool:
+            if s.lower() in ("true", "yes", "on", "1"):
+                return True
+            if s.lower() in ("false", "no", "off", "0"):
+                return False
+            raise ValueError
+        if tp is int:
+            return int(s)
+        if tp is float:
+            return float(s)
+    except ValueError:
+        raise TinyLMError(f"{name} expects {_describe(tp)}, got {text!r}") from None
+    return text
+
+
+def _describe(tp: Any) -> str:
+    return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(tp, repr(tp))
+
+
+def _type_hints(cls: type) -> dict[str, Any]:
+    # Field annotations are strings under `from __future__ import annotations`; resolve them once.
+    hints = _HINTS.get(cls)
+    if hints is None:
+        resolved = typing.get_type_hints(cls)
+        hints = _HINTS[cls] = {f.name: resolved[f.name] for f in dataclasses.fields(cls)}
+    return hints
+
+
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0][:12]
+
+
+def _did_you_mean(word: str, options: Sequence[str]) -> str:
+    close = difflib.get_close_matches(word, options, n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""

@@ -1,0 +1,1 @@
+"""Explaining a model: parameter, FLOP and memory accounting (`tinylm.explain.accounting`)."""

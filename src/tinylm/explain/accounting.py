@@ -1,0 +1,141 @@
+"""Parameter, FLOP and memory accounting for any `GPTConfig`, by formula, without building the model.
+
+Parameters, layer by layer (d = d_model, d_h = d / n_head, n_kv key/value heads, d_ff the MLP width):
+
+- token embedding E: |V| d; learned positions P: block_size d (sinusoidal, RoPE and none have none)
+- attention: W_q d (n_h d_h) + W_k, W_v d (n_kv d_h) each + W_o (n_h d_h) d, plus a bias per output
+  if ``bias``. One multi-head layer with d = 512, n_h = 8, d_h = 64: 3 * 8 * 512 * 64 + 512 * 512 =
+  1,048,576 weights, the lecture notes' exercise.
+- MLP: 2 d d_ff (gelu: W_1, W_2) or 3 d d_ff (swiglu: W_1, W_3, W_2), plus biases
+- norms: d per RMSNorm, 2 d per LayerNorm with bias; two per block, one final (pre-norm only)
+- output head: |V| d, or nothing when tied to E
+The tests check this count against ``sum(p.numel() for p in GPT(config).parameters())``.
+
+Training FLOPs per token, the PaLM convention (Chowdhery et al., 2022, appendix B), which nanoGPT
+and most MFU figures use:
+
+    6 N + 12 n_layer n_h d_h T
+
+N counts the weights of the matrix multiplications a token goes through: attention projections,
+MLP, and the output head (|V| d, tied or not; an embedding *lookup* does no arithmetic). Each
+weight costs one multiply-add, 2 FLOPs, in the forward pass and twice that in the backward pass
+(gradients for the input and for the weight): 6 per weight. Attention adds, per layer and head, a
+query's T inner products q k_j^T and the weighted sum of T values, 2 d_h T FLOPs each forward, so
+12 n_layer n_h d_h T with the backward pass. T is the full context (block_size unless given);
+like PaLM we count the masked half of the causal score matrix, which a fused kernel may skip. Norms,
+softmax, biases and the residual additions cost a few FLOPs per *activation*, not per weight, and are
+left out (Hoffmann et al., 2022, appendix F, counts them and gets within a few percent).
+
+Inner products: a head computes T^2 of them per sequence (T queries times T keys), so doubling
+the context quadruples them, while the parameters do not change at all.
+
+Memory for training with AdamW in float32: the weights, their gradients, and two moment estimates
+per weight: 16 bytes per parameter, before activations (which depend on batch and context).
+"""
+
+from __future__ import annotations
+
+from tinylm.config import GPTConfig
+from tinylm.errors import TinyLMError
+
+# optimizer -> tensors of state it keeps per parameter (AdamW: first and second moments)
+OPTIMIZER_STATES = {"adamw": 2, "sgd": 0}
+
+
+def attention_layer_params(config: GPTConfig) -> int:
+    """Parameters of one attention layer: W_q, W_k, W_v (grouped-query sizes) and W_o, with biases if any."""
+    d, hs, nh, nkv = config.d_model, config.head_dim, config.n_head, config.kv_heads
+    weights = d * nh * hs + 2 * d * nkv * hs + nh * hs * d
+    biases = nh * hs + 2 * nkv * hs + d if config.bias else 0
+    return weights + biases
+
+
+def mlp_layer_params(config: GPTConfig) -> int:
+    """Parameters of one MLP: two matrices for gelu, three for swiglu, with biases if any."""
+    d, d_ff = config.d_model, config.hidden_dim
+    n_in = 2 if config.mlp == "swiglu" else 1  # W_1 (and W_3) map d -> d_ff
+    weights = (n_in + 1) * d * d_ff
+    biases = n_in * d_ff + d if config.bias else 0
+    return weights + biases
+
+
+def norm_params(config: GPTConfig) -> int:
+    """Parameters of one norm: a gain per coordinate, and a bias for LayerNorm with ``bias``."""
+    return config.d_model * (2 if config.norm == "layernorm" and config.bias else 1)
+
+
+def param_breakdown(config: GPTConfig) -> dict[str, int]:
+    """Parameters by part of the model; the values sum to `count_params`."""
+    d, V, L = config.d_model, config.vocab_size, config.n_layer
+    final_norms = 1 if config.norm_position == "pre" else 0
+    return {
+        "token_embedding": V * d,
+        "position_embedding": config.block_size * d if config.positions == "learned" else 0,
+        "attention": L * attention_layer_params(config),
+        "mlp": L * mlp_layer_params(config),
+        "norms": (2 * L + final_norms) * norm_params(config),
+        "lm_head": 0 if config.tie_embeddings else V * d,
+    }
+
+
+def count_params(config: GPTConfig) -> int:
+    """The number of parameters of ``GPT(config)``, a tied head counted once."""
+    return sum(param_breakdown(config).values())
+
+
+def matmul_params(config: GPTConfig) -> int:
+    """N of the FLOP formula: weights used in matrix multiplications per token (no biases, norms or lookups)."""
+    d, hs, nh, nkv, d_ff = config.d_model, config.head_dim, config.n_head, config.kv_heads, config.hidden_dim
+    attention = d * nh * hs + 2 * d * nkv * hs + nh * hs * d
+    mlp = (3 if config.mlp == "swiglu" else 2) * d * d_ff
+    return config.n_layer * (attention + mlp) + d * config.vocab_size
+
+
+def forward_flops_breakdown(config: GPTConfig, seq_len: int | None = None) -> dict[str, int]:
+    """Forward-pass FLOPs per token by part (a multiply-add counts 2), with a context of ``seq_len`` tokens."""
+    T = _context(config, seq_len)
+    d, hs, nh, nkv, d_ff, L = (config.d_model, config.head_dim, config.n_head, config.kv_heads,
+                               config.hidden_dim, config.n_layer)
+    return {
+        "attention_projections": L * 2 * (d * nh * hs + 2 * d * nkv * hs + nh * hs * d),
+        "attention_scores": L * 2 * nh * hs * T,  # q k_j^T for T keys, every head
+        "attention_weighted_sum": L * 2 * nh * hs * T,  # sum_j a_j v_j over T values, every head
+        "mlp": L * 2 * (3 if config.mlp == "swiglu" else 2) * d * d_ff,
+        "lm_head": 2 * d * config.vocab_size,
+    }
+
+
+def flops_per_token(config: GPTConfig, seq_len: int | None = None) -> int:
+    """Training FLOPs per token (forward + backward = 3 x forward): 6 N + 12 n_layer n_h d_h T."""
+    return 3 * sum(forward_flops_breakdown(config, seq_len).values())
+
+
+def attention_inner_products(config: GPTConfig, seq_len: int | None = None) -> int:
+    """Inner products q_i k_j^T in one forward pass over one sequence: n_layer n_h T^2."""
+    T = _context(config, seq_len)
+    return config.n_layer * config.n_head * T * T
+
+
+def training_memory(config: GPTConfig, bytes_per_value: int = 4, optimizer: str = "adamw") -> dict[str, int]:
+    """Bytes for weights, gradients and optimizer state (activations excluded), and their total."""
+    if optimizer not in OPTIMIZER_STATES:
+        raise TinyLMError(f"unknown optimizer {optimizer!r}; expected one of {', '.join(OPTIMIZER_STATES)}")
+    n = count_params(config) * bytes_per_value
+    memory = {"weights": n, "gradients": n, "optimizer": OPTIMIZER_STATES[optimizer] * n}
+    memory["total"] = sum(memory.values())
+    return memory
+
+
+def summary(config: GPTConfig, seq_len: int | None = None) -> str:
+    """One line for the start of a run: shape, parameters and training FLOPs per token."""
+    heads = f"{config.n_head} heads" + (f" ({config.kv_heads} kv)" if config.kv_heads != config.n_head else "")
+    return (f"{config.n_layer} layers, d_model {config.d_model}, {heads}, context {_context(config, seq_len)}: "
+            f"{count_params(config):,} parameters, {flops_per_token(config, seq_len) / 1e6:,.1f} MFLOPs per token "
+            f"(training)")
+
+
+def _context(config: GPTConfig, seq_len: int | None) -> int:
+    T = config.block_size if seq_len is None else seq_len
+    if T <= 0:
+        raise TinyLMError(f"seq_len must be a positive number of tokens, got {T}")
+    return T

@@ -1,0 +1,244 @@
+"""Causal self-attention, the one place where positions exchange information, written three ways.
+
+For one head, with the queries, keys and values of all positions stacked as rows (the lecture
+notes' row-vector convention, q_t = h_t W^Q):
+
+    att1h(Q, K, V) = softmax_row(Q K^T / sqrt(d_h) + M) V,   M[i, j] = -inf if j > i else 0
+
+M's strict upper triangle is -inf, so after the softmax position i gives weight exactly 0 to every
+later position (exp(-inf) = 0) and the remaining weights renormalize to sum to 1: the output at
+i depends on positions <= i only. Multi-head attention runs n_h such heads with their own W^Q,
+W^K, W^V, concatenates their outputs and projects them back to d with W^O ((n_h d_h) x d).
+
+The three functions below take q (B, nh, T_q, hs) and k, v (B, n_kv, T_k, hs) and return the
+heads' outputs (B, nh, T_q, hs). They compute the same function (the tests pin them equal):
+
+- `reference_attention`: the definition written out, materializing the T x T scores; the only
+  one that can hand back the attention weights for inspection.
+- `sdpa_attention`: PyTorch's fused `scaled_dot_product_attention`, the fast path (the default).
+- `tiled_attention`: an online softmax over blocks of keys, the FlashAttention idea in plain
+  torch: the T x T matrix is never formed, memory grows linearly in T.
+
+Shared conventions:
+
+- Grouped-query attention: with n_kv < nh key/value heads, query head h uses kv head
+  h // (nh / n_kv) (consecutive query heads share one kv head, as in Hugging Face's Llama).
+  n_kv == nh is ordinary multi-head attention, n_kv == 1 multi-query attention.
+- Keys may outnumber queries (T_k >= T_q): the queries are then the *last* T_q positions, as in
+  a generation step that reuses cached keys, so query i sits at absolute position i + T_k - T_q.
+- ``key_padding_mask`` (B, T_k) bool, False at padding: padded keys get -inf like future ones.
+  A query that can see no key at all (a padding query at the left of a left-padded row) would
+  make the softmax divide 0 by 0; its output is defined as zeros instead, in all three functions.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from tinylm.config import GPTConfig
+from tinylm.model.positions import apply_rope
+
+
+class KVCacheLayer(Protocol):
+    """What `CausalSelfAttention` needs from a KV cache (one per layer; the generation engine owns them).
+
+    ``length`` is the number of positions stored before this step; ``update`` appends the new
+    keys and values (B, n_kv, T_new, hs) and returns all of them, old then new.
+    """
+
+    @property
+    def length(self) -> int: ...
+
+    def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]: ...
+
+
+def repeat_kv(x: Tensor, n_rep: int) -> Tensor:
+    """(B, n_kv, T, hs) -> (B, n_kv * n_rep, T, hs): each key/value head repeated for its group of query heads."""
+    if n_rep == 1:
+        return x
+    B, n_kv, T, hs = x.shape
+    return x[:, :, None].expand(B, n_kv, n_rep, T, hs).reshape(B, n_kv * n_rep, T, hs)
+
+
+def visible_keys(T_q: int, T_k: int, key_padding_mask: Tensor | None, device: torch.device) -> Tensor:
+    """Which keys each query may attend to: (1 or B, 1, T_q, T_k) bool, the complement of M's -inf entries."""
+    q_pos = torch.arange(T_k - T_q, T_k, device=device)  # absolute positions of the queries
+    k_pos = torch.arange(T_k, device=device)
+    visible = k_pos[None, :] <= q_pos[:, None]  # (T_q, T_k): causal, the lower triangle
+    if key_padding_mask is None:
+        return visible[None, None]  # (1, 1, T_q, T_k)
+    return visible[None, None] & key_padding_mask[:, None, None, :]  # (B, 1, T_q, T_k)
+
+
+def reference_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    key_padding_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    return_weights: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """softmax_row(Q K^T / sqrt(d_h) + M) V for every head, exactly as defined; optionally with the weights."""
+    n_head, T_q, hs = q.size(1), q.size(2), q.size(3)
+    T_k = k.size(2)
+    k = repeat_kv(k, n_head // k.size(1))  # (B, nh, T_k, hs)
+    v = repeat_kv(v, n_head // v.size(1))  # (B, nh, T_k, hs)
+    visible = visible_keys(T_q, T_k, key_padding_mask, q.device)  # (1 or B, 1, T_q, T_k)
+    has_key = visible.any(dim=-1, keepdim=True)  # (1 or B, 1, T_q, 1)
+    # M: -inf where a key is in the future or padding. A row with no visible key keeps 0s, so the
+    # softmax stays finite there; that row's weights are zeroed right after.
+    M = torch.zeros(visible.shape, dtype=q.dtype, device=q.device)
+    M = M.masked_fill(~visible & has_key, float("-inf"))  # (1 or B, 1, T_q, T_k)
+    scores = q @ k.transpose(-2, -1) / math.sqrt(hs) + M  # (B, nh, T_q, T_k)
+    att = torch.softmax(scores, dim=-1)  # (B, nh, T_q, T_k), each row sums to 1
+    att = att.masked_fill(~has_key, 0.0)  # queries with nothing to look at: all-zero weights
+    weights = att
+    if dropout_p > 0.0:
+        att = F.dropout(att, dropout_p)
+    y = att @ v  # (B, nh, T_q, hs): row i is sum_j att[i, j] v_j
+    return (y, weights) if return_weights else y
+
+
+def sdpa_attention(
+    q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None = None, dropout_p: float = 0.0
+) -> Tensor:
+    """The same function through `torch.nn.functional.scaled_dot_product_attention` (fused kernels)."""
+    n_head, T_q, T_k = q.size(1), q.size(2), k.size(2)
+    k = repeat_kv(k, n_head // k.size(1))  # (B, nh, T_k, hs)
+    v = repeat_kv(v, n_head // v.size(1))  # (B, nh, T_k, hs)
+    if key_padding_mask is None:
+        if T_q == T_k:
+            # the common training case: let the kernel build the causal mask itself (fastest)
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+        if T_q == 1:
+            # one new query at the last position sees every key: no mask at all
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)
+        # note: is_causal=True would align the triangle to the top-left corner, wrong when T_q < T_k
+    visible = visible_keys(T_q, T_k, key_padding_mask, q.device)  # (1 or B, 1, T_q, T_k)
+    has_key = visible.any(dim=-1, keepdim=True)  # (1 or B, 1, T_q, 1)
+    # rows with no visible key: let them see everything (finite softmax), then zero their output
+    y = F.scaled_dot_product_attention(q, k, v, attn_mask=visible | ~has_key, dropout_p=dropout_p)
+    return y.masked_fill(~has_key, 0.0)  # (B, nh, T_q, hs)
+
+
+def tiled_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    key_padding_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    tile_size: int = 64,
+) -> Tensor:
+    """The same function by an online softmax over blocks of ``tile_size`` keys: never forms the T x T matrix.
+
+    For one query row, softmax(s) v = sum_j exp(s_j - m) v_j / sum_j exp(s_j - m) for *any* constant
+    m; using the row maximum keeps every exp() <= 1. Visiting the keys block by block we keep three
+    running quantities per query: m (the largest score so far), l (sum of exp(s_j - m)) and acc (sum
+    of exp(s_j - m) v_j). When a block raises the maximum from m to m', the old sums are rescaled by
+    exp(m - m') and the block's terms are added; at the end y = acc / l. Memory is the (T_q x
+    tile_size) block, linear in T.
+
+    This is FlashAttention's forward pass (Dao et al., 2022) written for reading; the real kernel
+    also tiles the queries (each row is independent, so that changes nothing here) and keeps the
+    tiles in on-chip memory. Autograd still stores every block for the backward pass; FlashAttention
+    recomputes them instead, which this version does not do.
+    """
+    n_head, T_q, hs = q.size(1), q.size(2), q.size(3)
+    T_k = k.size(2)
+    k = repeat_kv(k, n_head // k.size(1))  # (B, nh, T_k, hs)
+    v = repeat_kv(v, n_head // v.size(1))  # (B, nh, T_k, hs)
+    scale = 1.0 / math.sqrt(hs)
+    q_pos = torch.arange(T_k - T_q, T_k, device=q.device)  # absolute positions of the queries
+    # the running statistics stay in float32 even when q, k, v are bf16: they accumulate over many blocks
+    m = torch.full((*q.shape[:-1], 1), float("-inf"), dtype=torch.float32, device=q.device)  # (B, nh, T_q, 1)
+    l = torch.zeros_like(m)  # (B, nh, T_q, 1)
+    acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)  # (B, nh, T_q, hs)
+    for start in range(0, T_k, tile_size):
+        end = min(start + tile_size, T_k)
+        k_pos = torch.arange(start, end, device=q.device)
+        visible = k_pos[None, :] <= q_pos[:, None]  # (T_q, Tb): causal part of M for this block
+        if key_padding_mask is not None:
+            visible = visible & key_padding_mask[:, None, None, start:end]  # (B, 1, T_q, Tb)
+        s = (q @ k[:, :, start:end].transpose(-2, -1)).float() * scale  # (B, nh, T_q, Tb)
+        s = s.masked_fill(~visible, float("-inf"))
+        # The result does not depend on m (it cancels between acc and l), so its gradient is zero:
+        # take it from detached scores and spare autograd the bookkeeping.
+        m_new = torch.maximum(m, s.detach().amax(dim=-1, keepdim=True))  # (B, nh, T_q, 1)
+        # a row that has seen no visible key yet has m_new = -inf; shift by 0 instead (avoids inf - inf)
+        m_shift = m_new.masked_fill(m_new == float("-inf"), 0.0)
+        p = torch.exp(s - m_shift)  # (B, nh, T_q, Tb); 0 at invisible keys
+        alpha = torch.exp(m - m_shift)  # (B, nh, T_q, 1): rescales the sums kept under the old max
+        l = alpha * l + p.sum(dim=-1, keepdim=True)
+        if dropout_p > 0.0:
+            # dropping entries of p before the division by l is dropout on the normalized weights
+            p = F.dropout(p, dropout_p)
+        v_blk = v[:, :, start:end]  # (B, nh, Tb, hs)
+        acc = alpha * acc + (p.to(v_blk.dtype) @ v_blk).float()  # (B, nh, T_q, hs)
+        m = m_new
+    # l = 0 only for queries with no visible key; acc is 0 there too, so their output is 0
+    return (acc / l.masked_fill(l == 0, 1.0)).to(q.dtype)  # (B, nh, T_q, hs)
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head (or grouped-query) causal self-attention with projections W_q, W_k, W_v and W_o.
+
+    nn.Linear stores its matrix transposed and computes x @ weight.T, so ``W_q.weight.T`` is the
+    notes' W^Q (d x n_h d_h) and ``q = W_q(x)`` is q = h W^Q for every position and head at once.
+    """
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.n_head = config.n_head
+        self.n_kv_head = config.kv_heads
+        self.head_dim = config.head_dim
+        d, hs = config.d_model, config.head_dim
+        self.W_q = nn.Linear(d, self.n_head * hs, bias=config.bias)
+        self.W_k = nn.Linear(d, self.n_kv_head * hs, bias=config.bias)
+        self.W_v = nn.Linear(d, self.n_kv_head * hs, bias=config.bias)
+        self.W_o = nn.Linear(self.n_head * hs, d, bias=config.bias)
+        self.implementation = config.attention
+        self.tile_size = config.tile_size
+        self.dropout = config.dropout
+
+    def forward(
+        self,
+        x: Tensor,
+        rope: tuple[Tensor, Tensor] | None = None,
+        key_padding_mask: Tensor | None = None,
+        kv_cache: KVCacheLayer | None = None,
+        need_weights: bool = False,
+    ) -> tuple[Tensor, Tensor | None]:
+        """x (B, T, d) -> (y (B, T, d), attention weights (B, nh, T, T_k) if ``need_weights`` else None).
+
+        ``rope`` is the (cos, sin) pair of `RotaryPositions` for these T positions; ``key_padding_mask``
+        covers all T_k keys (cached ones included); ``need_weights`` runs the reference implementation,
+        the only one that forms the weights.
+        """
+        B, T, _ = x.shape
+        hs = self.head_dim
+        q = self.W_q(x).view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
+        k = self.W_k(x).view(B, T, self.n_kv_head, hs).transpose(1, 2)  # (B, n_kv, T, hs)
+        v = self.W_v(x).view(B, T, self.n_kv_head, hs).transpose(1, 2)  # (B, n_kv, T, hs)
+        if rope is not None:
+            cos, sin = rope
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if kv_cache is not None:
+            k, v = kv_cache.update(k, v)  # (B, n_kv, T_k, hs), the stored positions then these T
+        dropout_p = self.dropout if self.training else 0.0
+        weights = None
+        if need_weights:
+            y, weights = reference_attention(q, k, v, key_padding_mask, dropout_p, return_weights=True)
+        elif self.implementation == "sdpa":
+            y = sdpa_attention(q, k, v, key_padding_mask, dropout_p)
+        elif self.implementation == "tiled":
+            y = tiled_attention(q, k, v, key_padding_mask, dropout_p, self.tile_size)
+        else:
+            y = reference_attention(q, k, v, key_padding_mask, dropout_p)
+        # concatenate the heads: position t's row is (head_1 output, ..., head_nh output)
+        y = y.transpose(1, 2).reshape(B, T, self.n_head * hs)  # (B, T, nh * hs)
+        return self.W_o(y), weights  # (B, T, d)

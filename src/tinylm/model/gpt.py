@@ -1,0 +1,248 @@
+"""The GPT-style Transformer language model, in one sitting.
+
+The model maps a sequence of token ids x_0..x_{T-1} to logits u_1..u_T, one vector in R^|V| per
+position, with p(x_t | x_<t) = softmax(u_t). The path of one position's vector:
+
+    h = E[x] (+ P[t])                     token embedding, plus a position vector (learned or sinusoidal)
+    n_layer times:                        a Block, each position keeps a d-vector (the residual stream)
+        h = h + attn(norm_1(h))           positions exchange information (causally: only the past)
+        h = h + mlp(norm_2(h))            each position alone, the same MLP everywhere
+    u = norm_f(h) @ W_head                W_head is d x |V|, optionally E^T itself (tied)
+
+(That is pre-norm; post-norm puts the norm after each residual addition instead and has no final
+norm.) Training minimises the mean over positions of -log softmax(u_t)[x_t], the next-token
+cross-entropy; a target of `IGNORE_INDEX` (-100) is left out of the mean, which is how padded
+positions are kept out of the loss.
+
+Usage::
+
+    model = GPT(GPTConfig(vocab_size=100, block_size=64, n_layer=2, d_model=64, n_head=4))
+    logits, loss = model(idx, targets)            # idx, targets: (B, T) token ids
+    weights = model.attention_weights(idx)        # per layer, (B, nh, T, T), for heatmaps
+
+Initialisation follows GPT-2: every weight matrix and embedding ~ N(0, init_std^2), biases 0, and
+the two projections that write into the residual stream (W_o and the MLP's W_2) scaled by
+1/sqrt(2 n_layer), so the stream's variance does not grow with depth (2 additions per block).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from tinylm.config import GPTConfig
+from tinylm.errors import TinyLMError
+from tinylm.model.attention import CausalSelfAttention, KVCacheLayer
+from tinylm.model.positions import LearnedPositions, RotaryPositions, SinusoidalPositions
+
+IGNORE_INDEX = -100  # a target with this id contributes nothing to the loss (PyTorch's convention)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm (Zhang and Sennrich, 2019): x / sqrt(mean(x^2) + eps) * g. LayerNorm without the mean and the bias."""
+
+    def __init__(self, d_model: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(d_model))  # the gain g
+
+    def forward(self, x: Tensor) -> Tensor:
+        # F.rms_norm is exactly the formula above, fused into one kernel
+        return F.rms_norm(x, (x.size(-1),), self.weight, self.eps)
+
+
+def make_norm(config: GPTConfig) -> nn.Module:
+    if config.norm == "rmsnorm":
+        return RMSNorm(config.d_model, config.norm_eps)
+    return nn.LayerNorm(config.d_model, eps=config.norm_eps, bias=config.bias)
+
+
+class MLP(nn.Module):
+    """The per-position feed-forward network: GELU (GPT-2) or SwiGLU (Llama).
+
+    gelu:   y = GELU(x W_1) W_2, with GELU in GPT-2's tanh approximation ("gelu_new" in Hugging
+            Face), so GPT-2 weights give GPT-2's outputs.
+    swiglu: y = (SiLU(x W_1) * (x W_3)) W_2: a gated unit, x W_3 scaled elementwise by a gate.
+    """
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        d, d_ff = config.d_model, config.hidden_dim
+        self.swiglu = config.mlp == "swiglu"
+        self.W_1 = nn.Linear(d, d_ff, bias=config.bias)
+        if self.swiglu:
+            self.W_3 = nn.Linear(d, d_ff, bias=config.bias)
+        self.W_2 = nn.Linear(d_ff, d, bias=config.bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.swiglu:
+            hidden = F.silu(self.W_1(x)) * self.W_3(x)  # (B, T, d_ff)
+        else:
+            hidden = F.gelu(self.W_1(x), approximate="tanh")  # (B, T, d_ff)
+        return self.W_2(hidden)  # (B, T, d)
+
+
+class Block(nn.Module):
+    """One Transformer layer: attention then MLP, each with a norm and a residual connection."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.pre_norm = config.norm_position == "pre"
+        self.norm_1 = make_norm(config)
+        self.attn = CausalSelfAttention(config)
+        self.norm_2 = make_norm(config)
+        self.mlp = MLP(config)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(
+        self,
+        h: Tensor,
+        rope: tuple[Tensor, Tensor] | None = None,
+        key_padding_mask: Tensor | None = None,
+        kv_cache: KVCacheLayer | None = None,
+        need_weights: bool = False,
+    ) -> tuple[Tensor, Tensor | None]:
+        # The residual form h + f(h) lets each sublayer learn a correction to h rather than a whole
+        # new representation, and gives gradients a direct path through a deep stack.
+        if self.pre_norm:
+            a, weights = self.attn(self.norm_1(h), rope, key_padding_mask, kv_cache, need_weights)
+            h = h + self.dropout(a)  # (B, T, d)
+            h = h + self.dropout(self.mlp(self.norm_2(h)))  # (B, T, d)
+        else:
+            a, weights = self.attn(h, rope, key_padding_mask, kv_cache, need_weights)
+            h = self.norm_1(h + self.dropout(a))  # (B, T, d)
+            h = self.norm_2(h + self.dropout(self.mlp(h)))  # (B, T, d)
+        return h, weights
+
+
+class GPT(nn.Module):
+    """The language model: token ids (B, T) -> next-token logits (B, T, |V|) and, given targets, the loss."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = config
+        d = config.d_model
+        self.E = nn.Embedding(config.vocab_size, d)  # token embedding: row x is token x's vector
+        self.pos_emb: nn.Module | None = None  # added to E[x] ("learned", "sinusoidal")
+        self.rope: RotaryPositions | None = None  # applied to q and k in every layer ("rope")
+        if config.positions == "learned":
+            self.pos_emb = LearnedPositions(config.block_size, d)
+        elif config.positions == "sinusoidal":
+            self.pos_emb = SinusoidalPositions(d)
+        elif config.positions == "rope":
+            self.rope = RotaryPositions(config.head_dim, config.rope_theta)
+        self.dropout = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        # post-norm blocks already end in a norm; pre-norm leaves the stream unnormalized
+        self.norm_f = make_norm(config) if config.norm_position == "pre" else nn.Identity()
+        self.lm_head = nn.Linear(d, config.vocab_size, bias=False)  # u = h @ lm_head.weight.T
+        if config.tie_embeddings:
+            # W_head = E^T: the same matrix reads tokens in and scores them out
+            self.lm_head.weight = self.E.weight
+        self._init_weights()
+
+    def _init_weights(self) -> None:
+        std = self.config.init_std
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+        for block in self.blocks:
+            for residual_projection in (block.attn.W_o, block.mlp.W_2):
+                nn.init.normal_(residual_projection.weight, mean=0.0, std=std / math.sqrt(2 * self.config.n_layer))
+
+    def forward(
+        self,
+        idx: Tensor,
+        targets: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        position_ids: Tensor | None = None,
+        kv_cache: Sequence[KVCacheLayer] | None = None,
+    ) -> tuple[Tensor, Tensor | None]:
+        """Logits (B, T, |V|) for token ids ``idx`` (B, T), and the mean next-token loss if ``targets`` is given.
+
+        - ``targets`` (B, T): the token each position should predict (idx shifted left by one);
+          `IGNORE_INDEX` (-100) marks positions left out of the loss, such as padding.
+        - ``attention_mask`` (B, T_k), bool or 0/1, False at padding: padded positions are hidden
+          from attention. With a KV cache it covers the cached positions too (T_k = T_past + T).
+        - ``position_ids`` (T,) or (B, T): each token's position. By default 0, 1, ... counted over
+          the real tokens only (so a left-padded row starts at 0) and continuing after the cache.
+        - ``kv_cache``: one `KVCacheLayer` per block; the keys and values of these T tokens are
+          appended to it and attention runs over everything stored.
+        """
+        h, _ = self._run(idx, attention_mask, position_ids, kv_cache, need_weights=False)
+        logits = self.lm_head(h)  # (B, T, |V|)
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
+        return logits, loss
+
+    @torch.no_grad()
+    def attention_weights(
+        self, idx: Tensor, attention_mask: Tensor | None = None, position_ids: Tensor | None = None
+    ) -> list[Tensor]:
+        """Every layer's attention weights, (B, nh, T, T) each, row i the distribution of query i over keys.
+
+        Computed by the reference implementation whatever ``config.attention`` says (the others never
+        form the weights); the model's outputs are the same either way.
+        """
+        _, weights = self._run(idx, attention_mask, position_ids, None, need_weights=True)
+        return weights
+
+    def _run(
+        self,
+        idx: Tensor,
+        attention_mask: Tensor | None,
+        position_ids: Tensor | None,
+        kv_cache: Sequence[KVCacheLayer] | None,
+        need_weights: bool,
+    ) -> tuple[Tensor, list[Tensor]]:
+        """The final hidden states (B, T, d) and, if asked, each layer's attention weights."""
+        if idx.dim() != 2 or idx.dtype not in (torch.long, torch.int32):
+            raise TinyLMError(f"idx must be a (batch, time) tensor of token ids, got {tuple(idx.shape)} {idx.dtype}")
+        B, T = idx.shape
+        T_past = 0
+        if kv_cache is not None:
+            if len(kv_cache) != self.config.n_layer:
+                raise TinyLMError(f"kv_cache needs one entry per layer ({self.config.n_layer}), got {len(kv_cache)}")
+            T_past = kv_cache[0].length
+        if T_past + T > self.config.block_size:
+            raise TinyLMError(
+                f"{T_past + T} positions do not fit the model's context of block_size = {self.config.block_size}; "
+                f"shorten the input (or keep only its last {self.config.block_size} tokens)"
+            )
+        key_padding_mask = None
+        if attention_mask is not None:
+            if attention_mask.shape != (B, T_past + T):
+                raise TinyLMError(
+                    f"attention_mask must be (batch, {T_past + T}) to cover every key, got {tuple(attention_mask.shape)}"
+                )
+            key_padding_mask = attention_mask.bool()  # (B, T_k)
+        if position_ids is None:
+            if key_padding_mask is not None:
+                # count real tokens only: position = (number of real tokens up to here) - 1
+                position_ids = (key_padding_mask.long().cumsum(dim=1) - 1).clamp(min=0)[:, T_past:]  # (B, T)
+            else:
+                position_ids = torch.arange(T_past, T_past + T, device=idx.device)  # (T,)
+        if position_ids.dim() == 1:
+            position_ids = position_ids[None]  # (1, T), broadcast over the batch
+
+        h = self.E(idx)  # (B, T, d)
+        if self.pos_emb is not None:
+            h = h + self.pos_emb(position_ids)  # (B, T, d)
+        h = self.dropout(h)
+        rope = self.rope(position_ids) if self.rope is not None else None  # 2 x (B or 1, 1, T, hs)
+        all_weights: list[Tensor] = []
+        for i, block in enumerate(self.blocks):
+            layer_cache = kv_cache[i] if kv_cache is not None else None
+            h, weights = block(h, rope, key_padding_mask, layer_cache, need_weights)
+            if weights is not None:
+                all_weights.append(weights)
+        return self.norm_f(h), all_weights  # (B, T, d)

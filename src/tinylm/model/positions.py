@@ -1,0 +1,98 @@
+"""Position information: attention alone cannot tell the order of its inputs.
+
+Swap two earlier tokens and a later position's attention output does not change: its weights
+are a softmax over a *set* of key/value pairs. (In a stack of causal layers the mask itself leaks
+a little order, since after one layer position i has seen exactly i + 1 tokens; the lecture's
+exercise, and the test that pins it, are about one attention layer.) So the model adds order in
+one of these ways (``GPTConfig.positions``):
+
+- ``"learned"``: a trained table P (block_size x d) whose row t is added to the token embedding
+  at position t (GPT-2's ``wpe``).
+- ``"sinusoidal"``: the fixed table of "Attention Is All You Need", added the same way:
+  PE[t, 2i] = sin(t / 10000^(2i/d)), PE[t, 2i+1] = cos(t / 10000^(2i/d)).
+- ``"rope"``: rotary embeddings. Nothing is added to the residual stream; instead every query
+  and key is rotated by an angle proportional to its position, pair of coordinates by pair.
+  The dot product of two rotated vectors depends on the difference of their angles only, so
+  attention scores depend on relative position m - n, never on m and n themselves.
+- ``"none"``: nothing; the model is a bag of (causally visible) tokens.
+
+Everything here takes ``position_ids``, (T,) or (B, T), rather than assuming 0..T-1: a
+left-padded batch starts each row's real text at position 0, and a KV-cache step sits at
+position T_past. The tables are computed on the fly from the ids (a few hundred
+multiplications), so they are never stale after `.to(device)` and never stored in a checkpoint.
+
+RoPE layout: the "rotate half" layout of GPT-NeoX and Hugging Face's Llama. Coordinate i of a
+head is paired with coordinate i + d_h/2 (not with its neighbour i+1 as in the RoFormer paper
+and Meta's original Llama code); pair i turns at frequency theta^(-2i/d_h). Hugging Face's Llama
+checkpoints use this layout, so an export needs no permutation of W_q and W_k.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+
+class LearnedPositions(nn.Module):
+    """A trained table P, one d-vector per position, added to the token embeddings."""
+
+    def __init__(self, block_size: int, d_model: int) -> None:
+        super().__init__()
+        self.P = nn.Embedding(block_size, d_model)
+
+    def forward(self, position_ids: Tensor) -> Tensor:
+        return self.P(position_ids)  # (B or 1, T, d)
+
+
+class SinusoidalPositions(nn.Module):
+    """The fixed sin/cos table of Vaswani et al. (2017), added to the token embeddings; no parameters."""
+
+    def __init__(self, d_model: int, base: float = 10000.0) -> None:
+        super().__init__()
+        self.d_model = d_model
+        self.base = base
+
+    def forward(self, position_ids: Tensor) -> Tensor:
+        # frequency i is 1 / base^(2i/d) for i = 0..d/2-1: from one turn per 2*pi positions down to
+        # one turn per 2*pi*base positions, so nearby and far-apart positions both stay distinguishable
+        inv_freq = _inverse_frequencies(self.d_model, self.base, position_ids.device)  # (d/2,)
+        angles = position_ids[..., None].float() * inv_freq  # (B or 1, T, d/2)
+        # interleave: column 2i is the sine and column 2i+1 the cosine of frequency i
+        return torch.stack((angles.sin(), angles.cos()), dim=-1).flatten(-2)  # (B or 1, T, d)
+
+
+class RotaryPositions(nn.Module):
+    """Rotary position embeddings (Su et al., 2021): the cos and sin that `apply_rope` rotates q and k by."""
+
+    def __init__(self, head_dim: int, theta: float = 10000.0) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.theta = theta
+
+    def forward(self, position_ids: Tensor) -> tuple[Tensor, Tensor]:
+        inv_freq = _inverse_frequencies(self.head_dim, self.theta, position_ids.device)  # (hs/2,)
+        angles = position_ids[..., None].float() * inv_freq  # (B or 1, T, hs/2)
+        # rotate-half layout: coordinate i and coordinate i + hs/2 form pair i, so both halves of the
+        # head see the same angles
+        angles = torch.cat((angles, angles), dim=-1)  # (B or 1, T, hs)
+        # a head axis to broadcast over: q and k are (B, nh, T, hs)
+        return angles.cos()[:, None], angles.sin()[:, None]  # 2 x (B or 1, 1, T, hs)
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    """(x1, x2) -> (-x2, x1) on the two halves of the last axis: a quarter turn of every pair (x1_i, x2_i)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate every pair (x_i, x_{i+hs/2}) of ``x`` (B, nh, T, hs) by its position's angle.
+
+    The 2-D rotation [[cos, -sin], [sin, cos]] applied to (a, b) is (a cos - b sin, b cos + a sin),
+    which is x * cos + rotate_half(x) * sin written for all pairs at once.
+    """
+    return (x * cos + rotate_half(x) * sin).to(x.dtype)  # (B, nh, T, hs)
+
+
+def _inverse_frequencies(dim: int, base: float, device: torch.device) -> Tensor:
+    return base ** (-torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim)  # (dim/2,)

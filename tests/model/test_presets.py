@@ -1,0 +1,168 @@
+"""Configuration: GPTConfig validation, the presets, TOML files, `--key value` overrides and their errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tinylm.config import (
+    Config,
+    GPTConfig,
+    apply_overrides,
+    build_config,
+    dump_toml,
+    list_presets,
+    load_config_file,
+    load_preset,
+    resolve_config,
+)
+from tinylm.errors import TinyLMError
+from tinylm.explain.accounting import count_params
+from tinylm.model import GPT
+
+
+def meta_param_count(config: GPTConfig) -> int:
+    with torch.device("meta"):  # shapes only: builds GPT-2 in milliseconds without allocating 500 MB
+        model = GPT(config)
+    return sum(p.numel() for p in model.parameters())
+
+
+def test_the_promised_presets_exist():
+    assert {"tiny", "small", "medium", "gpt2-124m", "llama"} <= set(list_presets())
+
+
+@pytest.mark.parametrize("name", list_presets())
+def test_every_preset_loads_and_builds(name):
+    config = resolve_config(preset=name).model
+    assert meta_param_count(config) == count_params(config)
+
+
+def test_gpt2_124m_is_gpt2_small():
+    config = resolve_config(preset="gpt2-124m").model
+    assert (config.n_layer, config.n_head, config.d_model, config.block_size, config.vocab_size) == (12, 12, 768, 1024, 50257)
+    choices = (config.positions, config.norm, config.mlp, config.bias, config.tie_embeddings)
+    assert choices == ("learned", "layernorm", "gelu", True, True)
+    assert meta_param_count(config) == 124_439_808  # the well-known count of Hugging Face's "gpt2"
+    assert config == GPTConfig()  # the dataclass defaults are GPT-2 small
+
+
+def test_llama_preset_is_llama_shaped():
+    config = resolve_config(preset="llama").model
+    choices = (config.positions, config.norm, config.mlp, config.bias, config.tie_embeddings)
+    assert choices == ("rope", "rmsnorm", "swiglu", False, False)
+    assert config.kv_heads < config.n_head
+
+
+def test_tiny_preset_is_the_modern_cpu_default():
+    config = resolve_config(preset="tiny").model
+    assert (config.positions, config.norm, config.mlp) == ("rope", "rmsnorm", "swiglu")
+    assert config.n_layer <= 6 and config.d_model <= 256
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"d_model": 130, "n_head": 4}, r"d_model \(130\) must be divisible by n_head \(4\).*use n_head in \[1, 2, 5, 10"),
+        ({"n_head": 8, "n_kv_head": 3, "d_model": 64}, r"n_kv_head \(3\) must divide n_head \(8\).*\[1, 2, 4, 8\]"),
+        ({"positions": "rope", "d_model": 28, "n_head": 4}, r"head size .* must be even; it is 28 / 4 = 7"),
+        ({"positions": "sinusoidal", "d_model": 27, "n_head": 3}, "d_model must be even"),
+        ({"attention": "flash"}, r"attention must be one of 'sdpa', 'reference', 'tiled'; got 'flash'"),
+        ({"norm": "batchnorm"}, "norm must be one of 'layernorm', 'rmsnorm'"),
+        ({"positions": "alibi"}, "positions must be one of"),
+        ({"n_layer": 0}, "n_layer must be a positive integer, got 0"),
+        ({"vocab_size": -5}, "vocab_size must be a positive integer"),
+        ({"n_kv_head": 0}, "n_kv_head must be a positive integer"),
+        ({"dropout": 1.0}, r"dropout is a probability in \[0, 1\)"),
+        ({"init_std": 0.0}, "init_std must be positive"),
+        ({"n_layer": "4"}, r"n_layer expects an integer, got '4' \(str\)"),
+        ({"bias": 1}, "bias expects true or false"),
+    ],
+)
+def test_impossible_configurations_say_what_to_change(changes, message):
+    with pytest.raises(TinyLMError, match=message):
+        GPTConfig(**changes)
+
+
+def test_hidden_width_rules():
+    assert GPTConfig(d_model=192, n_head=6, mlp="gelu").hidden_dim == 768
+    assert GPTConfig(d_model=192, n_head=6, mlp="swiglu").hidden_dim == 512  # 8/3 * 192
+    assert GPTConfig(d_model=512, n_head=8, mlp="swiglu").hidden_dim == 1408  # 1365.3 rounded up to 64s
+    assert GPTConfig(d_model=512, n_head=8, mlp="swiglu", d_ff=1000).hidden_dim == 1000
+
+
+def test_overrides_command_line_style():
+    preset = load_preset("tiny")
+    cfg = apply_overrides(preset, ["--n-layer", "6", "--positions=learned", "--no-tie-embeddings",
+                                                 "--bias", "--model.dropout", "0.1", "--n_kv_head", "2",
+                                                 "--rope-theta", "500000"])
+    model = build_config(cfg).model
+    assert (model.n_layer, model.positions, model.tie_embeddings, model.bias, model.dropout) == (6, "learned", False, True, 0.1)
+    assert model.kv_heads == 2 and model.rope_theta == 500000.0
+    assert model.d_model == 192  # untouched settings keep the preset's values
+    assert preset == load_preset("tiny")  # the input is not modified
+
+
+def test_overrides_as_a_dict_and_back_to_the_default_rule():
+    cfg = apply_overrides({"model": {"n_kv_head": 2, "n_head": 4, "d_model": 64}}, {"model.n_kv_head": "none", "d_ff": 100})
+    assert build_config(cfg).model.kv_heads == 4
+    assert build_config(cfg).model.hidden_dim == 100
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["--n-layr", "4"],
+         r"unknown setting --n-layr \(did you mean '--n-layer'\?\); the valid settings are: --vocab-size, --block-size"),
+        (["--n-layer", "four"], r"--n-layer expects an integer, got 'four'"),
+        (["--dropout", "lots"], "--dropout expects a number"),
+        (["--bias", "maybe"], "--bias expects true or false"),
+        (["--mlp", "relu"], "mlp must be one of 'gelu', 'swiglu'; got 'relu'"),
+        (["--n-layer"], r"--n-layer needs a value"),
+        (["n-layer", "4"], "expected a setting such as --n-layer"),
+        (["--train.lr", "1"], "unknown table 'train'"),
+        ({"n_layer": 4.5}, r"--n-layer expects an integer, got 4.5 \(float\)"),
+    ],
+)
+def test_bad_overrides_say_what_was_expected(overrides, message):
+    with pytest.raises(TinyLMError, match=message):
+        apply_overrides(load_preset("tiny"), overrides)
+
+
+def test_a_config_file_over_a_preset(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text('preset = "tiny"\n\n[model]\nn_layer = 2\nnorm_eps = 1e-6\n')
+    config = resolve_config(path=path, overrides=["--d-model", "96"]).model
+    assert (config.n_layer, config.norm_eps, config.d_model, config.positions) == (2, 1e-6, 96, "rope")
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("[model]\nn_layers = 2\n",
+         r"unknown key 'n_layers' in \[model\] \(did you mean 'n_layer'\?\); the valid keys are: vocab_size"),
+        ("[model]\nn_layer = \"2\"\n", r"model.n_layer expects an integer, got '2' \(str\)"),
+        ("[modle]\nn_layer = 2\n", r"unexpected table \[modle\]; a configuration has the tables \[model\]"),
+        ("n_layer = 2\n", r"unexpected key 'n_layer'"),
+        ("preset = \"tinny\"\n", r"unknown preset 'tinny' \(did you mean 'tiny'\?\)"),
+        ("[model\n", "is not valid TOML"),
+    ],
+)
+def test_bad_config_files_say_what_was_expected(tmp_path, text, message):
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    with pytest.raises(TinyLMError, match=message):
+        load_config_file(path)
+
+
+def test_missing_config_file(tmp_path):
+    with pytest.raises(TinyLMError, match="configuration file not found"):
+        load_config_file(tmp_path / "nope.toml")
+
+
+@pytest.mark.parametrize("name", list_presets())
+def test_the_resolved_config_round_trips_through_toml(tmp_path, name):
+    config = resolve_config(preset=name, overrides={"dropout": 0.1, "norm_eps": 1e-6})
+    path = tmp_path / "resolved.toml"
+    path.write_text(dump_toml(config.to_dict()))
+    assert build_config(load_config_file(path)) == config
+    assert isinstance(config, Config)
