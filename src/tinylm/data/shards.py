@@ -23,7 +23,7 @@ The split is by document, never through one: each document gets a key, the first
 ``sha256(seed, index, name)``, and the ``round(n * val_fraction)`` documents with the smallest
 keys form the validation split (at least one, and at least one left for training, whenever
 ``val_fraction > 0``). Fixing the count instead of thresholding each key keeps a small corpus
-(Shakespeare's 49 plays and poems) from getting a validation split of none or of many. A corpus of
+(Shakespeare's 42 plays and poems) from getting a validation split of none or of many. A corpus of
 a single document is cut in two at the line boundary nearest ``1 - val_fraction`` of its
 characters (at that character if it has no line break): the head trains, the tail validates,
 each piece ending with its own EOS.
