@@ -1,0 +1,750 @@
+"""n-gram language models: the first "large" language models, built by counting.
+
+An n-gram model makes the Markov assumption: the next token depends only on the n-1 tokens
+before it,
+
+    p(x_t | x_1 .. x_{t-1})  ~  p(x_t | x_{t-n+1} .. x_{t-1}) = p(w | h),
+
+with h the *context* (n-1 tokens) and w the token predicted. Usage::
+
+    model = NGramModel.fit(train_ids, order=5, tokenizer=tok)      # smoothing="kn" by default
+    model = NGramModel.fit_shards(shards, order=5)                 # from `tinylm prepare` output
+    result = model.evaluate(val_ids, n_bytes)                      # loss, perplexity, bits per byte
+    logp = model.score(val_ids)                                    # (T,) log p of every token, vectorised
+    probs = model.next_token_distribution(context)                 # (|V|,), sums to one
+    ids = model.sample(prompt, 100, temperature=0.8, top_k=50, seed=0)
+    model.save("shakespeare-5gram.npz"); model = NGramModel.load("shakespeare-5gram.npz")
+
+Counting is maximum likelihood
+------------------------------
+Among all conditional distributions, the one that gives the training text the highest
+probability is the relative frequency ``p_ML(w | h) = c(h w) / c(h)``, where ``c(h w)`` counts
+the n-gram and ``c(h) = sum_w c(h w)`` its context. So "training" an n-gram model is counting
+(``smoothing="mle"``).
+
+Why smoothing
+-------------
+Most n-grams are never seen: with |V| = 4096 there are 4096^4 possible 5-grams and a corpus
+has a few million tokens. Maximum likelihood gives every unseen n-gram probability zero, so a
+single new n-gram in the validation text makes its probability zero and its perplexity
+infinite. Smoothing takes some probability away from what was seen and gives it to what was not:
+
+- ``add-k`` pretends every n-gram was seen k more times:
+  ``p(w | h) = (c(h w) + k) / (c(h) + k |V|)``. It is the same as mixing the maximum-likelihood
+  estimate with the uniform distribution, with weight ``lambda = c(h) / (c(h) + k |V|)`` on the
+  counts: with a large vocabulary, most of the mass goes to the uniform part, which is why add-k
+  is a weak model.
+- interpolated Kneser-Ney (``kn``) subtracts a fixed *discount* D from every seen count and
+  hands the freed mass to the next-shorter context, recursively down to the uniform
+  distribution::
+
+      p_j(w | h) = max(c(h w) - D, 0) / c(h)  +  gamma(h) p_{j-1}(w | h'),
+      gamma(h)   = D * N1+(h .) / c(h)                  (N1+(h .): distinct words seen after h)
+
+  where h' is h without its oldest token. The lower orders do not use raw counts but
+  *continuation counts* ``N1+(. h w)``: the number of distinct tokens seen *before* h w. The
+  intuition: a lower-order distribution is only consulted when the longer context did not
+  predict w, i.e. for w as a *novel continuation*. "Francisco" is frequent, but nearly always
+  after "San"; as a continuation of a context never seen with it, it is rare. Its continuation
+  count is 1, which says just that. With one discount D this is "interpolated KN"; the
+  *modified* KN of Chen & Goodman (1998), our default, uses three discounts D1, D2, D3+ for
+  counts of 1, 2 and 3 or more, estimated per order from the count-of-counts n_r (how many
+  n-grams were seen exactly r times)::
+
+      Y = n1 / (n1 + 2 n2),   D1 = 1 - 2Y n2/n1,   D2 = 2 - 3Y n3/n2,   D3+ = 3 - 4Y n4/n3.
+
+  (Where a count-of-counts is zero or an estimate leaves (0, r], as on tiny texts, all three
+  fall back to D = 0.75; `NGramModel.discounts` says what was used.)
+
+Every smoothed model here is one *interpolation chain*: a base distribution p_0, then for each
+order j = 1..n, ``p_j(w|h) = alpha_j(h w) + gamma_j(h) p_{j-1}(w|h')`` where the context h of
+order j was seen (and p_j = p_{j-1} where it was not). MLE has gamma = 0 (so the longest seen
+context wins outright), add-k has a single level over a uniform base, Kneser-Ney all n levels
+over a uniform base. Scoring and next-token distributions walk that one chain.
+
+The vocabulary, padding and document ends
+-----------------------------------------
+Every distribution is over the tokenizer's whole vocabulary, ``|V| = tokenizer.vocab_size``,
+special tokens included, and sums to one over it. BOS (``<s>``) is never a target, so smoothing
+gives it (and PAD, and the reserved ids) only its share of the uniform part: a tiny, honest
+waste that keeps the rule simple and the same for every tokenizer. Each document is left-padded
+with n-1 BOS tokens, so its first token is predicted from the context ``<s> .. <s>``; EOS ends a
+document and is predicted like any other token. In a token stream (a shard) documents are
+separated by EOS: the context restarts after every EOS, in training and in scoring.
+
+MLE on a context never seen in training is undefined; we use the longest suffix of the context
+that was seen (ultimately the unigram distribution), so ``next_token_distribution`` is always
+a distribution. An unseen *token* still gets probability zero, hence infinite perplexity.
+
+How the counts are stored
+-------------------------
+The n-grams of each order j form one level of a trie, stored as a sorted int64 array of keys::
+
+    key(h w) = row(h) * |V| + w          (row(h): the index of h in the order-(j-1) array)
+
+so an n-gram of any order is one integer (no |V|^n overflow: rows are bounded by the corpus
+size), counting is ``np.unique`` with counts, lookup is ``np.searchsorted``, and the children
+of a context are the contiguous slice ``[row(h) |V|, (row(h)+1) |V|)``. Scoring a whole token
+array is n vectorised lookups, never a Python loop per token. Each level also keeps the row of
+every n-gram's suffix (its back-off pointer), from which continuation counts are counted.
+
+The file format
+---------------
+`save` writes one ``.npz`` file (numpy's zip of ``.npy`` arrays, read with
+``allow_pickle=False``, so loading runs no code):
+
+- ``header``: uint8, the UTF-8 bytes of a JSON object ``{"format": "tinylm.ngram",
+  "version": 1, "order", "vocab_size", "bos_id", "eos_id", "smoothing", "k", "discount",
+  "discounts", "train_tokens", "train_documents"}``;
+- ``keys_j`` (int64) and ``counts_j`` (uint32, or uint64 if a count needs it) for j = 1..n:
+  the sorted keys of order j and how many times each n-gram ended at a training token
+  (n-grams made only of ``<s>`` padding are kept as trie nodes with count 0).
+
+Everything else (suffix pointers, continuation counts, discounts, the chain) is recomputed on
+load: it is a few vectorised passes.
+
+nltk's formulation
+------------------
+``smoothing="kn-nltk"`` reproduces ``nltk.lm.KneserNeyInterpolated`` exactly, for comparing
+against it. That model, trained on the everygrams (all n-grams of orders 1..n) of the same
+padded documents, differs from ours in three ways: one discount (0.1 by default); its unigram
+level is the continuation-count distribution with no uniform part, so a token never seen
+in training gets probability 0 (infinite perplexity); and its lower levels count n-grams made
+only of padding and take gamma's numerator from raw counts but its denominator from
+continuation counts, so its distributions need not sum to one. It is a compatibility mode, not
+a recommendation; order 1 is not supported (nltk divides by zero there).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from tinylm.atomic import atomic_path
+from tinylm.errors import TinyLMError
+
+if TYPE_CHECKING:  # only for annotations: the model wing does not depend on the data wing
+    from tinylm.data.shards import ShardSet
+    from tinylm.tokenizers.base import Tokenizer
+
+FORMAT_NAME = "tinylm.ngram"
+FORMAT_VERSION = 1
+
+SMOOTHINGS = ("mle", "add-k", "kn", "kn-nltk")
+"""``mle``: counts only; ``add-k``: add k to every count; ``kn``: interpolated Kneser-Ney
+(modified, three estimated discounts, unless one ``discount`` is given); ``kn-nltk``: nltk's
+KneserNeyInterpolated formulation, for comparison with it."""
+
+TOP_P_TOLERANCE = 1e-6  # as in tinylm.generate.sampling
+FALLBACK_DISCOUNT = 0.75  # the classic single KN discount, used where n_r cannot be estimated
+NLTK_DISCOUNT = 0.1  # nltk.lm.KneserNeyInterpolated's default
+
+TokenData = np.ndarray | Sequence[int] | Sequence[Sequence[int] | np.ndarray]
+
+
+@dataclass
+class _Level:
+    """Order j of the chain: p_j(w|h) = alpha[row(h w)] + gamma[row(h)] p_{j-1}(w|h'), if active[row(h)]."""
+
+    alpha: np.ndarray  # (rows of order j,) float64: the discounted share of each seen n-gram
+    gamma: np.ndarray  # (rows of order j-1,) float64: the mass each context hands down
+    active: np.ndarray  # (rows of order j-1,) bool: this order applies to that context
+
+
+@dataclass(frozen=True)
+class NGramEval:
+    """Loss, perplexity and bits per byte of an n-gram model on a token stream."""
+
+    loss_sum: float  # total -log p over every target, in nats (inf if some target had p = 0)
+    tokens: int  # targets scored
+    bytes: float  # UTF-8 bytes of the text those tokens stand for
+
+    @property
+    def loss(self) -> float:
+        """Mean next-token cross-entropy, nats per token."""
+        return self.loss_sum / self.tokens
+
+    @property
+    def perplexity(self) -> float:
+        return math.inf if self.loss > 700 else math.exp(self.loss)  # exp overflows past ~709
+
+    @property
+    def bits_per_byte(self) -> float:
+        """loss x tokens / (bytes x ln 2): the text's code length per byte, tokenizer-independent."""
+        return self.loss_sum / (self.bytes * math.log(2))
+
+    def as_dict(self, prefix: str = "val_") -> dict[str, float | int]:
+        return {f"{prefix}loss": self.loss, f"{prefix}ppl": self.perplexity, f"{prefix}bpb": self.bits_per_byte,
+                f"{prefix}tokens": self.tokens, f"{prefix}bytes": self.bytes}
+
+
+# ----- padding a token stream into documents -----------------------------------------------------
+
+
+def _as_stream(data: TokenData, eos_id: int) -> np.ndarray:
+    """One int64 stream with EOS after every document (a list of documents gets EOS appended where missing)."""
+    if isinstance(data, np.ndarray):
+        return data.astype(np.int64, copy=False).reshape(-1)
+    data = list(data)
+    if data and all(isinstance(d, (int, np.integer)) for d in data):
+        return np.asarray(data, dtype=np.int64)
+    pieces = []
+    for doc in data:
+        doc = np.asarray(doc, dtype=np.int64).reshape(-1)
+        if len(doc) == 0:
+            continue  # an empty document is nothing to predict (prepare drops them too)
+        pieces.append(doc)
+        if doc[-1] != eos_id:
+            pieces.append(np.array([eos_id], dtype=np.int64))
+    return np.concatenate(pieces) if pieces else np.empty(0, dtype=np.int64)
+
+
+def _pad(stream: np.ndarray, order: int, bos_id: int, eos_id: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Insert n-1 BOS before every document of an EOS-separated stream.
+
+    Returns the padded stream P, each position's offset from its padded document's start
+    (a window of length j ending at q lies inside one document iff offset[q] >= j - 1), and
+    the positions of P that hold the original tokens (the targets), in order.
+    """
+    pad = order - 1
+    n = len(stream)
+    if n == 0:
+        empty = np.empty(0, dtype=np.int64)
+        return empty, empty, empty
+    # document index of each token: a new document starts after every EOS
+    doc = np.zeros(n, dtype=np.int64)
+    np.cumsum(stream[:-1] == eos_id, out=doc[1:])
+    n_docs = int(doc[-1]) + 1
+    starts = np.flatnonzero(np.diff(doc, prepend=-1))  # (n_docs,) first token of each document
+    targets = np.arange(n, dtype=np.int64) + (doc + 1) * pad
+    padded = np.full(n + n_docs * pad, bos_id, dtype=np.int64)
+    padded[targets] = stream
+    offset = np.empty(len(padded), dtype=np.int64)
+    offset[targets] = np.arange(n) - starts[doc] + pad
+    pad_pos = (starts + np.arange(n_docs) * pad)[:, None] + np.arange(pad)  # (n_docs, pad)
+    offset[pad_pos] = np.arange(pad)
+    return padded, offset, targets
+
+
+def _lookup(keys: np.ndarray, query: np.ndarray) -> np.ndarray:
+    """Row of each query key in the sorted ``keys``, or -1 where it is absent."""
+    if len(keys) == 0:
+        return np.full(len(query), -1, dtype=np.int64)
+    i = np.searchsorted(keys, query)
+    i_safe = np.minimum(i, len(keys) - 1)
+    return np.where(keys[i_safe] == query, i_safe, -1)
+
+
+# ----- the model -----------------------------------------------------------------------------------
+
+
+class NGramModel:
+    """An n-gram language model over token ids: counts in a sorted-key trie, one smoothing chain.
+
+    Build one with `fit` or `fit_shards`, read one with `load`; see the module docstring.
+    """
+
+    def __init__(
+        self,
+        keys: list[np.ndarray],
+        counts: list[np.ndarray],
+        *,
+        vocab_size: int,
+        bos_id: int,
+        eos_id: int,
+        smoothing: str = "kn",
+        k: float = 1.0,
+        discount: float | None = None,
+        train_tokens: int = 0,
+        train_documents: int = 0,
+    ) -> None:
+        """From count tables (as `fit` makes them); use `fit`, `fit_shards` or `load` instead."""
+        self.order = len(keys)
+        self.vocab_size = int(vocab_size)
+        self.bos_id = int(bos_id)
+        self.eos_id = int(eos_id)
+        self.keys = keys  # keys[j-1]: sorted int64 keys of order j, row(h) * |V| + w
+        self.counts = [c.astype(np.int64, copy=False) for c in counts]  # times each ended at a target
+        self.train_tokens = int(train_tokens)
+        self.train_documents = int(train_documents)
+        _check_settings(self.order, self.vocab_size, self.bos_id, self.eos_id, smoothing, k, discount)
+        self.smoothing = smoothing
+        self.k = float(k)
+        self.discount = discount
+        self._suffix = self._suffix_rows()
+        self.discounts: list[tuple[float, float, float]] = []  # per order, kn only: (D1, D2, D3+)
+        self._base, self._levels = self._chain()
+
+    # ----- building ---------------------------------------------------------------------------
+
+    @classmethod
+    def fit(
+        cls,
+        data: TokenData,
+        order: int,
+        *,
+        tokenizer: Tokenizer | None = None,
+        vocab_size: int | None = None,
+        bos_id: int | None = None,
+        eos_id: int | None = None,
+        smoothing: str = "kn",
+        k: float = 1.0,
+        discount: float | None = None,
+    ) -> NGramModel:
+        """Count every n-gram of orders 1..``order`` in ``data`` and smooth.
+
+        ``data`` is a token stream with EOS after each document (a 1-D array or list, e.g. a
+        shard), or a list of documents (EOS appended to any that lacks it). The vocabulary
+        size and the BOS / EOS ids come from ``tokenizer`` or are given. ``k`` is add-k's
+        pseudo-count; ``discount`` fixes KN's single discount (None: modified KN's three
+        estimated discounts; for ``kn-nltk`` None means nltk's default 0.1).
+        """
+        vocab_size, bos_id, eos_id = _vocab(tokenizer, vocab_size, bos_id, eos_id)
+        _check_settings(order, vocab_size, bos_id, eos_id, smoothing, k, discount)
+        stream = _as_stream(data, eos_id)
+        if len(stream) == 0:
+            raise TinyLMError("there is no text to count: give at least one token")
+        _check_ids(stream, vocab_size)
+        padded, offset, targets = _pad(stream, order, bos_id, eos_id)
+        is_target = np.zeros(len(padded), dtype=bool)
+        is_target[targets] = True
+
+        keys: list[np.ndarray] = []
+        counts: list[np.ndarray] = []
+        prev_rows = np.zeros(len(padded), dtype=np.int64)  # row of the empty context (order 0): 0
+        for j in range(1, order + 1):
+            _check_key_room(len(keys[-1]) if keys else 1, vocab_size)
+            # every window of length j that fits in its document, ending at position q
+            q = np.flatnonzero(offset >= j - 1)
+            prefix = prev_rows[q - 1] if j > 1 else 0  # row of the window's first j-1 tokens
+            key_j, rows_j = np.unique(prefix * vocab_size + padded[q], return_inverse=True)
+            keys.append(key_j)
+            # counts are of n-grams ending at a real token; windows of padding only stay as nodes
+            counts.append(np.bincount(rows_j[is_target[q]], minlength=len(key_j)))
+            prev_rows = np.full(len(padded), -1, dtype=np.int64)
+            prev_rows[q] = rows_j
+        n_docs = int(np.count_nonzero(stream == eos_id) + (stream[-1] != eos_id))
+        return cls(keys, counts, vocab_size=vocab_size, bos_id=bos_id, eos_id=eos_id, smoothing=smoothing,
+                   k=k, discount=discount, train_tokens=len(stream), train_documents=n_docs)
+
+    @classmethod
+    def fit_shards(cls, shards: ShardSet, order: int, *, split: str = "train", **kwargs: Any) -> NGramModel:
+        """`fit` on a split of prepared token shards (documents already end in EOS)."""
+        tok = shards.tokenizer()
+        return cls.fit(shards.tokens(split), order, tokenizer=tok, **kwargs)
+
+    def with_smoothing(self, smoothing: str, *, k: float = 1.0, discount: float | None = None) -> NGramModel:
+        """The same counts under another smoothing (no recounting)."""
+        return NGramModel(self.keys, self.counts, vocab_size=self.vocab_size, bos_id=self.bos_id,
+                          eos_id=self.eos_id, smoothing=smoothing, k=k, discount=discount,
+                          train_tokens=self.train_tokens, train_documents=self.train_documents)
+
+    def _suffix_rows(self) -> list[np.ndarray]:
+        """For each order j >= 2, the row (in order j-1) of every n-gram's suffix: h w without h's first token.
+
+        The suffix of (prefix, w) is (suffix of prefix, w), so each order is one lookup into the
+        order below. Every suffix of a counted window is itself a counted window.
+        """
+        V = self.vocab_size
+        suffix: list[np.ndarray] = [np.zeros(len(self.keys[0]), dtype=np.int64)]  # order 1 -> the empty context
+        for j in range(2, self.order + 1):
+            prefix, word = np.divmod(self.keys[j - 1], V)
+            rows = _lookup(self.keys[j - 2], suffix[j - 2][prefix] * V + word) if j > 2 else _lookup(self.keys[0], word)
+            if (rows < 0).any():
+                raise TinyLMError("the n-gram tables are inconsistent (a suffix is missing); the model file is corrupt")
+            suffix.append(rows)
+        return suffix
+
+    def _continuation(self, j: int, only_counted: bool) -> np.ndarray:
+        """N1+(. g) for every n-gram g of order j < n: how many distinct tokens precede it.
+
+        Counted over the n-grams of order j+1 that end at a real token (``only_counted``,
+        Kneser-Ney) or over all of them, padding-only ones included (nltk's everygrams).
+        """
+        above = self._suffix[j]  # (rows of order j+1,) suffix rows in order j
+        if only_counted:
+            above = above[self.counts[j] > 0]
+        return np.bincount(above, minlength=len(self.keys[j - 1]))
+
+    def _n_contexts(self, j: int) -> int:
+        return len(self.keys[j - 2]) if j > 1 else 1
+
+    def _prefix(self, j: int) -> np.ndarray:
+        return self.keys[j - 1] // self.vocab_size
+
+    def _chain(self) -> tuple[float, list[_Level | None]]:
+        """The base distribution's value (uniform or 0) and the levels of the interpolation chain."""
+        n = self.order
+        V = self.vocab_size
+        levels: list[_Level | None] = []
+        if self.smoothing == "mle":
+            for j in range(1, n + 1):
+                c = self.counts[j - 1].astype(np.float64)
+                total = np.bincount(self._prefix(j), weights=c, minlength=self._n_contexts(j))
+                alpha = c / np.maximum(total, 1.0)[self._prefix(j)]
+                # gamma 0: the longest context seen in training decides alone
+                levels.append(_Level(alpha, np.zeros_like(total), total > 0))
+            return 0.0, levels
+
+        if self.smoothing == "add-k":
+            # (c + k) / (C + k|V|) = c / (C + k|V|) + [k|V| / (C + k|V|)] * (1/|V|): one level over uniform
+            c = self.counts[n - 1].astype(np.float64)
+            total = np.bincount(self._prefix(n), weights=c, minlength=self._n_contexts(n))
+            denom = total + self.k * V
+            alpha = c / denom[self._prefix(n)]
+            levels = [None] * (n - 1) + [_Level(alpha, self.k * V / denom, np.ones(len(total), dtype=bool))]
+            return 1.0 / V, levels
+
+        if self.smoothing == "kn":
+            for j in range(1, n + 1):
+                # raw counts at the highest order, continuation counts below it
+                num = self.counts[j - 1] if j == n else self._continuation(j, only_counted=True)
+                D = self._discounts(num)
+                self.discounts.append(D)
+                d = np.array([0.0, *D])[np.minimum(num, 3)]  # each n-gram's discount: D1, D2 or D3+
+                prefix = self._prefix(j)
+                total = np.bincount(prefix, weights=num.astype(np.float64), minlength=self._n_contexts(j))
+                safe = np.maximum(total, 1.0)
+                alpha = np.maximum(num - d, 0.0) / safe[prefix]
+                gamma = np.bincount(prefix, weights=d, minlength=len(total)) / safe
+                levels.append(_Level(alpha, gamma, total > 0))
+            return 1.0 / V, levels
+
+        # kn-nltk: nltk's KneserNey + InterpolatedLanguageModel, read off its source
+        d = NLTK_DISCOUNT if self.discount is None else self.discount
+        # order 1: continuation counts over every bigram type, padding included; no uniform part
+        num = self._continuation(1, only_counted=False).astype(np.float64)
+        levels.append(_Level(num / num.sum(), np.zeros(1), np.ones(1, dtype=bool)))
+        for j in range(2, n + 1):
+            num = (self.counts[j - 1] if j == n else self._continuation(j, only_counted=False)).astype(np.float64)
+            prefix = self._prefix(j)
+            total = np.bincount(prefix, weights=num, minlength=self._n_contexts(j))
+            types = np.bincount(prefix, minlength=len(total))  # distinct continuations in raw counts
+            safe = np.maximum(total, 1.0)  # total > 0 wherever types > 0 (see the module docstring)
+            alpha = np.maximum(num - d, 0.0) / safe[prefix]
+            levels.append(_Level(alpha, d * types / safe, types > 0))
+        return 0.0, levels
+
+    def _discounts(self, num: np.ndarray) -> tuple[float, float, float]:
+        """KN discounts for counts of 1, 2 and 3+: the given one, or estimated from count-of-counts."""
+        if self.discount is not None:
+            return (self.discount,) * 3
+        n1, n2, n3, n4 = (int(np.count_nonzero(num == r)) for r in (1, 2, 3, 4))
+        if min(n1, n2, n3, n4) == 0:
+            return (FALLBACK_DISCOUNT,) * 3
+        Y = n1 / (n1 + 2 * n2)
+        D = (1 - 2 * Y * n2 / n1, 2 - 3 * Y * n3 / n2, 3 - 4 * Y * n4 / n3)
+        # a discount must lie in (0, r] for the freed mass to be positive and no count to go negative
+        if not all(0 < Dr <= r for r, Dr in zip((1, 2, 3), D)):
+            return (FALLBACK_DISCOUNT,) * 3
+        return D
+
+    # ----- scoring ----------------------------------------------------------------------------
+
+    def _rows(self, padded: np.ndarray, offset: np.ndarray) -> list[np.ndarray]:
+        """rows[j][q]: row of the length-j window ending at q (-1: unseen or not in one document); rows[0] = 0."""
+        V = self.vocab_size
+        rows = [np.zeros(len(padded), dtype=np.int64)]
+        for j in range(1, self.order + 1):
+            r = np.full(len(padded), -1, dtype=np.int64)
+            q = np.flatnonzero(offset >= j - 1)
+            if j > 1:
+                q = q[rows[j - 1][q - 1] >= 0]  # an unseen prefix has no seen extension
+                r[q] = _lookup(self.keys[j - 1], rows[j - 1][q - 1] * V + padded[q])
+            else:
+                r[q] = _lookup(self.keys[0], padded[q])
+            rows.append(r)
+        return rows
+
+    def score(self, tokens: TokenData) -> np.ndarray:
+        """Natural log-probability of every token of an EOS-separated stream, (T,) float64.
+
+        Vectorised: one pass per order over the whole array. -inf where the model gives 0.
+        """
+        stream = _as_stream(tokens, self.eos_id)
+        _check_ids(stream, self.vocab_size)
+        padded, offset, targets = _pad(stream, self.order, self.bos_id, self.eos_id)
+        if len(targets) == 0:
+            return np.empty(0, dtype=np.float64)
+        rows = self._rows(padded, offset)
+        p = np.full(len(targets), self._base)
+        for j, level in enumerate(self._levels, start=1):
+            if level is None:
+                continue
+            ctx = rows[j - 1][targets - 1] if j > 1 else np.zeros(len(targets), dtype=np.int64)
+            gram = rows[j][targets]
+            use = ctx >= 0
+            use[use] = level.active[ctx[use]]
+            alpha = np.where(gram >= 0, level.alpha[np.maximum(gram, 0)], 0.0)
+            p = np.where(use, alpha + level.gamma[np.maximum(ctx, 0)] * p, p)
+        with np.errstate(divide="ignore"):  # log 0 = -inf is the answer for an impossible token
+            return np.log(p)
+
+    def next_token_distribution(self, context: Sequence[int] | np.ndarray = ()) -> np.ndarray:
+        """p(. | context) over the whole vocabulary, (|V|,) float64.
+
+        ``context`` is the token history; the document restarts after its last EOS, and the
+        part used is its last n-1 tokens, left-padded with BOS. Computed from each context's
+        children slice of the trie, a separate path from `score` (the tests pin them equal).
+        """
+        V = self.vocab_size
+        ctx = [int(t) for t in context]
+        _check_ids(np.asarray(ctx, dtype=np.int64), V)
+        if self.eos_id in ctx:
+            ctx = ctx[len(ctx) - ctx[::-1].index(self.eos_id):]
+        ctx = ([self.bos_id] * (self.order - 1) + ctx)[len(ctx):] if self.order > 1 else []  # exactly n-1
+        p = np.full(V, self._base)
+        for j, level in enumerate(self._levels, start=1):
+            if level is None:
+                continue
+            row = self._context_row(ctx[len(ctx) - (j - 1):] if j > 1 else [])
+            if row < 0 or not level.active[row]:
+                continue
+            lo, hi = np.searchsorted(self.keys[j - 1], [row * V, (row + 1) * V])
+            p = level.gamma[row] * p
+            p[self.keys[j - 1][lo:hi] - row * V] += level.alpha[lo:hi]
+        return p
+
+    def _context_row(self, context: Sequence[int]) -> int:
+        """Row of a (j-1)-token context in order j-1, walking the trie from the root; -1 if unseen."""
+        row = 0
+        for i, tok in enumerate(context):
+            row = int(_lookup(self.keys[i], np.array([row * self.vocab_size + tok]))[0])
+            if row < 0:
+                return -1
+        return row
+
+    def logprob(self, context: Sequence[int] | np.ndarray, token: int) -> float:
+        """log p(token | context), natural log (-inf if impossible). For many tokens use `score`."""
+        p = float(self.next_token_distribution(context)[token])
+        return math.log(p) if p > 0 else -math.inf
+
+    def evaluate(self, tokens: TokenData, n_bytes: float) -> NGramEval:
+        """Loss per token, perplexity and bits per byte on a stream whose text is ``n_bytes`` UTF-8 bytes."""
+        logp = self.score(tokens)
+        if len(logp) == 0:
+            raise TinyLMError("there are no tokens to evaluate")
+        if n_bytes <= 0:
+            raise TinyLMError(f"the text's size in bytes must be positive, got {n_bytes}")
+        return NGramEval(float(-logp.sum()), len(logp), float(n_bytes))
+
+    def evaluate_shards(self, shards: ShardSet, split: str = "val") -> NGramEval:
+        """`evaluate` on a split of token shards, its byte count from the shards' meta."""
+        if shards.vocab_size != self.vocab_size or shards.eos_id != self.eos_id:
+            raise TinyLMError(
+                f"these shards use a tokenizer with {shards.vocab_size} tokens (EOS {shards.eos_id}), "
+                f"the model {self.vocab_size} (EOS {self.eos_id}); evaluate on shards of the same tokenizer"
+            )
+        return self.evaluate(shards.tokens(split), shards.meta["splits"][split]["bytes"])
+
+    # ----- sampling ---------------------------------------------------------------------------
+
+    def sample(
+        self,
+        prompt_ids: Sequence[int] = (),
+        max_new_tokens: int = 100,
+        *,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int | None = None,
+    ) -> list[int]:
+        """New token ids after ``prompt_ids`` (EOS ends the sample and is not included).
+
+        The same knobs as the Transformer's sampler: temperature (0 = greedy), top-k (None or
+        0: off), top-p (nucleus; None or 1: off), and a seed for a reproducible draw. An empty
+        prompt starts a new document. BOS is never drawn: it is padding, not text.
+        """
+        if max_new_tokens < 0:
+            raise TinyLMError(f"max_new_tokens must be 0 or more, got {max_new_tokens}")
+        rng = np.random.default_rng(seed)
+        history = [int(t) for t in prompt_ids]
+        new: list[int] = []
+        for _ in range(max_new_tokens):
+            probs = self.next_token_distribution(history[-(self.order - 1):] if self.order > 1 else [])
+            probs[self.bos_id] = 0.0
+            probs = filter_probs(probs, temperature=temperature, top_k=top_k, top_p=top_p)
+            token = int(np.searchsorted(np.cumsum(probs), rng.random() * probs.sum(), side="right"))
+            token = min(token, self.vocab_size - 1)  # guards the (measure-zero) draw at the very top
+            if token == self.eos_id:
+                break
+            history.append(token)
+            new.append(token)
+        return new
+
+    # ----- saving and loading -----------------------------------------------------------------
+
+    def header(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT_NAME,
+            "version": FORMAT_VERSION,
+            "order": self.order,
+            "vocab_size": self.vocab_size,
+            "bos_id": self.bos_id,
+            "eos_id": self.eos_id,
+            "smoothing": self.smoothing,
+            "k": self.k,
+            "discount": self.discount,
+            "discounts": [list(D) for D in self.discounts],  # for reading only: recomputed on load
+            "train_tokens": self.train_tokens,
+            "train_documents": self.train_documents,
+        }
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write the model as one .npz file (see the module docstring), atomically."""
+        arrays: dict[str, np.ndarray] = {
+            "header": np.frombuffer(json.dumps(self.header()).encode("utf-8"), dtype=np.uint8)
+        }
+        for j in range(1, self.order + 1):
+            c = self.counts[j - 1]
+            arrays[f"keys_{j}"] = self.keys[j - 1]
+            arrays[f"counts_{j}"] = c.astype(np.uint32 if c.size == 0 or c.max() < 2**32 else np.uint64)
+        with atomic_path(path) as tmp, open(tmp, "wb") as f:  # a file object: savez adds no suffix
+            np.savez(f, **arrays)
+        return Path(path)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> NGramModel:
+        """Read a model written by `save`."""
+        path = Path(path)
+        try:
+            with np.load(path, allow_pickle=False) as npz:
+                arrays = {name: npz[name] for name in npz.files}
+        except FileNotFoundError:
+            raise TinyLMError(f"n-gram model file {path} does not exist") from None
+        except (OSError, ValueError) as e:
+            raise TinyLMError(f"{path} is not a readable n-gram model file ({e})") from None
+        try:
+            header = json.loads(arrays["header"].tobytes().decode("utf-8"))
+        except (KeyError, UnicodeDecodeError, json.JSONDecodeError):
+            raise TinyLMError(f"{path} has no valid JSON header: it is not a tinylm n-gram model") from None
+        if not isinstance(header, dict) or header.get("format") != FORMAT_NAME:
+            raise TinyLMError(f"{path} is not a tinylm n-gram model (no \"format\": \"{FORMAT_NAME}\")")
+        if header.get("version") != FORMAT_VERSION:
+            raise TinyLMError(
+                f"{path} has n-gram format version {header.get('version')!r}, but this tinylm reads "
+                f"version {FORMAT_VERSION}; fit the model again"
+            )
+        try:
+            order = int(header["order"])
+            keys = [arrays[f"keys_{j}"].astype(np.int64, copy=False) for j in range(1, order + 1)]
+            counts = [arrays[f"counts_{j}"].astype(np.int64) for j in range(1, order + 1)]
+            return cls(keys, counts, vocab_size=header["vocab_size"], bos_id=header["bos_id"],
+                       eos_id=header["eos_id"], smoothing=header["smoothing"], k=header["k"],
+                       discount=header["discount"], train_tokens=header["train_tokens"],
+                       train_documents=header["train_documents"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise TinyLMError(
+                f"{path} is a corrupt n-gram model file ({type(e).__name__}: {e}); fit it again"
+            ) from None
+
+    @property
+    def nbytes(self) -> int:
+        """Memory held by the model's arrays: the tables, suffix pointers and the smoothing chain."""
+        arrays = [*self.keys, *self.counts, *self._suffix]
+        for level in self._levels:
+            if level is not None:
+                arrays += [level.alpha, level.gamma, level.active]
+        return sum(a.nbytes for a in arrays)
+
+    def __repr__(self) -> str:
+        sizes = ", ".join(str(len(k)) for k in self.keys)
+        return (f"NGramModel(order={self.order}, smoothing={self.smoothing!r}, "
+                f"vocab_size={self.vocab_size}, n-grams=[{sizes}])")
+
+
+# ----- sampling filters --------------------------------------------------------------------------
+
+
+def filter_probs(
+    probs: np.ndarray, *, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None
+) -> np.ndarray:
+    """Probabilities after temperature, top-k and top-p, renormalised; temperature 0 is a one-hot argmax.
+
+    The same rules as `tinylm.generate.sampling` (ties with the k-th token and with the token
+    crossing top_p are kept), in numpy on probabilities. Kept here for now; once the generate
+    wing drives any model's ``next_token_distribution``, this should go and both share its filters.
+    """
+    if temperature < 0:
+        raise TinyLMError(f"temperature must be 0 or more, got {temperature}")
+    if top_k is not None and top_k < 0:
+        raise TinyLMError(f"top_k must be 0 (off) or more, got {top_k}")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise TinyLMError(f"top_p must be in (0, 1], got {top_p}")
+    probs = np.asarray(probs, dtype=np.float64)
+    if temperature == 0:
+        out = np.zeros_like(probs)
+        out[int(np.argmax(probs))] = 1.0
+        return out
+    if temperature == 1:
+        out = probs.copy()
+    else:
+        with np.errstate(divide="ignore"):
+            logits = np.log(probs) / temperature  # p^(1/T), in log space so small p do not underflow
+        out = np.exp(logits - logits.max())
+    if top_k and top_k < len(out):
+        kth = np.partition(out, len(out) - top_k)[len(out) - top_k]  # the k-th largest
+        out[out < kth] = 0.0  # ties with the k-th are kept, as in the Transformer's sampler
+    if top_p is not None and top_p < 1:
+        ranked = np.sort(out)[::-1]
+        cum = np.cumsum(ranked) / out.sum()
+        # the smallest head whose mass reaches top_p (a sum that misses it by rounding still counts),
+        # and every token tied with the one that crosses it: the generate wing's rule
+        crossing = ranked[min(int(np.searchsorted(cum, top_p - TOP_P_TOLERANCE)), len(out) - 1)]
+        out[out < crossing] = 0.0
+    return out / out.sum()
+
+
+# ----- checks --------------------------------------------------------------------------------------
+
+
+def _vocab(
+    tokenizer: Tokenizer | None, vocab_size: int | None, bos_id: int | None, eos_id: int | None
+) -> tuple[int, int, int]:
+    if tokenizer is not None:
+        return (tokenizer.vocab_size if vocab_size is None else vocab_size,
+                tokenizer.bos_id if bos_id is None else bos_id,
+                tokenizer.eos_id if eos_id is None else eos_id)
+    if vocab_size is None or bos_id is None or eos_id is None:
+        raise TinyLMError("give a tokenizer, or vocab_size, bos_id and eos_id")
+    return vocab_size, bos_id, eos_id
+
+
+def _check_settings(
+    order: int, vocab_size: int, bos_id: int, eos_id: int, smoothing: str, k: float, discount: float | None
+) -> None:
+    if order < 1:
+        raise TinyLMError(f"the order n must be 1 or more, got {order}")
+    if not (0 <= bos_id < vocab_size and 0 <= eos_id < vocab_size) or bos_id == eos_id:
+        raise TinyLMError(
+            f"BOS ({bos_id}) and EOS ({eos_id}) must be two different ids below the vocabulary size {vocab_size}"
+        )
+    if smoothing not in SMOOTHINGS:
+        raise TinyLMError(f"unknown smoothing {smoothing!r}; choose one of {', '.join(SMOOTHINGS)}")
+    if smoothing == "add-k" and not k > 0:
+        raise TinyLMError(f"add-k needs k > 0 (k = 0 is mle), got {k}")
+    if discount is not None and not 0 < discount <= 1:
+        raise TinyLMError(f"a Kneser-Ney discount must be in (0, 1], got {discount}")
+    if smoothing == "kn-nltk" and order < 2:
+        raise TinyLMError("nltk's Kneser-Ney formulation needs order 2 or more (its unigram level divides by zero)")
+
+
+def _check_ids(stream: np.ndarray, vocab_size: int) -> None:
+    if len(stream) and (stream.min() < 0 or stream.max() >= vocab_size):
+        bad = stream[(stream < 0) | (stream >= vocab_size)][0]
+        raise TinyLMError(f"token id {bad} is outside the vocabulary 0..{vocab_size - 1}; use the model's tokenizer")
+
+
+def _check_key_room(n_contexts: int, vocab_size: int) -> None:
+    # keys are row * |V| + w in int64; rows are bounded by the corpus size, so this holds far past any real corpus
+    if n_contexts * vocab_size >= 2**63:
+        raise TinyLMError(
+            f"{n_contexts} contexts x {vocab_size} tokens do not fit the int64 keys; use less text or a lower order"
+        )
