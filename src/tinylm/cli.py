@@ -8,6 +8,9 @@ stderr with exit status 2 and no traceback; so is a bad flag value.
     tinylm tokenizer encode --tokenizer tok.json --text "To be, or not to be" --show
     tinylm tokenizer info --tokenizer tok.json
     tinylm prepare --corpus shakespeare --out data/shakespeare
+    tinylm train                                   # the tiny preset on Shakespeare, into runs/tiny-shakespeare
+    tinylm train --preset tiny --max-steps 200 --lr 2e-3 --out runs/quick
+    tinylm eval runs/quick
 """
 
 from __future__ import annotations
@@ -279,6 +282,137 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
+# ----- tinylm train / eval ------------------------------------------------------------------------
+
+_SETTING_PREFIX = "setting:"  # argparse dest of a [model]/[train] setting: "setting:<table>.<key>"
+
+
+# What each [model] setting means, for --help (GPTConfig's docstring says it at length).
+_MODEL_HELP = {
+    "vocab_size": "|V|; training sets it from the tokenizer",
+    "block_size": "context length T: the most tokens the model sees at once",
+    "n_layer": "number of Transformer blocks",
+    "d_model": "width d of every position's vector",
+    "n_head": "query heads (each of size d_model / n_head)",
+    "n_kv_head": "key/value heads for grouped-query attention (unset: as many as n_head; 1: multi-query)",
+    "mlp": "the MLP: GELU (GPT-2) or SwiGLU (Llama)",
+    "d_ff": "the MLP's hidden width (unset: 4 d for gelu, about 8/3 d for swiglu)",
+    "norm": "LayerNorm or RMSNorm",
+    "norm_position": "normalize each sublayer's input (pre) or after each residual addition (post)",
+    "norm_eps": "the norms' epsilon",
+    "positions": "position information: learned, sinusoidal, rotary (rope) or none",
+    "rope_theta": "RoPE's base",
+    "bias": "biases on linear layers and LayerNorm",
+    "tie_embeddings": "share the output head with the token embedding E",
+    "dropout": "dropout probability",
+    "init_std": "standard deviation of the initial weights",
+    "attention": "attention implementation: fused (sdpa), the definition (reference) or tiled online softmax",
+    "tile_size": "key block size of tiled attention",
+}
+
+
+def _add_setting_flags(p: argparse.ArgumentParser) -> None:
+    """One flag per configuration field, [model] and [train], generated from the dataclasses.
+
+    Values stay text here; `apply_overrides` parses and checks them, so a flag and a TOML key
+    give the same errors. Only the flags given on the command line end up in the namespace.
+    The defaults shown are the tiny preset's, which is where `tinylm train` starts.
+    """
+    import dataclasses
+    import typing
+
+    from tinylm.config import SECTIONS, _type_hints, resolve_config
+
+    tiny = resolve_config(preset="tiny")
+    for section, cls in SECTIONS.items():
+        group = p.add_argument_group(
+            f"[{section}] settings",
+            "override the preset and --config file, e.g. --n-layer 6" if section == "model"
+            else "override the preset and --config file, e.g. --lr 2e-3 --max-steps 500",
+        )
+        hints = _type_hints(cls)
+        for f in dataclasses.fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            dest = f"{_SETTING_PREFIX}{section}.{f.name}"
+            tp = hints[f.name]
+            help_text = f.metadata.get("help") or _MODEL_HELP.get(f.name, f"[{section}] {f.name}")
+            default = getattr(getattr(tiny, section), f.name)
+            if tp is bool:
+                group.add_argument(flag, dest=dest, action="store_const", const=True, default=argparse.SUPPRESS,
+                                   help=f"{help_text}; --no-{flag[2:]} to turn off (tiny: {str(default).lower()})")
+                group.add_argument("--no-" + flag[2:], dest=dest, action="store_const", const=False,
+                                   default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+                continue
+            inner = [a for a in typing.get_args(tp) if a is not type(None)] or [tp]
+            inner_tp = inner[0] if typing.get_origin(tp) is not typing.Literal else tp
+            if typing.get_origin(inner_tp) is typing.Literal:
+                metavar = "{" + ",".join(typing.get_args(inner_tp)) + "}"
+            else:
+                metavar = {int: "N", float: "X"}.get(inner_tp, "TEXT")
+            shown = "unset" if default is None else default
+            group.add_argument(flag, dest=dest, metavar=metavar, default=argparse.SUPPRESS,
+                               help=f"{help_text} (tiny: {shown})".replace("%", "%%"))
+
+
+def _settings(args: argparse.Namespace) -> dict[str, object]:
+    return {k[len(_SETTING_PREFIX):]: v for k, v in vars(args).items() if k.startswith(_SETTING_PREFIX)}
+
+
+def _train_config(args: argparse.Namespace):
+    """The configuration the flags describe; None on --resume with nothing changed (the run's own)."""
+    from tinylm.config import apply_overrides, build_config, load_config_file, load_preset
+
+    settings = _settings(args)
+    if args.resume and not (args.preset or args.config or settings):
+        return None
+    if args.resume and not (args.preset or args.config):
+        saved = Path(args.out) / "config.toml"
+        base = load_config_file(saved) if saved.exists() else load_preset("tiny")
+    else:
+        base = load_preset(args.preset or "tiny") if (args.preset or not args.config) else {}
+        if args.config:
+            from tinylm.config import _merge
+
+            base = _merge(base, load_config_file(args.config))
+    return build_config(apply_overrides(base, settings))
+
+
+def _default_run_dir(args: argparse.Namespace) -> Path:
+    """runs/<preset or config file name>-<corpus name>, e.g. runs/tiny-shakespeare."""
+    settings = _settings(args)
+    corpus = str(settings.get("train.corpus", "shakespeare"))
+    if args.config and "train.corpus" not in settings:
+        from tinylm.config import load_config_file
+
+        corpus = str(load_config_file(args.config).get("train", {}).get("corpus", corpus))
+    recipe = args.preset or (Path(args.config).stem if args.config else "tiny")
+    return Path("runs") / f"{recipe}-{Path(corpus.rstrip('/')).stem or 'corpus'}"
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from tinylm.train import train
+
+    if args.out is None:
+        args.out = str(_default_run_dir(args))
+    config = _train_config(args)
+    resume = False if args.resume is None else args.resume
+    train(config, args.out, resume=resume, force=args.force, init_from=args.init_from,
+          stop_after=args.stop_after, progress=None if args.progress else False)
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from tinylm.evaluate import evaluate_run
+
+    result = evaluate_run(args.run, args.split, checkpoint=args.checkpoint, max_tokens=args.tokens or 0,
+                          batch_size=args.batch_size, data_dir=args.data_dir, device=args.device)
+    scope = "bytes prorated from a subset" if result.prorated else "the whole split"
+    print(f"{args.run} ({args.checkpoint} checkpoint) on {args.split}: loss {result.loss:.4f} nats per token, "
+          f"perplexity {result.perplexity:.2f}, {result.bits_per_byte:.4f} bits per byte "
+          f"({result.tokens:,} tokens, {scope})")
+    return 0
+
+
 def _show_help(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], int]:
     """For a command group run without its action (`tinylm tokenizer`): print its help, exit 2."""
 
@@ -382,6 +516,46 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the train/validation split (default: 0)")
     p.add_argument("--force", action="store_true", help="re-train the tokenizer and rewrite the shards")
     p.set_defaults(func=cmd_prepare)
+
+    # tinylm train
+    p = sub.add_parser(
+        "train", help="train a model: tokenizer, data, training, checkpoints, metrics, a sample",
+        allow_abbrev=False,
+        description="Train a GPT-style model by next-token cross-entropy. Settings come from a preset "
+        "(default: tiny), then a TOML file (--config), then the setting flags below; the resolved "
+        "configuration is saved with the run. With no arguments: the tiny model on Shakespeare for the "
+        "preset's token budget, into runs/tiny-shakespeare. Under `torchrun --nproc-per-node N -m tinylm "
+        "train ...` it trains with N processes (DDP, or FSDP with --parallel fsdp).",
+    )
+    p.add_argument("--preset", help="start from a named preset (default: tiny, unless --config names one)")
+    p.add_argument("--config", help="a TOML file with [model] and [train] tables (and an optional preset = \"name\")")
+    p.add_argument("--out", help="the run folder (default: runs/<preset>-<corpus>)")
+    p.add_argument("--resume", nargs="?", const="latest", metavar="CHECKPOINT",
+                   help="continue the run in --out exactly where it stopped: from its latest checkpoint, or "
+                   "'best', or a checkpoint folder")
+    p.add_argument("--force", action="store_true", help="start over in an existing run folder (deletes it)")
+    p.add_argument("--init-from", metavar="RUN", help="start from another run's weights (its best checkpoint) or a "
+                   "checkpoint folder, with a fresh optimizer: fine-tuning")
+    p.add_argument("--stop-after", type=_positive_int, metavar="STEPS",
+                   help="stop after this many steps with a checkpoint, as if interrupted (resume later)")
+    p.add_argument("--no-progress", dest="progress", action="store_false",
+                   help="no progress bar or progress lines")
+    _add_setting_flags(p)
+    p.set_defaults(func=cmd_train)
+
+    # tinylm eval
+    p = sub.add_parser("eval", help="loss, perplexity and bits per byte of a trained run",
+                       description="Evaluate a trained run on a split of the token shards it was trained on: "
+                       "mean loss per token, perplexity, and bits per byte of the original text.")
+    p.add_argument("run", help="the run folder (e.g. runs/tiny-shakespeare)")
+    p.add_argument("--checkpoint", choices=["best", "latest"], default="best", help="which checkpoint (default: best)")
+    p.add_argument("--split", choices=["val", "train"], default="val", help="which split (default: val)")
+    p.add_argument("--tokens", type=_positive_int, help="evaluate evenly spaced windows of about this many tokens "
+                   "(default: the whole split)")
+    p.add_argument("--batch-size", type=_positive_int, help="sequences per batch (default: the run's batch_size)")
+    p.add_argument("--data-dir", help="the run's shard folder, if it has moved since training")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps (default: cpu)")
+    p.set_defaults(func=cmd_eval)
 
     return parser
 

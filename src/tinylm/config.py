@@ -1,13 +1,19 @@
 """Configuration as data: the model's settings, named presets, TOML files and `--key value` overrides.
 
-A run's configuration is a small TOML document with one table per part of the pipeline. Today
-there is one, ``[model]`` (the fields of `GPTConfig`); a ``[train]`` table joins it later, and
-every helper here works table by table, so adding one is a new entry in `SECTIONS`.
+A run's configuration is a small TOML document with one table per part of the pipeline:
+``[model]`` (the fields of `GPTConfig`: the network's shape) and ``[train]`` (the fields of
+`TrainConfig`: data, optimizer, schedule, budget, evaluation, device). Every helper here works
+table by table, so adding a table is a new entry in `SECTIONS`.
 
     [model]
     n_layer = 4
     d_model = 192
     positions = "rope"
+
+    [train]
+    batch_size = 32
+    lr = 2e-3
+    max_tokens = 20_000_000
 
 Where settings come from, later ones winning:
 
@@ -24,7 +30,7 @@ rejected by `GPTConfig` itself, with a message that says what to change.
 
 Usage::
 
-    cfg = resolve_config(preset="tiny", overrides=["--n-layer", "6"])
+    cfg = resolve_config(preset="tiny", overrides=["--n-layer", "6", "--lr", "1e-3"])
     model = GPT(cfg.model)
     text = dump_toml(cfg.to_dict())        # the resolved configuration, saved with the run
 
@@ -54,6 +60,12 @@ NormKind = Literal["layernorm", "rmsnorm"]
 NormPosition = Literal["pre", "post"]
 PositionKind = Literal["learned", "sinusoidal", "rope", "none"]
 AttentionKind = Literal["sdpa", "reference", "tiled"]
+TokenizerKind = Literal["bpe", "char", "word"]
+BatchMode = Literal["packed", "documents"]
+OptimizerKind = Literal["adamw", "sgd"]
+DecayKind = Literal["cosine", "linear", "constant"]
+DtypeKind = Literal["auto", "float32", "bfloat16"]
+ParallelKind = Literal["ddp", "fsdp"]
 
 # SwiGLU's hidden width when not given: 8/3 d (so its three matrices hold as many weights as
 # GELU's two at 4 d), rounded up to a multiple of this so the matrices tile well on hardware.
@@ -166,11 +178,127 @@ class GPTConfig:
                 raise TinyLMError(f"{name} must be positive, got {getattr(self, name)}")
 
 
+def _help(text: str) -> Any:
+    return {"help": text}
+
+
+@dataclass
+class TrainConfig:
+    """How a model is trained (SPEC section 4): data, optimizer, schedule, budget, evaluation, device.
+
+    Each field's ``metadata["help"]`` says what it means (it is also what `tinylm train --help`
+    prints). A field that may be unset (``X | None``) defaults to None, because TOML has no null:
+    the saved configuration leaves such a field out, and reading it back must give None again.
+
+    The batch is counted in sequences of ``model.block_size`` tokens: one optimizer step sees
+    ``batch_size * grad_accum`` sequences, whatever the number of processes (with ``torchrun``,
+    each of W processes takes ``batch_size / W`` rows of every micro-batch).
+    """
+
+    # -- data
+    corpus: str = field(default="shakespeare", metadata=_help(
+        "a built-in corpus (shakespeare, stdlib) or a path to a text file, a folder or a .jsonl file"))
+    glob: str | None = field(default=None, metadata=_help(
+        "for a folder corpus: which files to read (default **/*.txt)"))
+    text_field: str = field(default="text", metadata=_help("for a JSONL corpus: the field that holds the text"))
+    tokenizer: str | None = field(default=None, metadata=_help(
+        "a tinylm tokenizer JSON file to use; unset: train one on the corpus (see tokenizer_kind)"))
+    tokenizer_kind: TokenizerKind = field(default="bpe", metadata=_help("the tokenizer to train when none is given"))
+    tokenizer_vocab_size: int = field(default=2048, metadata=_help(
+        "|V| of the tokenizer to train (bpe, word; a char tokenizer takes every character it sees)"))
+    tokenizer_pattern: str = field(default="gpt4", metadata=_help("bpe split pattern: gpt2, gpt4 or a regex"))
+    data_dir: str | None = field(default=None, metadata=_help(
+        "where the token shards go; unset: data/<corpus>-<tokenizer> (reused on the next run)"))
+    val_fraction: float = field(default=0.1, metadata=_help("share of the corpus's documents held out for validation"))
+    batch_mode: BatchMode = field(default="packed", metadata=_help(
+        "packed: random windows of the token stream; documents: one document per row, truncated or padded"))
+    # -- batch and budget
+    batch_size: int = field(default=32, metadata=_help("sequences per micro-batch, summed over all processes"))
+    grad_accum: int = field(default=1, metadata=_help("micro-batches per optimizer step (gradient accumulation)"))
+    max_steps: int | None = field(default=None, metadata=_help(
+        "optimizer steps to train; with max_tokens too, whichever budget is smaller wins"))
+    max_tokens: int | None = field(default=None, metadata=_help(
+        "training tokens to see, rounded up to whole steps of batch_size * grad_accum * block_size"))
+    # -- optimizer and schedule
+    optimizer: OptimizerKind = field(default="adamw", metadata=_help("adamw, or sgd (with momentum)"))
+    lr: float = field(default=1e-3, metadata=_help("the peak learning rate, reached at the end of warmup"))
+    min_lr: float | None = field(default=None, metadata=_help("the learning rate at the last step; unset: lr / 10"))
+    warmup_steps: int = field(default=100, metadata=_help("steps of linear warmup from lr / warmup_steps to lr"))
+    decay: DecayKind = field(default="cosine", metadata=_help("after warmup, from lr down to min_lr at the last step"))
+    weight_decay: float = field(default=0.1, metadata=_help(
+        "decoupled weight decay (AdamW) or L2 (SGD), on matrices and embeddings only, never on norms and biases"))
+    beta1: float = field(default=0.9, metadata=_help("AdamW's first-moment decay"))
+    beta2: float = field(default=0.95, metadata=_help("AdamW's second-moment decay"))
+    momentum: float = field(default=0.9, metadata=_help("SGD's momentum"))
+    grad_clip: float = field(default=1.0, metadata=_help(
+        "clip the gradient's global norm to this; 0 turns clipping off"))
+    seed: int = field(default=1337, metadata=_help("seeds the initial weights, the batches and dropout"))
+    # -- evaluation, checkpoints, logging
+    eval_interval: int = field(default=250, metadata=_help("evaluate on the validation split every this many steps"))
+    eval_tokens: int = field(default=65536, metadata=_help(
+        "tokens per periodic evaluation (evenly spaced windows of the split); 0: the whole split"))
+    final_eval_tokens: int = field(default=0, metadata=_help(
+        "tokens for the evaluation at the end; 0: the whole validation split"))
+    eval_batch_size: int | None = field(default=None, metadata=_help(
+        "sequences per evaluation batch; unset: batch_size"))
+    checkpoint_interval: int | None = field(default=None, metadata=_help(
+        "save checkpoints/latest every this many steps; unset: at every evaluation (and always at the end)"))
+    log_interval: int = field(default=10, metadata=_help(
+        "steps between metrics.jsonl lines (and progress lines when the output is not a terminal)"))
+    # -- hardware
+    device: str = field(default="auto", metadata=_help(
+        "auto (cuda when there is a GPU, else cpu), cpu, cuda, cuda:N or mps"))
+    dtype: DtypeKind = field(default="auto", metadata=_help(
+        "auto: bfloat16 autocast on a GPU that has it, float32 elsewhere; or float32, bfloat16"))
+    compile: bool = field(default=False, metadata=_help("torch.compile the model (worth it on a GPU)"))
+    threads: int | None = field(default=None, metadata=_help(
+        "CPU threads per process; unset: PyTorch's default, divided among the processes of this machine"))
+    parallel: ParallelKind = field(default="ddp", metadata=_help(
+        "under torchrun: ddp (replicate the model) or fsdp (shard weights, gradients and optimizer state)"))
+    # -- the sample printed at the end
+    sample_tokens: int = field(default=200, metadata=_help("tokens of text to generate at the end (0: none)"))
+    sample_temperature: float = field(default=0.8, metadata=_help("temperature of that sample (0: greedy)"))
+    sample_top_k: int = field(default=40, metadata=_help("sample from the k most likely tokens only; 0: from all"))
+
+    def __post_init__(self) -> None:
+        hints = _type_hints(type(self))
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, check_type(f.name, getattr(self, f.name), hints[f.name]))
+        for name in ("tokenizer_vocab_size", "batch_size", "grad_accum", "eval_interval", "log_interval"):
+            if getattr(self, name) <= 0:
+                raise TinyLMError(f"{name} must be a positive integer, got {getattr(self, name)}")
+        for name in ("max_steps", "max_tokens", "eval_batch_size", "checkpoint_interval", "threads"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise TinyLMError(f"{name} must be a positive integer (or left unset), got {getattr(self, name)}")
+        for name in ("warmup_steps", "eval_tokens", "final_eval_tokens", "sample_tokens", "sample_top_k"):
+            if getattr(self, name) < 0:
+                raise TinyLMError(f"{name} must be 0 or more, got {getattr(self, name)}")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise TinyLMError(f"lr must be a positive number, got {self.lr}")
+        if self.min_lr is not None and not 0 <= self.min_lr <= self.lr:
+            raise TinyLMError(f"min_lr must be between 0 and lr ({self.lr}), got {self.min_lr}")
+        for name in ("beta1", "beta2", "momentum"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise TinyLMError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+        for name in ("weight_decay", "grad_clip", "sample_temperature"):
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
+                raise TinyLMError(f"{name} must be 0 or a positive number, got {getattr(self, name)}")
+        if not 0.0 < self.val_fraction < 1.0:
+            raise TinyLMError(f"val_fraction must be strictly between 0 and 1 (training needs a validation split), "
+                              f"got {self.val_fraction}")
+
+    @property
+    def final_lr(self) -> float:
+        """min_lr, or lr / 10 when it is unset."""
+        return self.lr / 10 if self.min_lr is None else self.min_lr
+
+
 @dataclass
 class Config:
     """A whole run's configuration: one dataclass per TOML table."""
 
     model: GPTConfig = field(default_factory=GPTConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """The nested dict `dump_toml` writes; fields left as None (meaning "the default rule") are omitted."""
@@ -181,7 +309,7 @@ class Config:
 
 
 # table name -> the dataclass its keys are the fields of
-SECTIONS: dict[str, type] = {"model": GPTConfig}
+SECTIONS: dict[str, type] = {"model": GPTConfig, "train": TrainConfig}
 
 
 # -- presets and files ---------------------------------------------------------------------------

@@ -119,7 +119,7 @@ def test_overrides_as_a_dict_and_back_to_the_default_rule():
         (["--mlp", "relu"], "mlp must be one of 'gelu', 'swiglu'; got 'relu'"),
         (["--n-layer"], r"--n-layer needs a value"),
         (["n-layer", "4"], "expected a setting such as --n-layer"),
-        (["--train.lr", "1"], "unknown table 'train'"),
+        (["--modle.n-layer", "1"], "unknown table 'modle'"),
         ({"n_layer": 4.5}, r"--n-layer expects an integer, got 4.5 \(float\)"),
     ],
 )

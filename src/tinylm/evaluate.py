@@ -1,0 +1,218 @@
+"""Evaluation: a language model's loss, perplexity and bits per byte on a split of token shards.
+
+For a split of N tokens x_1..x_N (documents back to back, each ending in EOS), the model's
+average next-token loss is
+
+    loss = (1/N) sum_t -log p(x_t | the tokens before it)          (nats per token)
+    perplexity = exp(loss)                                          (the "effective branching factor")
+    bits per byte = N * loss / (B * ln 2)                           (B: UTF-8 bytes of the split's text)
+
+Loss and perplexity depend on the tokenizer (a token of a 4096-BPE holds more text than a
+character), bits per byte does not: it is the code length of the original text, so models with
+different tokenizers, and n-gram or recurrent models, compare on it fairly.
+
+How the split is read: the token stream is cut into consecutive windows of ``block_size`` targets
+(the last one shorter), and each window's inputs are the tokens just before its targets, so
+every token of the split is a target exactly once. The very first token is predicted from an EOS,
+the token that precedes every document in packed training; the context restarts at each window
+boundary, as it must for a model with a fixed context length.
+
+A budget (``max_tokens``) evaluates evenly spaced windows instead of all of them, which is what
+training does every few hundred steps. The bytes are then prorated, B * (tokens evaluated / N),
+since only the whole split has a known byte count; the result says so (``EvalResult.prorated``).
+
+Under ``torchrun`` every process evaluates its share of the windows and the sums are added up
+across processes, so each gets the same result.
+
+Usage::
+
+    result = evaluate(model, shards, "val", block_size=256, batch_size=32)
+    print(result.loss, result.perplexity, result.bits_per_byte)
+    result = evaluate_run("runs/tiny-shakespeare")          # a trained run, on its own data
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from tinylm.data.shards import ShardSet
+from tinylm.errors import TinyLMError
+from tinylm.run import load_run
+
+
+@dataclass
+class EvalResult:
+    """Sums and their ratios for one evaluation; ``window_losses`` are the per-window sums (nats)."""
+
+    split: str
+    loss_sum: float  # total -log p over every target, in nats
+    tokens: int  # targets evaluated
+    bytes: float  # UTF-8 bytes those targets stand for (prorated when not the whole split)
+    prorated: bool  # True when only part of the split was evaluated
+    window_starts: np.ndarray = field(repr=False)
+    window_losses: np.ndarray = field(repr=False)
+    window_tokens: np.ndarray = field(repr=False)
+
+    @property
+    def loss(self) -> float:
+        """Mean next-token cross-entropy, nats per token."""
+        return self.loss_sum / self.tokens
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(min(self.loss, 700.0))  # exp overflows a float past ~709
+
+    @property
+    def bits_per_byte(self) -> float:
+        return self.loss_sum / (self.bytes * math.log(2))
+
+    def as_dict(self, prefix: str = "val_") -> dict[str, float | int | bool]:
+        """The numbers for a metrics log line."""
+        return {f"{prefix}loss": self.loss, f"{prefix}ppl": self.perplexity, f"{prefix}bpb": self.bits_per_byte,
+                f"{prefix}tokens": self.tokens, f"{prefix}prorated": self.prorated}
+
+
+def window_starts(n_tokens: int, block_size: int, max_tokens: int = 0) -> np.ndarray:
+    """First target index of each window to evaluate: all of them, or evenly spaced ones within a budget.
+
+    Windows start at multiples of ``block_size``; the last covers the remainder. With ``max_tokens``
+    > 0 and fewer tokens than the split, ceil(max_tokens / block_size) full windows spread evenly
+    over the split are chosen (always the same ones for the same split and sizes).
+    """
+    starts = np.arange(0, n_tokens, block_size)
+    if max_tokens <= 0 or max_tokens >= n_tokens:
+        return starts
+    n_full = n_tokens // block_size  # only full windows in a subset, so every window has block_size targets
+    wanted = min(math.ceil(max_tokens / block_size), n_full)
+    return starts[np.unique(np.linspace(0, n_full - 1, wanted).round().astype(np.int64))]
+
+
+def _window(data: np.ndarray, start: int, length: int, context: int) -> tuple[np.ndarray, np.ndarray]:
+    """Inputs and targets for the targets data[start:start+length]: the inputs are the tokens one before."""
+    y = np.asarray(data[start : start + length], dtype=np.int64)
+    if start == 0:
+        x = np.concatenate(([context], np.asarray(data[: length - 1], dtype=np.int64)))
+    else:
+        x = np.asarray(data[start - 1 : start + length - 1], dtype=np.int64)
+    return x, y
+
+
+@torch.no_grad()
+def evaluate(
+    model: torch.nn.Module | Callable[[Tensor], Tensor | tuple[Tensor, ...]],
+    shards: ShardSet,
+    split: str = "val",
+    *,
+    block_size: int,
+    batch_size: int = 32,
+    max_tokens: int = 0,
+    device: torch.device | str = "cpu",
+    autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    rank: int = 0,
+    world_size: int = 1,
+) -> EvalResult:
+    """Loss, perplexity and bits per byte of ``model`` on ``split`` (see the module docstring).
+
+    ``model(x)`` takes token ids (B, T) and returns logits (B, T, |V|), or a tuple whose first
+    element is the logits (as `GPT` does). ``max_tokens`` > 0 evaluates evenly spaced windows
+    within that budget instead of the whole split. ``autocast`` is a context manager factory for
+    mixed precision. With ``world_size`` > 1 (inside an initialised process group) each process
+    takes every world_size-th batch and the sums are all-reduced.
+    """
+    if batch_size < 1:
+        raise TinyLMError(f"batch_size must be positive, got {batch_size}")
+    device = torch.device(device)
+    data = shards.tokens(split)
+    n_tokens = len(data)
+    if n_tokens == 0:
+        raise TinyLMError(f"the {split} split of {shards.path} is empty; "
+                          "prepare the data with a larger validation share")
+    starts = window_starts(n_tokens, block_size, max_tokens)
+    lengths = np.minimum(block_size, n_tokens - starts)
+    # full windows in batches, the one short tail window (if evaluated) as a batch of its own
+    full = np.flatnonzero(lengths == block_size)
+    batches = [full[i : i + batch_size] for i in range(0, len(full), batch_size)]
+    batches += [np.array([i]) for i in np.flatnonzero(lengths < block_size)]
+    losses = torch.zeros(len(starts), dtype=torch.float64, device=device)  # per window, nats
+    context = shards.eos_id
+    was_training = getattr(model, "training", False)
+    if isinstance(model, torch.nn.Module):
+        model.eval()
+    try:
+        # Every process runs the same number of forward passes (a sharded model needs all of them
+        # for each one): when the batches do not divide evenly, some repeat batch 0 and discard it.
+        rounds = math.ceil(len(batches) / world_size)
+        for k in range(rounds):
+            b = k * world_size + rank
+            keep = b < len(batches)
+            index = batches[b if keep else 0]
+            pairs = [_window(data, int(starts[i]), int(lengths[i]), context) for i in index]
+            x = torch.from_numpy(np.stack([p[0] for p in pairs])).to(device)  # (B, T)
+            y = torch.from_numpy(np.stack([p[1] for p in pairs])).to(device)  # (B, T)
+            with autocast():
+                out = model(x)
+            logits = out[0] if isinstance(out, tuple) else out  # (B, T, |V|)
+            nll = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="none")  # (B*T,)
+            if keep:
+                losses[torch.from_numpy(index).to(device)] = nll.view(len(index), -1).double().sum(dim=1)
+    finally:
+        if was_training and isinstance(model, torch.nn.Module):
+            model.train()
+    if world_size > 1:
+        import torch.distributed as dist
+
+        dist.all_reduce(losses)  # each window was filled in by exactly one process, zeros elsewhere
+    window_losses = losses.cpu().numpy()
+    tokens = int(lengths.sum())
+    split_bytes = shards.meta["splits"][split]["bytes"]
+    prorated = tokens != n_tokens
+    n_bytes = split_bytes * tokens / n_tokens if prorated else float(split_bytes)
+    return EvalResult(split, float(window_losses.sum()), tokens, n_bytes, prorated,
+                      starts, window_losses, lengths.astype(np.int64))
+
+
+def restrict(result: EvalResult, starts: np.ndarray, n_split_tokens: int, split_bytes: int) -> EvalResult:
+    """The result over a subset of its windows (those starting at ``starts``), bytes prorated."""
+    keep = np.isin(result.window_starts, starts)
+    if keep.sum() != len(starts):
+        raise TinyLMError("those windows were not all evaluated")
+    tokens = int(result.window_tokens[keep].sum())
+    prorated = tokens != n_split_tokens
+    n_bytes = split_bytes * tokens / n_split_tokens if prorated else float(split_bytes)
+    return EvalResult(result.split, float(result.window_losses[keep].sum()), tokens, n_bytes, prorated,
+                      result.window_starts[keep], result.window_losses[keep], result.window_tokens[keep])
+
+
+def evaluate_run(
+    run_dir: str,
+    split: str = "val",
+    *,
+    checkpoint: str = "best",
+    max_tokens: int = 0,
+    batch_size: int | None = None,
+    data_dir: str | None = None,
+    device: str = "cpu",
+) -> EvalResult:
+    """Evaluate a trained run (`tinylm.run.load_run`) on a split of the shards it was trained on.
+
+    ``data_dir`` points at the shards when they have moved since training; they must have been
+    made with the run's tokenizer.
+    """
+    run = load_run(run_dir, checkpoint=checkpoint, device=device)
+    folder = data_dir or run.info.get("data", {}).get("dir")
+    if not folder:
+        raise TinyLMError(f"{run_dir} does not say where its data is; give the shard folder with --data-dir")
+    shards = ShardSet.open(folder)
+    if shards.meta["tokenizer"]["fingerprint"] != run.tokenizer.fingerprint():
+        raise TinyLMError(f"the shards in {folder} were made with another tokenizer than {run_dir}'s; "
+                          "give the run's own data folder")
+    return evaluate(run.model, shards, split, block_size=run.config.model.block_size,
+                    batch_size=batch_size or run.config.train.batch_size, max_tokens=max_tokens, device=device)

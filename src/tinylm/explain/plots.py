@@ -1,0 +1,50 @@
+"""Pictures of a run: the loss curves, drawn with matplotlib into PNG files (no display needed).
+
+`plot_loss_curve` reads the rows of a run's metrics.jsonl: training lines (``kind`` "train":
+the mean training loss since the previous line) and evaluation lines (``kind`` "eval": the
+validation loss), both against the optimizer step. Training loss is usually a little below
+validation loss; a validation curve that turns upward while the training curve keeps falling is
+overfitting.
+
+The figure is drawn on matplotlib's Agg canvas directly, never through pyplot, so it works on
+machines without a display and leaves pyplot's global state alone.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from tinylm.atomic import atomic_path
+
+
+def plot_loss_curve(
+    rows: Iterable[Mapping[str, Any]], path: str | os.PathLike, title: str | None = None
+) -> Path:
+    """Draw training and validation loss against the step into the PNG file ``path`` (atomically)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    rows = list(rows)
+    train = [(r["step"], r["loss"]) for r in rows if r.get("kind") == "train"]
+    val = [(r["step"], r["val_loss"]) for r in rows if r.get("kind") == "eval"]
+    fig = Figure(figsize=(7, 4.2), dpi=110)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    if train:
+        ax.plot(*zip(*train), label="training loss", color="tab:blue", linewidth=1.2)
+    if val:
+        ax.plot(*zip(*val), label="validation loss", color="tab:orange", marker="o", markersize=3.5, linewidth=1.5)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("cross-entropy (nats per token)")
+    ax.grid(True, alpha=0.3)
+    if train or val:
+        ax.legend()
+    if title:
+        ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png")
+    return Path(path)

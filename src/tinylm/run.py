@@ -1,0 +1,450 @@
+"""The run directory: what a trained model is on disk, and how everything above training loads it.
+
+`tinylm train` writes one folder per run (``runs/<name>/`` by default)::
+
+    config.toml            the resolved configuration, [model] and [train] (vocab_size is the tokenizer's)
+    tokenizer.json         the tokenizer whose ids the model reads and writes
+    run.json               what this run is: its data folder, status, step count, final metrics
+    metrics.jsonl          one JSON object per line: training lines and evaluation lines, by step
+    loss.png               the training and validation loss curves
+    checkpoints/latest/    the most recent checkpoint: `--resume` continues from it
+    checkpoints/best/      the checkpoint with the lowest validation loss seen so far
+
+A checkpoint folder stands on its own (it can be loaded without the run around it)::
+
+    model.safetensors      the weights; a tied output head is stored once and restored as an alias
+    optimizer.safetensors  the optimizer's tensors (AdamW: both moments and the step count per parameter)
+    rng.safetensors        every training process's torch random state (dropout), as uint8 tensors
+    state.json             the step, tokens seen, best validation loss, elapsed time, the optimizer's
+                           non-tensor parts (its parameter groups), and the data position
+    config.toml            a copy of the configuration
+    tokenizer.json         a copy of the tokenizer
+
+No pickle anywhere: safetensors files hold named tensors and nothing else, so loading one cannot
+run code; everything that is not a tensor is JSON or TOML. The data position is just the step:
+the batches of step s are a function of (seed, s) (see `tinylm.train.batches`), so numpy keeps
+no state worth saving, and Python's `random` is not used.
+
+Writing is atomic per folder: a checkpoint is written in full to ``.latest.new/``, the old
+``latest/`` is renamed to ``.latest.old/``, the new one renamed into place, and the old one
+deleted. A crash at any moment leaves a complete checkpoint under ``latest/`` or, for the instant
+between the two renames, under ``.latest.old/``, where `find_checkpoint` looks next.
+
+Usage::
+
+    run = load_run("runs/tiny-shakespeare")           # the best checkpoint, on the CPU
+    logits, _ = run.model(torch.tensor([run.start_ids]))
+    print(run.tokenizer.decode(...), run.step, run.metrics[-1])
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import Tensor
+
+from tinylm.atomic import atomic_write_text
+from tinylm.config import Config, build_config, dump_toml, load_config_file
+from tinylm.errors import TinyLMError
+from tinylm.model.gpt import GPT
+from tinylm.tokenizers.base import Tokenizer, load_tokenizer
+
+RUN_FORMAT = "tinylm.run"
+CHECKPOINT_FORMAT = "tinylm.checkpoint"
+FORMAT_VERSION = 1
+
+CONFIG_FILE = "config.toml"
+TOKENIZER_FILE = "tokenizer.json"
+RUN_FILE = "run.json"
+METRICS_FILE = "metrics.jsonl"
+PLOT_FILE = "loss.png"
+CHECKPOINTS = "checkpoints"
+
+MODEL_FILE = "model.safetensors"
+OPTIMIZER_FILE = "optimizer.safetensors"
+RNG_FILE = "rng.safetensors"
+STATE_FILE = "state.json"  # written last: a folder without it is not a checkpoint
+
+CHECKPOINT_NAMES = ("latest", "best")
+
+
+# ----- writing checkpoints ------------------------------------------------------------------------
+
+
+def save_checkpoint(
+    path: str | os.PathLike,
+    *,
+    model_state: Mapping[str, Tensor],
+    optimizer_state: Mapping[str, Any] | None,
+    rng_state: Mapping[str, Tensor],
+    state: Mapping[str, Any],
+    config: Config,
+    tokenizer: Tokenizer,
+) -> Path:
+    """Write a checkpoint folder at ``path`` atomically (see the module docstring); returns ``path``.
+
+    ``model_state`` is a model's ``state_dict()``; ``optimizer_state`` an optimizer's (or None);
+    ``rng_state`` named uint8 tensors; ``state`` anything JSON for state.json (the format, the
+    optimizer's non-tensor parts and the tokenizer fingerprint are added here).
+    """
+    path = Path(path)
+
+    def write(folder: Path) -> None:
+        tensors, aliases = _unique_tensors(model_state)
+        save_file(tensors, folder / MODEL_FILE, metadata={"format": CHECKPOINT_FORMAT, "aliases": json.dumps(aliases)})
+        info = dict(state)
+        if optimizer_state is not None:
+            opt_tensors, info["optimizer"] = flatten_optimizer_state(optimizer_state)
+            save_file(opt_tensors, folder / OPTIMIZER_FILE, metadata={"format": CHECKPOINT_FORMAT})
+        save_file({k: v.detach().cpu().contiguous() for k, v in rng_state.items()}, folder / RNG_FILE,
+                  metadata={"format": CHECKPOINT_FORMAT})
+        (folder / CONFIG_FILE).write_text(dump_toml(config.to_dict()), encoding="utf-8")
+        tokenizer.save(folder / TOKENIZER_FILE)
+        info = {"format": CHECKPOINT_FORMAT, "version": FORMAT_VERSION,
+                "tokenizer_fingerprint": tokenizer.fingerprint(), **info}
+        for name in os.listdir(folder):
+            _fsync(folder / name)  # the data is on disk before state.json says the folder is complete
+        (folder / STATE_FILE).write_text(json.dumps(info, indent=1) + "\n", encoding="utf-8")
+        _fsync(folder / STATE_FILE)
+
+    _replace_folder(path, write)
+    return path
+
+
+def copy_checkpoint(source: str | os.PathLike, target: str | os.PathLike) -> Path:
+    """Make ``target`` a copy of the checkpoint ``source``, atomically (hard links where possible)."""
+    source = find_checkpoint(source)
+
+    def write(folder: Path) -> None:
+        folder.rmdir()
+        # Checkpoint files are never modified in place, only replaced, so sharing them is safe.
+        shutil.copytree(source, folder, copy_function=_link_or_copy)
+
+    return _replace_folder(Path(target), write)
+
+
+def _replace_folder(path: Path, write) -> Path:
+    new = path.with_name(f".{path.name}.new")
+    old = path.with_name(f".{path.name}.old")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(new, ignore_errors=True)  # left by a crash while writing: never complete, never used
+    new.mkdir()
+    try:
+        write(new)
+    except BaseException:
+        shutil.rmtree(new, ignore_errors=True)
+        raise
+    if path.exists():
+        # An .old folder still here is from a crash after its replacement was in place: stale.
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(path, old)
+    os.replace(new, path)
+    _fsync_dir(path.parent)
+    shutil.rmtree(old, ignore_errors=True)
+    return path
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def _fsync(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # some systems cannot open a folder; the renames are still atomic there
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _unique_tensors(state: Mapping[str, Tensor]) -> tuple[dict[str, Tensor], dict[str, str]]:
+    """The tensors with shared ones (a tied head) stored once, and alias -> stored name for the rest.
+
+    safetensors refuses two names for one piece of memory, and storing E twice would double
+    the file of a tied model for nothing.
+    """
+    tensors: dict[str, Tensor] = {}
+    aliases: dict[str, str] = {}
+    seen: dict[tuple, str] = {}
+    for name, t in state.items():
+        key = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()))
+        if t.numel() and key in seen:
+            aliases[name] = seen[key]
+            continue
+        seen[key] = name
+        tensors[name] = t.detach().cpu().contiguous()
+    return tensors, aliases
+
+
+def flatten_optimizer_state(state_dict: Mapping[str, Any]) -> tuple[dict[str, Tensor], dict[str, Any]]:
+    """An optimizer ``state_dict()`` split into named tensors and a JSON-able rest.
+
+    The tensors are named ``state/<i>/<name>`` for the i-th entry of ``state`` (a parameter's
+    moments, momentum buffer, step count); the rest keeps the entries' keys, their non-tensor
+    values, and the parameter groups (learning rate, betas, weight decay, which parameters).
+    """
+    tensors: dict[str, Tensor] = {}
+    keys, values = [], []
+    for i, (key, entry) in enumerate(state_dict["state"].items()):
+        keys.append(key)
+        plain = {}
+        for name, value in entry.items():
+            if isinstance(value, Tensor):
+                tensors[f"state/{i}/{name}"] = value.detach().cpu().contiguous()
+            else:
+                plain[name] = value
+        values.append(plain)
+    rest = {"state_keys": keys, "state_values": values, "param_groups": list(state_dict["param_groups"])}
+    json.dumps(rest)  # fail now, not halfway through writing, if something is not JSON
+    return tensors, rest
+
+
+def unflatten_optimizer_state(tensors: Mapping[str, Tensor], rest: Mapping[str, Any]) -> dict[str, Any]:
+    """The inverse of `flatten_optimizer_state`: an optimizer ``state_dict()`` again."""
+    state: dict[Any, dict[str, Any]] = {}
+    for i, key in enumerate(rest["state_keys"]):
+        state[key] = dict(rest["state_values"][i])
+    for name, value in tensors.items():
+        _, i, tensor_name = name.split("/", 2)
+        state[rest["state_keys"][int(i)]][tensor_name] = value
+    groups = []
+    for group in rest["param_groups"]:
+        group = dict(group)
+        if isinstance(group.get("betas"), list):
+            group["betas"] = tuple(group["betas"])  # JSON has no tuples
+        groups.append(group)
+    return {"state": state, "param_groups": groups}
+
+
+# ----- reading checkpoints ------------------------------------------------------------------------
+
+
+def checkpoint_path(run_dir: str | os.PathLike, name: str = "latest") -> Path:
+    """Where the checkpoint ``name`` ("latest" or "best") of a run lives (whether or not it exists)."""
+    if name not in CHECKPOINT_NAMES:
+        raise TinyLMError(f"unknown checkpoint {name!r}; a run keeps {' and '.join(CHECKPOINT_NAMES)}")
+    return Path(run_dir) / CHECKPOINTS / name
+
+
+def find_checkpoint(path: str | os.PathLike) -> Path:
+    """The complete checkpoint folder at ``path``, or the one a crash mid-save left beside it, or an error."""
+    path = Path(path)
+    if (path / STATE_FILE).is_file():
+        return path
+    old = path.with_name(f".{path.name}.old")
+    if (old / STATE_FILE).is_file():
+        return old
+    if path.is_dir():
+        raise TinyLMError(f"{path} is not a complete checkpoint (no {STATE_FILE}); use the other checkpoint "
+                          f"({', '.join(CHECKPOINT_NAMES)}) or train again with --force")
+    raise TinyLMError(f"no checkpoint at {path}")
+
+
+@dataclass
+class Checkpoint:
+    """A checkpoint folder, read: its configuration, tokenizer and state.json; tensors on demand."""
+
+    path: Path
+    config: Config
+    tokenizer: Tokenizer
+    state: dict[str, Any]
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps completed when it was saved."""
+        return int(self.state["step"])
+
+    def model_state(self) -> dict[str, Tensor]:
+        """The weights, by parameter name, with aliases (a tied head) pointing at the same tensor."""
+        tensors, metadata = _read_safetensors(self.path / MODEL_FILE)
+        for alias, name in json.loads(metadata.get("aliases", "{}")).items():
+            tensors[alias] = tensors[name]
+        return tensors
+
+    def optimizer_state(self) -> dict[str, Any] | None:
+        if "optimizer" not in self.state:
+            return None
+        tensors, _ = _read_safetensors(self.path / OPTIMIZER_FILE)
+        return unflatten_optimizer_state(tensors, self.state["optimizer"])
+
+    def rng_state(self) -> dict[str, Tensor]:
+        return _read_safetensors(self.path / RNG_FILE)[0]
+
+    def load_weights(self, model: torch.nn.Module) -> None:
+        """Copy the weights into ``model``; a checkpoint of another shape is a clear error."""
+        load_weights(model, self.model_state(), self.path)
+
+    def build_model(self, device: torch.device | str = "cpu") -> GPT:
+        """A `GPT` of this checkpoint's configuration with its weights, in eval mode."""
+        # the random initialisation is overwritten at once; fork_rng leaves the caller's random state alone
+        with torch.random.fork_rng(devices=[]):
+            model = GPT(self.config.model)
+        model = model.to(device)
+        self.load_weights(model)
+        return model.eval()
+
+
+def load_weights(model: torch.nn.Module, state: Mapping[str, Tensor], source: Path | str) -> None:
+    try:
+        model.load_state_dict(state, strict=True)
+    except RuntimeError as e:
+        first = str(e).strip().splitlines()
+        detail = first[1].strip() if len(first) > 1 else first[0]
+        raise TinyLMError(
+            f"the weights in {source} do not fit this model ({detail}): the checkpoint is from another "
+            "configuration; use the configuration it was trained with (its config.toml)"
+        ) from None
+
+
+def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
+    """Read a checkpoint folder's configuration, tokenizer and state (see `find_checkpoint`)."""
+    path = find_checkpoint(path)
+    try:
+        state = json.loads((path / STATE_FILE).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise TinyLMError(f"{path / STATE_FILE} is corrupt ({e}); use the other checkpoint or train again") from None
+    if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
+        raise TinyLMError(f"{path} is not a tinylm checkpoint (its {STATE_FILE} has no format {CHECKPOINT_FORMAT!r})")
+    if state.get("version") != FORMAT_VERSION:
+        raise TinyLMError(f"{path} is a checkpoint of format version {state.get('version')!r}; this tinylm reads "
+                          f"version {FORMAT_VERSION}")
+    config = build_config(load_config_file(path / CONFIG_FILE))
+    tokenizer = load_tokenizer(path / TOKENIZER_FILE)
+    if state.get("tokenizer_fingerprint") != tokenizer.fingerprint():
+        raise TinyLMError(f"{path / TOKENIZER_FILE} is not the tokenizer this checkpoint was trained with "
+                          "(fingerprints differ); use the other checkpoint")
+    return Checkpoint(path, config, tokenizer, state)
+
+
+def _read_safetensors(path: Path) -> tuple[dict[str, Tensor], dict[str, str]]:
+    """All tensors and the metadata of a safetensors file; an unreadable file is a one-line error."""
+    if not path.is_file():
+        raise TinyLMError(f"checkpoint file {path} is missing; use the other checkpoint "
+                          f"({' or '.join(CHECKPOINT_NAMES)})")
+    try:
+        with safe_open(path, framework="pt") as f:
+            metadata = f.metadata() or {}
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
+    except Exception as e:  # safetensors raises its own error types, OSError, or others for a damaged file
+        raise TinyLMError(
+            f"checkpoint file {path} is corrupt or truncated ({type(e).__name__}: {str(e).splitlines()[0][:120]}); "
+            f"use the other checkpoint ({' or '.join(CHECKPOINT_NAMES)}) or train again with --force"
+        ) from None
+    return tensors, metadata
+
+
+# ----- the run directory --------------------------------------------------------------------------
+
+
+def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """The lines of a metrics.jsonl file (a run folder or the file itself); a torn last line is skipped."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / METRICS_FILE
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # only a kill mid-write makes one, and only as the last line
+    return rows
+
+
+def write_metrics(path: str | os.PathLike, rows: Iterable[Mapping[str, Any]]) -> None:
+    """Replace a metrics.jsonl file with ``rows``, atomically."""
+    atomic_write_text(path, "".join(json.dumps(row) + "\n" for row in rows))
+
+
+def read_run_info(run_dir: str | os.PathLike) -> dict[str, Any]:
+    path = Path(run_dir) / RUN_FILE
+    try:
+        info = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise TinyLMError(f"{run_dir} is not a tinylm run (no {RUN_FILE}); train one with `tinylm train`") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise TinyLMError(f"{path} is unreadable ({e})") from None
+    if not isinstance(info, dict) or info.get("format") != RUN_FORMAT:
+        raise TinyLMError(f"{path} is not a tinylm run description")
+    return info
+
+
+def write_run_info(run_dir: str | os.PathLike, info: Mapping[str, Any]) -> None:
+    atomic_write_text(Path(run_dir) / RUN_FILE, json.dumps({"format": RUN_FORMAT, "version": FORMAT_VERSION, **info},
+                                                           indent=1) + "\n")
+
+
+def start_ids(config: Config, tokenizer: Tokenizer) -> list[int]:
+    """The token a document starts after in training: BOS in document mode, EOS (the separator) when packed."""
+    return [tokenizer.bos_id if config.train.batch_mode == "documents" else tokenizer.eos_id]
+
+
+@dataclass
+class Run:
+    """A trained model as `load_run` gives it: ready to evaluate, sample from, serve or export."""
+
+    path: Path
+    config: Config
+    tokenizer: Tokenizer
+    model: GPT
+    checkpoint: Checkpoint
+    info: dict[str, Any] = field(default_factory=dict)
+    metrics: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def step(self) -> int:
+        return self.checkpoint.step
+
+    @property
+    def start_ids(self) -> list[int]:
+        """The prompt that starts a fresh document, as the model saw documents start in training."""
+        return start_ids(self.config, self.tokenizer)
+
+
+def load_run(run_dir: str | os.PathLike, checkpoint: str = "best", device: torch.device | str = "cpu") -> Run:
+    """Load a trained run: its model (from checkpoint "best", falling back to "latest", or "latest"),
+    tokenizer, configuration, run.json and metrics. ``checkpoint`` may also be a checkpoint folder."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise TinyLMError(f"run folder {run_dir} does not exist; train one with `tinylm train --out {run_dir}`")
+    info = read_run_info(run_dir)
+    if checkpoint in CHECKPOINT_NAMES:
+        candidates = [checkpoint] + (["latest"] if checkpoint == "best" else [])
+        found = [checkpoint_path(run_dir, n) for n in candidates if _has_checkpoint(checkpoint_path(run_dir, n))]
+        if not found:
+            raise TinyLMError(f"{run_dir} has no {checkpoint} checkpoint yet; train (or --resume) it first")
+        ckpt = load_checkpoint(found[0])
+    else:
+        ckpt = load_checkpoint(checkpoint)
+    run_config = build_config(load_config_file(run_dir / CONFIG_FILE))
+    if run_config.model != ckpt.config.model:
+        raise TinyLMError(f"{ckpt.path} is a checkpoint of another model configuration than {run_dir / CONFIG_FILE}; "
+                          "load it with the run it came from")
+    model = ckpt.build_model(device)
+    return Run(run_dir, ckpt.config, ckpt.tokenizer, model, ckpt, info, read_metrics(run_dir))
+
+
+def _has_checkpoint(path: Path) -> bool:
+    return (path / STATE_FILE).is_file() or (path.with_name(f".{path.name}.old") / STATE_FILE).is_file()

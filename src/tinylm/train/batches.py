@@ -1,0 +1,139 @@
+"""Training batches: which token windows each optimizer step sees, as a pure function of the step.
+
+Two ways to cut the token stream of the train split into rows of ``block_size`` inputs and targets
+(SPEC section 2; targets are the inputs shifted one token left, so row t predicts token t + 1):
+
+- **packed** (the default): windows of ``block_size + 1`` tokens at random offsets of the
+  stream, exactly `ShardSet.sample_windows`. A window may cross a document boundary: the EOS
+  between two documents is a token to predict like any other, and the next document is read
+  after it. So in packed mode the EOS that ends the previous document plays the role of the
+  lecture notes' fixed x_0 for the next one (as GPT-2's ``<|endoftext|>`` does); no BOS is
+  inserted, because a window cut at a random offset has no document start to put it at.
+  Every position is a real token: no padding, no mask, no wasted compute.
+- **documents**: one document per row, as the notes describe batching: ``BOS, the document's
+  tokens, EOS``, truncated to its first ``block_size + 1`` tokens when longer, and filled up
+  with PAD when shorter. Padded positions are masked out of attention (``attention_mask`` False)
+  and out of the loss (target `IGNORE_INDEX`). Documents are drawn uniformly at random; their
+  boundaries are the EOS ids of the shard, which are exactly the document ends.
+
+Reproducibility without saved data state: the ``batch_size * grad_accum`` rows of step ``s`` are
+drawn at once with a numpy Generator seeded with ``(seed, s)``, so the data a step sees depends
+on nothing but the seed and the step number: resuming at step s needs no reader position. The
+step's rows are then cut up, the same way in every process::
+
+    micro-batch i          rows [i B, (i+1) B)                      (B = batch_size)
+    its share in process r rows [i B + r B/W, i B + (r+1) B/W)      (W processes)
+
+so 2 micro-batches of B/2 rows see exactly the rows of 1 micro-batch of B, and W processes of
+B/W rows each see exactly the rows of one process of B: the equivalences the tests check.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from tinylm.data.shards import ShardSet
+from tinylm.errors import TinyLMError
+from tinylm.model.gpt import IGNORE_INDEX
+
+BATCH_MODES = ("packed", "documents")
+
+
+@dataclass
+class MicroBatch:
+    """Rows of inputs and targets, (B, T) each, and for document rows the padding mask (True = real token)."""
+
+    x: np.ndarray
+    y: np.ndarray
+    attention_mask: np.ndarray | None = None
+
+    @property
+    def n_targets(self) -> int:
+        """How many positions count in the loss (all of them, unless some targets are padding)."""
+        return int((self.y != IGNORE_INDEX).sum())
+
+    def rows(self, start: int, stop: int) -> MicroBatch:
+        mask = None if self.attention_mask is None else self.attention_mask[start:stop]
+        return MicroBatch(self.x[start:stop], self.y[start:stop], mask)
+
+    def to(self, device: torch.device) -> tuple[Tensor, Tensor, Tensor | None]:
+        """x, y and the mask as tensors on ``device``."""
+        x = torch.from_numpy(self.x).to(device, non_blocking=True)
+        y = torch.from_numpy(self.y).to(device, non_blocking=True)
+        mask = None if self.attention_mask is None else torch.from_numpy(self.attention_mask).to(device)
+        return x, y, mask
+
+
+class BatchSource:
+    """Draws the micro-batches of each training step from the train split (see the module docstring)."""
+
+    def __init__(
+        self,
+        shards: ShardSet,
+        *,
+        mode: str,
+        batch_size: int,
+        block_size: int,
+        seed: int,
+        bos_id: int,
+        pad_id: int,
+        split: str = "train",
+    ) -> None:
+        if mode not in BATCH_MODES:
+            raise TinyLMError(f"unknown batch mode {mode!r}; expected one of {', '.join(BATCH_MODES)}")
+        self.shards, self.mode, self.split = shards, mode, split
+        self.batch_size, self.block_size, self.seed = batch_size, block_size, seed
+        self.bos_id, self.eos_id, self.pad_id = bos_id, shards.eos_id, pad_id
+        data = shards.tokens(split)
+        if mode == "packed":
+            if len(data) < block_size + 1:
+                raise TinyLMError(
+                    f"the {split} split has {len(data)} tokens, fewer than block_size + 1 = {block_size + 1}; "
+                    "use a smaller block_size or more text"
+                )
+        else:
+            ends = np.flatnonzero(data == self.eos_id)  # one EOS ends every document
+            if len(ends) == 0:
+                raise TinyLMError(f"the {split} split has no documents; give a corpus with more text")
+            self.doc_starts = np.concatenate(([0], ends[:-1] + 1))  # (n_docs,)
+            self.doc_ends = ends  # the EOS position of each document
+
+    def step_batch(self, step: int, grad_accum: int = 1) -> MicroBatch:
+        """All ``batch_size * grad_accum`` rows of optimizer step ``step`` (every micro-batch, every process)."""
+        rng = np.random.default_rng([self.seed, step])
+        n_rows = self.batch_size * grad_accum
+        if self.mode == "packed":
+            x, y = self.shards.sample_windows(self.split, n_rows, self.block_size, rng)
+            return MicroBatch(x, y)
+        return self._documents(rng.integers(0, len(self.doc_starts), size=n_rows))
+
+    def _documents(self, docs: np.ndarray) -> MicroBatch:
+        T = self.block_size
+        data = self.shards.tokens(self.split)
+        rows = np.full((len(docs), T + 1), self.pad_id, dtype=np.int64)  # (B, T+1), PAD everywhere first
+        lengths = np.empty(len(docs), dtype=np.int64)
+        for r, d in enumerate(docs):
+            # BOS, the document, its EOS; the first T + 1 tokens of that when it is longer
+            n = min(int(self.doc_ends[d] - self.doc_starts[d]) + 1, T)  # document tokens with EOS, at most T
+            rows[r, 0] = self.bos_id
+            rows[r, 1 : n + 1] = data[self.doc_starts[d] : self.doc_starts[d] + n]
+            lengths[r] = n + 1
+        x, y = rows[:, :-1].copy(), rows[:, 1:].copy()  # (B, T) each
+        position = np.arange(T)[None, :]  # (1, T)
+        y[position + 1 >= lengths[:, None]] = IGNORE_INDEX  # a target that is padding
+        mask = position < lengths[:, None]  # (B, T): real input tokens
+        return MicroBatch(x, y, mask)
+
+
+def micro_batches(batch: MicroBatch, batch_size: int, rank: int = 0, world_size: int = 1) -> list[MicroBatch]:
+    """Process ``rank``'s share of each micro-batch of a step's rows (see the module docstring)."""
+    if batch_size % world_size:
+        raise TinyLMError(f"batch_size {batch_size} must divide evenly among {world_size} processes; "
+                          f"use a multiple of {world_size}")
+    share = batch_size // world_size
+    starts = [i * batch_size + rank * share for i in range(len(batch.x) // batch_size)]
+    return [batch.rows(lo, lo + share) for lo in starts]
