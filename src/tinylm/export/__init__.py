@@ -1,0 +1,79 @@
+"""Leaving tinylm and coming in: Hugging Face `transformers` checkpoints and GGUF files for llama.cpp.
+
+- `export_hf` / `import_hf` (`tinylm.export.hf`): a model and its tokenizer as a GPT-2 or Llama
+  checkpoint folder (config.json, model.safetensors, tokenizer.json, ...) and back;
+  `import_hf_into_run` makes a tinylm run directory of one (what `tinylm import` does).
+- `export_gguf` (`tinylm.export.gguf`): one GGUF file, weights and tokenizer, for llama.cpp.
+- `export_run`: either export, from a trained run directory (what `tinylm export` does).
+
+Only configurations that GPT-2 or Llama compute exactly are exported (`architecture_for` says
+which, or why not); the two modules' docstrings explain how each name maps, why GPT-2's
+matrices are transposed and why llama.cpp's query and key rows are permuted.
+
+Usage::
+
+    export_run("runs/tiny-shakespeare", "out/hf", "hf")
+    export_run("runs/tiny-shakespeare", "out/model.gguf", "gguf", dtype="f16")
+    import_hf_into_run("path/to/hf-checkpoint", "runs/imported")
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+from tinylm.config import build_config, load_config_file
+from tinylm.errors import TinyLMError
+from tinylm.export.gguf import LLAMA_CPP_PRE, GGUFDtype, export_gguf, gguf_rules
+from tinylm.export.hf import (
+    architecture_for,
+    config_from_hf,
+    export_hf,
+    hf_config,
+    hf_rules,
+    import_hf,
+    import_hf_into_run,
+)
+from tinylm.run import CONFIG_FILE, load_run
+
+FORMATS = ("hf", "gguf")
+
+
+def export_run(
+    run_dir: str | os.PathLike,
+    out: str | os.PathLike,
+    format: Literal["hf", "gguf"] = "hf",
+    *,
+    checkpoint: str = "best",
+    overwrite: bool = False,
+    dtype: GGUFDtype = "f32",
+    pre_tokenizer: str | None = None,
+) -> Path:
+    """Export a trained run as a `transformers` folder ("hf", at ``out``) or a GGUF file ("gguf", ``out`` the file).
+
+    ``checkpoint`` is "best" (falling back to "latest"), "latest" or a checkpoint folder, as for
+    `tinylm.run.load_run`. ``dtype`` and ``pre_tokenizer`` are GGUF options (see `export_gguf`).
+    A configuration neither format can express is refused before any weights are read.
+    """
+    if format not in FORMATS:
+        raise TinyLMError(f"unknown export format {format!r}; expected one of {', '.join(FORMATS)}")
+    if format == "hf" and (dtype != "f32" or pre_tokenizer is not None):
+        raise TinyLMError("dtype and pre_tokenizer are options of the gguf format; the hf format writes the model's "
+                          "own float32 weights and tokenizer.json")
+    config_path = Path(run_dir) / CONFIG_FILE
+    if not config_path.is_file():
+        raise TinyLMError(f"{run_dir} is not a tinylm run (no {CONFIG_FILE}); train one with `tinylm train`")
+    architecture_for(build_config(load_config_file(config_path)).model)
+    run = load_run(run_dir, checkpoint=checkpoint)
+    if format == "hf":
+        return export_hf(run.model, run.tokenizer, out, overwrite=overwrite)
+    return export_gguf(run.model, run.tokenizer, out, dtype=dtype, name=Path(run_dir).resolve().name,
+                       pre_tokenizer=pre_tokenizer, overwrite=overwrite)
+
+
+__all__ = [
+    "FORMATS", "architecture_for", "hf_rules", "hf_config", "config_from_hf",
+    "export_hf", "import_hf", "import_hf_into_run", "export_run",
+    "export_gguf", "gguf_rules", "LLAMA_CPP_PRE",
+]

@@ -1,0 +1,276 @@
+"""GGUF files for llama.cpp: a tinylm model and its tokenizer in one file, written with the `gguf` package.
+
+GGUF is llama.cpp's format: a header of typed key/value metadata (the hyperparameters and the
+whole tokenizer) followed by named tensors. We write it with `gguf`, the Python writer that
+llama.cpp maintains, and take the tensor names from its own table (``gguf.TENSOR_NAMES``), so a
+renamed tensor upstream shows up here as a failing test rather than a file llama.cpp rejects.
+
+**Architecture.** llama.cpp's "gpt2" and "llama" graphs are the same two architectures as in
+`tinylm.export.hf`, and `architecture_for` decides between them (or refuses) the same way.
+
+**Tensors.** ggml lists a tensor's dimensions fastest-first, the reverse of numpy, so a matrix
+that llama.cpp describes as ``{n_embd, n_ff}`` is the numpy array (n_ff, n_embd): exactly an
+``nn.Linear`` weight (out, in). So our weights go in as they are, with no GPT-2 style transpose:
+
+==========================  ==================================  ================================
+tinylm                      gpt2                                 llama
+==========================  ==================================  ================================
+E                           token_embd                           token_embd
+pos_emb.P                   position_embd                        -
+blocks.i.norm_1             blk.i.attn_norm (weight, bias)       blk.i.attn_norm
+W_q, W_k, W_v               blk.i.attn_qkv (rows q; k; v)        blk.i.attn_q, attn_k (permuted,
+                                                                 see below), attn_v
+W_o                         blk.i.attn_output                    blk.i.attn_output
+blocks.i.norm_2             blk.i.ffn_norm                       blk.i.ffn_norm
+mlp.W_1, W_3, W_2           ffn_up (= W_1), ffn_down (= W_2)     ffn_gate (W_1), ffn_up (W_3),
+                                                                 ffn_down (W_2)
+norm_f                      output_norm                          output_norm
+lm_head                     output (untied only)                 output (untied only)
+==========================  ==================================  ================================
+
+A tied head is not written: llama.cpp falls back to ``token_embd`` when ``output`` is missing.
+llama.cpp's GPT-2 graph needs every bias; a ``bias = false`` model gets zero biases (exact).
+With ``dtype="f16"`` the matrices are stored as float16 and the vectors (norms, biases) stay
+float32, as llama.cpp expects.
+
+**The RoPE layout story.** A rotary embedding turns pairs of a head's coordinates by
+position-dependent angles; which coordinates form a pair is a convention. The RoFormer paper
+and Meta's original Llama pair neighbours (2i, 2i+1); GPT-NeoX, Hugging Face's Llama and tinylm
+pair i with i + d_h/2 ("rotate half"). llama.cpp has both kernels (``LLAMA_ROPE_TYPE_NORM``
+for neighbours, ``NEOX`` for halves) and uses NORM for its "llama" architecture, because it was
+written for Meta's checkpoints. llama.cpp's own converter (``LlamaModel.permute`` in
+convert_hf_to_gguf) therefore reorders the rows of every head of W_q and W_k from halves to
+neighbours, and we do the same (`tinylm.export.hf.rope_interleave`): row i of a head moves to
+2i, row i + d_h/2 to 2i + 1. Applying one permutation to the coordinates of both q and k
+changes no dot product q . k, so attention is untouched, and the pair that our rotation turned
+together (i, i + d_h/2) is now the pair (2i, 2i+1) that llama.cpp turns, with the same
+frequency theta^(-2i/d_h). W_v and W_o are not rotated and stay as they are. (GPT-2 has no
+RoPE, so its weights are not permuted.)
+
+**Tokenizer.** llama.cpp's "gpt2" tokenizer model is byte-level BPE: ``tokenizer.ggml.tokens``
+lists every token as its GPT-2 byte-level string (the same spelling as tokenizer.json),
+``merges`` the merges as "left right" in rank order, ``token_type`` marks our special tokens
+CONTROL and the rest NORMAL, then the bos/eos/padding ids, and ``add_bos_token`` /
+``add_eos_token`` false (tinylm puts its start token itself). The split regex is not stored:
+llama.cpp hard-codes one per ``tokenizer.ggml.pre`` name, so we name the one that matches
+ours (`LLAMA_CPP_PRE`):
+
+- our "gpt2" pattern -> "gpt-2": GPT-2's regex.
+- our "gpt4" pattern (cl100k's) -> "dbrx". DBRX's tokenizer *is* cl100k, and llama.cpp's entry
+  for it holds the cl100k / Llama 3 regex with ordinary merge-order BPE. "llama-bpe" has the
+  same regex but also turns on ``ignore_merges`` (a chunk that is itself a token skips BPE,
+  which can give other ids than merging) and forces a BOS, neither of which tinylm does. One
+  difference remains in the regex itself: cl100k keeps a run of whitespace that ends the text
+  as one chunk (``\\s++$``), where the Llama 3 form splits it after its last line break, so a
+  text *ending* in a line break followed by spaces may be tokenized differently.
+- any other pattern ("none", a custom regex) has no llama.cpp equivalent: refused, unless the
+  caller names a ``pre_tokenizer`` knowing that llama.cpp will split text its own way.
+
+Decoding in llama.cpp also "cleans up" spaces before punctuation for BPE vocabularies; token
+ids, and therefore the model's behaviour, are unaffected.
+
+Usage::
+
+    export_gguf(run.model, run.tokenizer, "model.gguf")            # float32
+    export_gguf(run.model, run.tokenizer, "model-f16.gguf", dtype="f16")
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from types import ModuleType
+from typing import Literal
+
+import numpy as np
+import torch
+
+from tinylm.atomic import atomic_path
+from tinylm.config import GPTConfig
+from tinylm.errors import TinyLMError
+from tinylm.export.hf import Architecture, TensorRule, architecture_for, convert_to_theirs
+from tinylm.model.gpt import GPT
+from tinylm.tokenizers.base import Tokenizer
+from tinylm.tokenizers.bpe import BPETokenizer, pattern_name
+from tinylm.tokenizers.formats import bytes_to_byte_level
+
+# our split pattern name -> llama.cpp's tokenizer.ggml.pre (see the module docstring)
+LLAMA_CPP_PRE: dict[str, str] = {"gpt2": "gpt-2", "gpt4": "dbrx"}
+
+GGUFDtype = Literal["f32", "f16"]
+
+
+def _require_gguf() -> ModuleType:
+    """The `gguf` package, imported on first use: an optional dependency that only GGUF export needs."""
+    try:
+        import gguf
+    except ImportError:
+        raise TinyLMError("GGUF export needs the `gguf` package (llama.cpp's writer): pip install gguf") from None
+    return gguf
+
+
+def _name(tensor: str, block: int | None = None, kind: str = "weight") -> str:
+    """llama.cpp's name for a tensor, from gguf's own table: ("ATTN_Q", 3) -> "blk.3.attn_q.weight"."""
+    g = _require_gguf()
+    base = g.TENSOR_NAMES[g.MODEL_TENSOR[tensor]]
+    return f"{base.format(bid=block) if block is not None else base}.{kind}"
+
+
+def gguf_rules(config: GPTConfig, arch: Architecture | None = None) -> list[TensorRule]:
+    """The GGUF tensors of ``config``, in file order, and which tinylm parameters each is made from."""
+    arch = arch or architecture_for(config)
+    R = TensorRule
+    if arch == "gpt2":
+        kinds = ("weight", "bias")  # llama.cpp's GPT-2 graph requires every bias
+        rules = [R(_name("TOKEN_EMBD"), ("E.weight",)), R(_name("POS_EMBD"), ("pos_emb.P.weight",))]
+        for i in range(config.n_layer):
+            b = f"blocks.{i}."
+            for k in kinds:
+                rules += [R(_name("ATTN_NORM", i, k), (f"{b}norm_1.{k}",)),
+                          # fused: the rows of W_q, W_k, W_v stacked, out = d + 2 n_kv d_h
+                          R(_name("ATTN_QKV", i, k), tuple(f"{b}attn.{w}.{k}" for w in ("W_q", "W_k", "W_v"))),
+                          R(_name("ATTN_OUT", i, k), (f"{b}attn.W_o.{k}",)),
+                          R(_name("FFN_NORM", i, k), (f"{b}norm_2.{k}",)),
+                          R(_name("FFN_UP", i, k), (f"{b}mlp.W_1.{k}",)),
+                          R(_name("FFN_DOWN", i, k), (f"{b}mlp.W_2.{k}",))]
+        rules += [R(_name("OUTPUT_NORM", kind=k), (f"norm_f.{k}",)) for k in kinds]
+    else:
+        kinds = ("weight", "bias") if config.bias else ("weight",)
+        rules = [R(_name("TOKEN_EMBD"), ("E.weight",))]
+        for i in range(config.n_layer):
+            b = f"blocks.{i}."
+            rules.append(R(_name("ATTN_NORM", i), (f"{b}norm_1.weight",)))
+            for k in kinds:
+                rules += [R(_name("ATTN_Q", i, k), (f"{b}attn.W_q.{k}",), "rope_interleave", config.n_head),
+                          R(_name("ATTN_K", i, k), (f"{b}attn.W_k.{k}",), "rope_interleave", config.kv_heads),
+                          R(_name("ATTN_V", i, k), (f"{b}attn.W_v.{k}",)),
+                          R(_name("ATTN_OUT", i, k), (f"{b}attn.W_o.{k}",))]
+            rules.append(R(_name("FFN_NORM", i), (f"{b}norm_2.weight",)))
+            for k in kinds:
+                rules += [R(_name("FFN_GATE", i, k), (f"{b}mlp.W_1.{k}",)),
+                          R(_name("FFN_UP", i, k), (f"{b}mlp.W_3.{k}",)),
+                          R(_name("FFN_DOWN", i, k), (f"{b}mlp.W_2.{k}",))]
+        rules.append(R(_name("OUTPUT_NORM"), ("norm_f.weight",)))
+    if not config.tie_embeddings:
+        rules.append(R(_name("OUTPUT"), ("lm_head.weight",)))
+    return rules
+
+
+def _pre_tokenizer(tokenizer: BPETokenizer, pre_tokenizer: str | None) -> str:
+    if pre_tokenizer is not None:
+        return pre_tokenizer
+    name = pattern_name(tokenizer.pattern)
+    if name in LLAMA_CPP_PRE:
+        return LLAMA_CPP_PRE[name]
+    shown = name or tokenizer.pattern
+    raise TinyLMError(
+        f"the tokenizer splits text with the pattern {shown!r}, which llama.cpp has no pre-tokenizer for (it knows "
+        f"ours as {', '.join(f'{k} -> {v}' for k, v in LLAMA_CPP_PRE.items())}); name one with pre_tokenizer=... "
+        "if you accept that llama.cpp will split text differently, or train the tokenizer with the gpt2 or gpt4 pattern"
+    )
+
+
+def tokenizer_metadata(tokenizer: BPETokenizer, vocab_size: int) -> dict[str, list]:
+    """The token strings, token types and merges llama.cpp reads, padded to the model's ``vocab_size`` rows."""
+    g = _require_gguf()
+    tokens: list[str] = []
+    types: list[int] = []
+    for i in range(tokenizer.vocab_size):
+        if tokenizer.is_special(i):
+            tokens.append(tokenizer.token_bytes(i).decode("utf-8"))  # a special token is stored as its name
+            types.append(int(g.TokenType.CONTROL))
+        else:
+            tokens.append(bytes_to_byte_level(tokenizer.token_bytes(i)))
+            types.append(int(g.TokenType.NORMAL))
+    for i in range(tokenizer.vocab_size, vocab_size):  # embedding rows no token uses (never sampled by name)
+        tokens.append(f"[PAD{i}]")
+        types.append(int(g.TokenType.UNUSED))
+    spell = [bytes_to_byte_level(b) for b in tokenizer.vocab]
+    merges = [f"{spell[a]} {spell[b]}" for a, b in tokenizer.merges]
+    return {"tokens": tokens, "token_types": types, "merges": merges}
+
+
+def export_gguf(
+    model: GPT,
+    tokenizer: Tokenizer,
+    path: str | os.PathLike,
+    *,
+    dtype: GGUFDtype = "f32",
+    name: str = "tinylm",
+    pre_tokenizer: str | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Write ``model`` and its byte-level BPE ``tokenizer`` as a GGUF file for llama.cpp; returns the path.
+
+    ``dtype`` "f32" (exact) or "f16" (matrices in half precision, vectors float32); ``name`` goes in
+    general.name; ``pre_tokenizer`` overrides the llama.cpp pre-tokenizer name chosen from the
+    tokenizer's split pattern (see the module docstring).
+    """
+    g = _require_gguf()
+    config = model.config
+    arch = architecture_for(config)
+    if not isinstance(tokenizer, BPETokenizer):
+        raise TinyLMError(f"a {tokenizer.kind} tokenizer cannot go into a GGUF file: llama.cpp reads byte-level BPE "
+                          "(tokenizer.ggml.model 'gpt2'); train the model with a BPE tokenizer")
+    if tokenizer.vocab_size > config.vocab_size:
+        raise TinyLMError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only {config.vocab_size} "
+                          "rows of embeddings: they are not a pair")
+    if dtype not in ("f32", "f16"):
+        raise TinyLMError(f"unknown GGUF dtype {dtype!r}; expected f32 or f16")
+    pre = _pre_tokenizer(tokenizer, pre_tokenizer)
+    path = Path(path)
+    if path.is_dir():
+        raise TinyLMError(f"{path} is a folder; give the GGUF file to write, e.g. {path / 'model.gguf'}")
+    if path.exists() and not overwrite:
+        raise TinyLMError(f"{path} already exists; choose another --out or overwrite it explicitly (--force)")
+
+    tensors = convert_to_theirs(model.state_dict(), gguf_rules(config, arch))
+    vocab = tokenizer_metadata(tokenizer, config.vocab_size)
+    with atomic_path(path) as tmp:
+        writer = g.GGUFWriter(tmp, arch)
+        writer.add_name(name)
+        writer.add_file_type(int(g.LlamaFileType.ALL_F32 if dtype == "f32" else g.LlamaFileType.MOSTLY_F16))
+        writer.add_quantization_version(g.GGML_QUANT_VERSION)
+        # the hyperparameters llama.cpp reads as "<arch>.<key>"
+        writer.add_vocab_size(config.vocab_size)
+        writer.add_context_length(config.block_size)
+        writer.add_embedding_length(config.d_model)
+        writer.add_block_count(config.n_layer)
+        writer.add_feed_forward_length(config.hidden_dim)
+        writer.add_head_count(config.n_head)
+        writer.add_head_count_kv(config.kv_heads)
+        if arch == "gpt2":
+            writer.add_layer_norm_eps(config.norm_eps)
+        else:
+            writer.add_layer_norm_rms_eps(config.norm_eps)
+            writer.add_key_length(config.head_dim)
+            writer.add_value_length(config.head_dim)
+            writer.add_rope_dimension_count(config.head_dim)  # every coordinate of a head is rotated
+            writer.add_rope_freq_base(config.rope_theta)
+        # the tokenizer
+        writer.add_tokenizer_model("gpt2")  # llama.cpp's name for byte-level BPE
+        writer.add_tokenizer_pre(pre)
+        writer.add_token_list(vocab["tokens"])
+        writer.add_token_types(vocab["token_types"])
+        writer.add_token_merges(vocab["merges"])
+        writer.add_bos_token_id(tokenizer.bos_id)
+        writer.add_eos_token_id(tokenizer.eos_id)
+        writer.add_pad_token_id(tokenizer.pad_id)
+        writer.add_add_bos_token(False)
+        writer.add_add_eos_token(False)
+        for tensor_name, t in tensors.items():
+            writer.add_tensor(tensor_name, _to_numpy(t, dtype))
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+    return path
+
+
+def _to_numpy(t: torch.Tensor, dtype: GGUFDtype) -> np.ndarray:
+    # vectors (norms, biases) stay float32 in every file type, as llama.cpp's own converter keeps them
+    target = np.float16 if dtype == "f16" and t.dim() >= 2 else np.float32
+    return t.detach().to(torch.float32).cpu().numpy().astype(target)
+
+
+__all__ = ["LLAMA_CPP_PRE", "gguf_rules", "tokenizer_metadata", "export_gguf"]

@@ -1,0 +1,77 @@
+"""Tiny random models and a throwaway BPE tokenizer, shared by the export tests.
+
+The models are GPT-2-style and Llama-style configurations of two layers and width 32, with every
+parameter drawn at random (biases and norm gains included: a fresh model has zero biases and unit
+gains, which would hide a bias or a norm written to the wrong place).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import textwrap
+
+import torch
+
+from tinylm.config import GPTConfig
+from tinylm.model import GPT
+from tinylm.tokenizers import BPETokenizer, train_bpe
+
+# A few hundred tokens: the 256 bytes, 41 merges, bos, eos, pad and two reserved tokens.
+VOCAB_SIZE = 302
+PROMPT = "def wrap(text, width=70):\n    \"\"\"Wrap a paragraph.\"\"\"\n    return [line for line in text]"
+
+
+def make_tokenizer(pattern: str = "gpt4") -> BPETokenizer:
+    """Byte-level BPE trained on textwrap's source (always on disk), with two reserved tokens."""
+    return train_bpe([inspect.getsource(textwrap)], vocab_size=VOCAB_SIZE, pattern=pattern, n_reserved=2, workers=1)
+
+
+# The configurations the exporters must handle exactly; every one maps to GPT-2 or Llama.
+CONFIGS: dict[str, dict] = {
+    "gpt2": dict(),  # learned positions, LayerNorm, GELU, bias, tied head
+    "gpt2-nobias-untied": dict(bias=False, tie_embeddings=False, d_ff=48, norm_eps=1e-6),
+    "llama-gqa": dict(mlp="swiglu", norm="rmsnorm", positions="rope", bias=False, n_kv_head=2, norm_eps=1e-6,
+                      rope_theta=500.0),
+    "llama-mha-bias-untied": dict(mlp="swiglu", norm="rmsnorm", positions="rope", bias=True, tie_embeddings=False,
+                                  n_head=2, d_ff=80),
+}
+
+
+def tiny_config(name: str, vocab_size: int = VOCAB_SIZE, **changes) -> GPTConfig:
+    base = GPTConfig(vocab_size=vocab_size, block_size=64, n_layer=2, d_model=32, n_head=4)
+    return dataclasses.replace(base, **{**CONFIGS[name], **changes})
+
+
+def randomize(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """Every parameter random: matrices N(0, 0.3^2), biases N(0, 0.2^2), norm gains 1 + N(0, 0.2^2).
+
+    At this scale the logits spread over several units, so greedy decoding has clear winners
+    (with GPT-2's 0.02 they would be nearly flat and every next token a near-tie).
+    """
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            if p.dim() >= 2:
+                p.copy_(0.3 * noise)
+            elif "norm" in name or "ln" in name or "layernorm" in name:
+                p.copy_(1.0 + 0.2 * noise if name.endswith("weight") else 0.2 * noise)
+            else:
+                p.copy_(0.2 * noise)
+    return model.eval()
+
+
+def tiny_model(name: str, seed: int = 0, **changes) -> GPT:
+    with torch.random.fork_rng(devices=[]):
+        model = GPT(tiny_config(name, **changes))
+    return randomize(model, seed)
+
+
+def greedy(logits_of, ids: list[int], steps: int = 20) -> list[int]:
+    """The simplest greedy loop: the whole sequence through the model at every step, argmax of the last logits."""
+    ids = list(ids)
+    for _ in range(steps):
+        logits = logits_of(torch.tensor([ids]))  # (1, T, V)
+        ids.append(int(logits[0, -1].argmax()))
+    return ids
