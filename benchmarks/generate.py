@@ -1,0 +1,242 @@
+"""Benchmark: tinylm's generation engine next to Hugging Face `transformers` `generate`, on the CPU.
+
+Run from the repository root::
+
+    python benchmarks/generate.py                       # GPT-2 124M shape and the tiny shape, float32
+    python benchmarks/generate.py --shapes tiny --repeats 5 --threads 1
+
+What is measured, each as the median of ``--repeats`` runs taken in turns (a, b, c, a, b, c, ...)
+so that a change in machine load hits every contender alike:
+
+- decode tokens/s at batch 1: a 16-token prompt, 128 new tokens, greedy, EOS ignored; new tokens
+  divided by the wall time of the whole call (prefill included), for
+  * tinylm with its KV cache (`tinylm.generate.engine.Engine`),
+  * tinylm without a cache (`tinylm.generate.reference.reference_generate`: every step runs the
+    whole sequence again),
+  * `transformers` `GPT2LMHeadModel.generate` with ``use_cache=True`` and ``use_cache=False``;
+- the same at batch 8 (eight 16-token prompts), with the cache;
+- the memory-bandwidth bound. At batch 1 a decoding step is a chain of matrix-vector products:
+  every weight is read once per token (the tied embedding once, as the output layer; one row
+  of each embedding table is negligible) plus the cached keys and values. So
+
+      tokens/s <= copy bandwidth / (weight bytes + average cache bytes per step)
+
+  where the copy bandwidth is measured here by timing ``dst.copy_(src)`` on a 256 MB tensor
+  (counted as bytes read + bytes written, STREAM's convention). The fraction of this bound
+  that a decoder reaches says how much of the time goes to anything but streaming weights.
+
+Both models have the same shape and the same weights (tinylm's, converted by `tinylm.export.hf`),
+and the benchmark prints how many of the first 32 greedy tokens they agree on before timing them.
+One more row, "W as (in, out)", runs tinylm on a copy of its model whose weight matrices are
+stored transposed (same values, another memory layout; see `column_major`): it measures what
+that layout, Hugging Face GPT-2's, would give tinylm's decoder.
+The tinylm model uses the GPT-2 choices: learned positions, LayerNorm, GELU (tanh), biases, tied
+embeddings. "tiny" is the tiny preset's dimensions (4 layers, d = 192, 6 heads, block 256,
+|V| = 2048) with those choices.
+
+This is a measurement, not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import os
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from tinylm.config import GPTConfig
+from tinylm.export.hf import convert_to_theirs, hf_config, hf_rules
+from tinylm.generate.engine import Engine
+from tinylm.generate.reference import reference_generate
+from tinylm.generate.sampling import SamplingParams
+from tinylm.model import GPT
+
+SHAPES = {
+    "gpt2-124m": GPTConfig(vocab_size=50257, block_size=1024, n_layer=12, d_model=768, n_head=12),
+    "tiny": GPTConfig(vocab_size=2048, block_size=256, n_layer=4, d_model=192, n_head=6),
+}
+
+
+# ----- the models ----------------------------------------------------------------------------------
+
+
+def build_pair(config: GPTConfig, seed: int = 0):
+    """A tinylm GPT with GPT-2's choices and a Hugging Face GPT2LMHeadModel holding the same weights.
+
+    The weights go across with tinylm's own exporter rules (`tinylm.export.hf`), as `tinylm export`
+    would write them.
+    """
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = dataclasses.replace(config, positions="learned", norm="layernorm", mlp="gelu", bias=True,
+                                 tie_embeddings=True, norm_position="pre", dropout=0.0, attention="sdpa")
+    torch.manual_seed(seed)
+    ours = GPT(config).eval()
+    theirs = GPT2LMHeadModel(GPT2Config(**hf_config(config))).eval()
+    missing, unexpected = theirs.load_state_dict(convert_to_theirs(ours.state_dict(), hf_rules(config)), strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)  # the head is tied to wte
+    return ours, theirs
+
+
+# ----- the contenders ----------------------------------------------------------------------------------
+
+
+def tinylm_generate(model: GPT, prompts: torch.Tensor, new_tokens: int) -> list[list[int]]:
+    params = SamplingParams(max_new_tokens=new_tokens, temperature=0, stop_ids=[])
+    return [c.token_ids for c in Engine(model, params).generate(prompts.tolist())]
+
+
+def tinylm_no_cache(model: GPT, prompts: torch.Tensor, new_tokens: int) -> list[list[int]]:
+    params = SamplingParams(max_new_tokens=new_tokens, temperature=0, stop_ids=[])
+    return [c.token_ids for c in reference_generate(model, prompts.tolist(), params)]
+
+
+def hf_generate(model, prompts: torch.Tensor, new_tokens: int, use_cache: bool = True) -> list[list[int]]:
+    with torch.inference_mode():
+        out = model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new_tokens,
+                             min_new_tokens=new_tokens, do_sample=False, use_cache=use_cache, pad_token_id=0)
+    return out[:, prompts.size(1):].tolist()
+
+
+# ----- measuring ------------------------------------------------------------------------------------------
+
+
+def copy_bandwidth(n_bytes: int = 256 * 2**20, repeats: int = 9) -> float:
+    """Bytes per second of ``dst.copy_(src)``, counting the bytes read and the bytes written (STREAM's copy)."""
+    src = torch.ones(n_bytes // 4)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # touch the pages once
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - start)
+    return 2 * n_bytes / statistics.median(times)
+
+
+def bytes_per_token(model: GPT, prompt_len: int, new_tokens: int) -> float:
+    """Bytes one decoding step reads, averaged over the generation: every weight once, plus the cache.
+
+    The learned position table is left out (one row is read). The cache holds, per layer, keys and
+    values of n_kv_head * head_dim numbers per position.
+    """
+    cfg = model.config
+    element = next(model.parameters()).element_size()
+    weights = sum(p.numel() for p in model.parameters()) - model.pos_emb.P.weight.numel()
+    avg_len = prompt_len + (new_tokens - 1) / 2
+    cache = 2 * cfg.n_layer * cfg.kv_heads * cfg.head_dim * avg_len
+    return (weights + cache) * element
+
+
+def interleaved(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """name -> median seconds over ``repeats`` rounds, the functions taking turns within each round."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def column_major(model: GPT) -> GPT:
+    """A copy of ``model`` whose weight matrices are stored (in, out) instead of nn.Linear's (out, in).
+
+    The values are the same (``W.T.contiguous().T``): only the memory layout changes. MKL's
+    matrix-vector product reads the (in, out) layout faster on this kind of CPU, which is the layout
+    Hugging Face's GPT-2 Conv1D uses; this row measures what storing W that way in tinylm would give.
+    """
+    fast = copy.deepcopy(model)
+    with torch.no_grad():
+        for module in fast.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                module.weight.data = module.weight.data.T.contiguous().T
+    fast.lm_head.weight = fast.E.weight  # deepcopy keeps the tie; restate it after touching .data
+    return fast
+
+
+def bench_shape(name: str, config: GPTConfig, args: argparse.Namespace) -> list[tuple[str, str, float, float | None, float | None]]:
+    """Rows (shape, decoder, tokens/s, ratio to transformers in the same setting, fraction of the bound)."""
+    ours, theirs = build_pair(config)
+    ours_inout = column_major(ours)
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, config.vocab_size, (1, args.prompt_tokens), generator=g)
+    batch = torch.randint(0, config.vocab_size, (args.batch, args.prompt_tokens), generator=g)
+    n = args.new_tokens
+
+    # the same computation: tinylm and transformers agree on the greedy tokens (checked on a short run)
+    check = min(n, 32)
+    a, b = tinylm_generate(ours, prompt, check), hf_generate(theirs, prompt, check)
+    agree = next((i for i, (x, y) in enumerate(zip(a[0], b[0])) if x != y), check)
+    print(f"{name}: tinylm and transformers agree on {agree} of the first {check} greedy tokens")
+
+    # name -> (function, rows per call, the transformers contender it is compared with)
+    B = args.batch
+    contenders: dict[str, tuple[Callable[[], object], int, str]] = {
+        "tinylm, KV cache": (lambda: tinylm_generate(ours, prompt, n), 1, "transformers, KV cache"),
+        "tinylm, KV cache, W as (in, out)": (lambda: tinylm_generate(ours_inout, prompt, n), 1,
+                                             "transformers, KV cache"),
+        "transformers, KV cache": (lambda: hf_generate(theirs, prompt, n), 1, "transformers, KV cache"),
+        f"tinylm, KV cache, batch {B}": (lambda: tinylm_generate(ours, batch, n), B, f"transformers, KV cache, batch {B}"),
+        f"transformers, KV cache, batch {B}": (lambda: hf_generate(theirs, batch, n), B,
+                                               f"transformers, KV cache, batch {B}"),
+    }
+    if not args.skip_no_cache:
+        contenders["tinylm, no cache"] = (lambda: tinylm_no_cache(ours, prompt, n), 1, "transformers, no cache")
+        contenders["transformers, no cache"] = (lambda: hf_generate(theirs, prompt, n, use_cache=False), 1,
+                                                "transformers, no cache")
+    for fn, _, _ in contenders.values():
+        fn()  # warm up: first calls allocate, load kernels, fill caches
+    bandwidths = [copy_bandwidth()]
+    seconds = interleaved({label: c[0] for label, c in contenders.items()}, args.repeats)
+    bandwidths.append(copy_bandwidth())
+    bound = statistics.mean(bandwidths) / bytes_per_token(ours, args.prompt_tokens, n)  # tokens/s at batch 1
+
+    rows = []
+    for label, (_, rows_per_call, baseline) in contenders.items():
+        tps = rows_per_call * n / seconds[label]
+        ratio = seconds[baseline] / seconds[label]
+        fraction = tps / bound if rows_per_call == 1 and "KV cache" in label else None
+        rows.append((name, label, tps, ratio, fraction))
+    rows.append((name, f"bandwidth bound, batch 1 ({statistics.mean(bandwidths) / 1e9:.1f} GB/s)", bound, None, 1.0))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", default="gpt2-124m,tiny", help="comma-separated: " + ", ".join(SHAPES))
+    parser.add_argument("--repeats", type=int, default=3, help="timed rounds per contender (median)")
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--prompt-tokens", type=int, default=16)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--skip-no-cache", action="store_true", help="skip the slow recompute-everything runs")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    import transformers
+
+    transformers.logging.set_verbosity_error()  # its config complains about GPT-2's EOS id in a small vocabulary
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.get_num_threads()} threads, "
+          f"{os.cpu_count()} cores; float32; prompt {args.prompt_tokens} tokens, {args.new_tokens} new, greedy; "
+          f"median of {args.repeats} interleaved runs")
+    rows = []
+    for name in args.shapes.split(","):
+        rows += bench_shape(name, SHAPES[name], args)
+    print()
+    print("| shape | decoder | tokens/s | vs transformers | of bandwidth bound |")
+    print("|---|---|---:|---:|---:|")
+    for shape, label, tps, ratio, fraction in rows:
+        r = f"{ratio:.2f}x" if ratio is not None else "-"
+        f = f"{fraction:.0%}" if fraction is not None else "-"
+        print(f"| {shape} | {label} | {tps:.1f} | {r} | {f} |")
+
+
+if __name__ == "__main__":
+    main()

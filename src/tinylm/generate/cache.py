@@ -1,0 +1,128 @@
+"""The KV cache: the keys and values of every position seen so far, kept so each step computes only the new one.
+
+In a causal Transformer the keys and values of position t depend only on tokens <= t, so once
+computed they never change. Generating n tokens by recomputing the whole sequence every step
+costs O(n) forward passes of growing length; with a cache, step t runs the model on the one new
+token, appends its keys and values (per layer) to the stored ones, and attends over all of them.
+
+The buffers here are *static*: allocated once, at their final size (batch, kv heads,
+``max_len``, head size), and filled in place, as in gpt-fast. Nothing is reallocated or
+concatenated while generating, and the memory needed is known up front:
+
+    bytes = 2 (K and V) x n_layer x batch x n_kv_head x max_len x head_dim x bytes per number
+
+With grouped-query attention only the n_kv_head key/value heads are stored (a GQA model with
+n_kv_head = n_head / 4 needs a quarter of the cache of its multi-head twin); the model repeats
+them for its query heads when it attends.
+
+`KVCache` is a sequence of `StaticKVCacheLayer`, one per block, which is what `GPT.forward`
+takes as ``kv_cache`` (each layer implements `tinylm.model.attention.KVCacheLayer`).
+
+    cache = KVCache.for_model(model, batch=1, max_len=128)
+    logits, _ = model(prompt, kv_cache=cache)          # prefill: stores the prompt's keys/values
+    logits, _ = model(next_token, kv_cache=cache)      # one step: the new token only
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from tinylm.errors import TinyLMError
+
+
+class StaticKVCacheLayer:
+    """One layer's keys and values, (B, n_kv, max_len, hs) each, filled from the left."""
+
+    def __init__(self, batch: int, n_kv_head: int, max_len: int, head_dim: int,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+        self.k = torch.zeros(batch, n_kv_head, max_len, head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros(batch, n_kv_head, max_len, head_dim, dtype=dtype, device=device)
+        self._length = 0
+
+    @property
+    def length(self) -> int:
+        """How many positions are stored."""
+        return self._length
+
+    @property
+    def max_len(self) -> int:
+        return self.k.size(2)
+
+    def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Store the new keys and values (B, n_kv, T_new, hs); return all stored ones (B, n_kv, T_k, hs)."""
+        start, end = self._length, self._length + k.size(2)
+        if end > self.max_len:
+            raise TinyLMError(f"the KV cache holds {self.max_len} positions; {end} do not fit "
+                              "(allocate a larger cache or start a new window)")
+        self.k[:, :, start:end] = k
+        self.v[:, :, start:end] = v
+        self._length = end
+        # views of the filled part, no copy: (B, n_kv, end, hs)
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+    def reorder(self, rows: Tensor) -> None:
+        """Row b becomes old row rows[b] (beam search keeps the beams it extends; samples share a prompt)."""
+        self.k = self.k.index_select(0, rows)
+        self.v = self.v.index_select(0, rows)
+
+    def reset(self) -> None:
+        """Forget everything (the buffers are kept and overwritten)."""
+        self._length = 0
+
+
+class KVCache(Sequence[StaticKVCacheLayer]):
+    """One `StaticKVCacheLayer` per block of the model, all of the same shape."""
+
+    def __init__(self, layers: Sequence[StaticKVCacheLayer]) -> None:
+        self.layers = list(layers)
+
+    @classmethod
+    def for_model(cls, model: nn.Module, batch: int, max_len: int) -> KVCache:
+        """A cache for ``batch`` sequences of up to ``max_len`` positions, in the model's dtype and device.
+
+        ``model.config`` gives n_layer, the number of key/value heads and the head size (a
+        `GPTConfig`).
+        """
+        cfg = model.config
+        if max_len > cfg.block_size:
+            raise TinyLMError(f"a cache of {max_len} positions exceeds the model's context (block_size = {cfg.block_size})")
+        p = next(model.parameters())
+        return cls([StaticKVCacheLayer(batch, cfg.kv_heads, max_len, cfg.head_dim, p.dtype, p.device)
+                    for _ in range(cfg.n_layer)])
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        return self.layers[i]
+
+    def __iter__(self) -> Iterator[StaticKVCacheLayer]:
+        return iter(self.layers)
+
+    @property
+    def length(self) -> int:
+        return self.layers[0].length
+
+    @property
+    def max_len(self) -> int:
+        return self.layers[0].max_len
+
+    @property
+    def nbytes(self) -> int:
+        """The memory the buffers take (all layers, keys and values)."""
+        return sum(layer.k.nbytes + layer.v.nbytes for layer in self.layers)
+
+    def filled_nbytes(self) -> int:
+        """The bytes of the keys and values stored so far (what one decoding step reads)."""
+        return self.nbytes * self.length // self.max_len
+
+    def reorder(self, rows: Tensor) -> None:
+        for layer in self.layers:
+            layer.reorder(rows)
+
+    def reset(self) -> None:
+        for layer in self.layers:
+            layer.reset()

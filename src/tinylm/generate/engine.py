@@ -1,0 +1,364 @@
+"""The generation engine: prefill, then one cached step per new token, for a batch of prompts.
+
+Generating is a loop of three small functions (the shape of gpt-fast's generate.py):
+
+- `prefill`: run the model once over the prompts; the KV cache stores every layer's keys and
+  values; the logits of the last position give the first new token.
+- `sample` (`tinylm.generate.sampling`): logits -> token, greedy or a draw after the filters.
+- `decode_one_token`: run the model on the new tokens only (B, 1); each layer appends their keys
+  and values to the cache and attends over everything stored.
+
+**Batches of different lengths.** Prompts are padded on the *left*, so that every row's last
+token sits in the same column and the next tokens are appended in the same column for all rows:
+
+    row 0:  pad pad  The  cat         attention_mask  0 0 1 1
+    row 1:  Once upon a   time                        1 1 1 1
+
+The attention mask hides the padding from every query, and position ids count real tokens
+only (row 0's "The" is at position 0, not 2), so each row computes exactly what it would
+compute alone (up to float rounding from different matrix shapes; the tests pin it).
+
+**The context window.** A model has seen positions 0..block_size-1 in training and no further
+(a learned position table has no row beyond). When prompt plus generation outgrow the window,
+tinylm keeps the most recent ``keep`` tokens (``SamplingParams.window_keep``, default half the
+window), recomputes their keys and values from scratch with positions restarting at 0, and goes
+on; when the window fills again, it cuts again. Recomputing is necessary for every position
+encoding: with learned or sinusoidal positions the stored keys carry absolute positions, and
+with any encoding (RoPE included) the keys of layer 2 and up were computed while attending to the
+tokens that are now dropped. A warning says when this happens. Dropping ``block_size - keep``
+tokens at once, rather than one per step, lets the cache serve the next steps instead of paying
+a full recompute for every token (``window_keep = block_size`` is the one-token slide, a full
+recompute per step). `context_start` is the rule, as a function of the sequence length alone, so
+the engine and the reference generator agree on what the model sees at every step.
+
+**Stopping.** A sample ends at a stop id (the tokenizer's EOS by default; the id is kept in
+``token_ids`` and left out of the text), at a stop string (the text is cut before it; the tokens
+up to the one that completed it are kept in ``token_ids``), or after ``max_new_tokens``
+(finish reason "length"). Rows that finish early ride along until the whole batch is done.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from torch import Tensor, nn
+
+from tinylm.errors import TinyLMError
+from tinylm.generate.cache import KVCache
+from tinylm.generate.sampling import SamplingParams, make_generators, sample, token_logprobs
+from tinylm.generate.stream import TextStream
+from tinylm.tokenizers.base import Tokenizer
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass
+class Completion:
+    """One generated sample.
+
+    ``text`` the new text (without the prompt, cut before a stop string, without the stop
+    token's text); ``token_ids`` the new tokens; ``logprobs`` the model's log-probability of each
+    of them (temperature 1, no filters); ``finish_reason`` "stop" or "length"; ``stop`` the stop
+    id or string that ended it (None for "length"); ``prompt_index`` and ``sample_index`` say
+    which prompt and which of its ``num_samples`` samples this is.
+    """
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: FinishReason
+    prompt_index: int = 0
+    sample_index: int = 0
+    stop: int | str | None = None
+
+
+@dataclass
+class TokenEvent:
+    """One new token of one row, as the engine produces it: what streaming consumers see."""
+
+    row: int
+    token: int
+    logprob: float
+    text: str  # text this token made certain ("" while held back)
+    finish_reason: FinishReason | None = None  # set on the row's last event
+
+
+# ----- the three steps ---------------------------------------------------------------------------
+
+
+def prefill(model: nn.Module, idx: Tensor, cache: KVCache, attention_mask: Tensor | None = None,
+            position_ids: Tensor | None = None) -> Tensor:
+    """Run the prompts idx (B, T) through the model, filling the cache; the last position's logits (B, V)."""
+    logits, _ = model(idx, attention_mask=attention_mask, position_ids=position_ids, kv_cache=cache)
+    return logits[:, -1]  # (B, V)
+
+
+def decode_one_token(model: nn.Module, tokens: Tensor, cache: KVCache, attention_mask: Tensor | None = None,
+                     position_ids: Tensor | None = None) -> Tensor:
+    """One step: the new tokens (B,) in, their keys and values appended to the cache, next logits (B, V) out."""
+    logits, _ = model(tokens[:, None], attention_mask=attention_mask, position_ids=position_ids, kv_cache=cache)
+    return logits[:, -1]  # (B, V)
+
+
+def context_start(n: int, block_size: int, keep: int) -> int:
+    """Where the model's window starts in a sequence of ``n`` tokens (the window is tokens[start:n]).
+
+    Up to ``block_size`` tokens, the whole sequence. Beyond, the window was cut to the last
+    ``keep`` tokens when it overflowed, and has grown by one per token since, until full again
+    (``block_size - keep + 1`` lengths per cycle: keep, keep + 1, ..., block_size).
+    """
+    if not 1 <= keep <= block_size:
+        raise TinyLMError(f"window_keep must be between 1 and block_size ({block_size}), got {keep}")
+    if n <= block_size:
+        return 0
+    grown = (n - block_size - 1) % (block_size - keep + 1)  # tokens added since the last cut
+    return n - keep - grown
+
+
+def window_keep(params: SamplingParams, block_size: int) -> int:
+    """The number of tokens the window policy keeps: ``params.window_keep`` or half the context."""
+    keep = params.window_keep if params.window_keep is not None else max(1, block_size // 2)
+    if keep > block_size:
+        raise TinyLMError(f"window_keep ({keep}) cannot exceed the model's context (block_size = {block_size})")
+    return keep
+
+
+def warn_window(block_size: int, keep: int) -> None:
+    warnings.warn(
+        f"prompt plus generation exceed the model's context of {block_size} tokens: keeping the most recent "
+        f"{keep} tokens and recomputing them with positions from 0 (older text is no longer seen)",
+        stacklevel=3,
+    )
+
+
+def left_pad(windows: Sequence[Sequence[int]], device: torch.device | str = "cpu") -> tuple[Tensor, Tensor]:
+    """Token lists of different lengths -> ids (B, T) padded on the left with 0, and the mask (B, T), False at padding.
+
+    The padding id does not matter (the mask hides it); 0 is a valid id for every vocabulary.
+    """
+    T = max(len(w) for w in windows)
+    idx = torch.zeros(len(windows), T, dtype=torch.long)
+    mask = torch.zeros(len(windows), T, dtype=torch.bool)
+    for b, w in enumerate(windows):
+        if w:
+            idx[b, T - len(w):] = torch.tensor(w, dtype=torch.long)
+            mask[b, T - len(w):] = True
+    return idx.to(device), mask.to(device)
+
+
+def encode_prompts(tokenizer: Tokenizer, prompts: Sequence[str], start_ids: Sequence[int] = ()) -> list[list[int]]:
+    """Each prompt's token ids, after ``start_ids`` (e.g. `Run.start_ids`, the token documents started after in training)."""
+    out = [list(start_ids) + tokenizer.encode(p) for p in prompts]
+    if any(not ids for ids in out):
+        raise TinyLMError("an empty prompt gives the model nothing to continue from: pass start_ids "
+                          "(a run's start_ids: the EOS or BOS its documents began after) or some text")
+    return out
+
+
+# ----- the engine --------------------------------------------------------------------------------
+
+
+@dataclass
+class _Row:
+    """The state of one sample while it is generated."""
+
+    seq: list[int]  # the prompt then the new tokens
+    start: int = 0  # where the model's current window begins in seq
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    stream: TextStream | None = None  # tokens -> text, with the stop strings
+    finish_reason: FinishReason | None = None
+    stop: int | str | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+
+class Engine:
+    """Batched generation with a static KV cache; `events` streams tokens, `generate` collects them.
+
+    ``model`` is a `tinylm.model.GPT` (or anything with its forward signature and a ``config``
+    with block_size, n_layer, kv_heads and head_dim). ``tokenizer`` is needed for text and stop
+    strings; without it, completions carry token ids only and ``text`` is "". ``vocab_size``
+    limits sampling to ids below it (default: the tokenizer's vocabulary, when the model's
+    output layer is larger, as with a vocabulary padded to a multiple of 64).
+    """
+
+    def __init__(self, model: nn.Module, params: SamplingParams, tokenizer: Tokenizer | None = None,
+                 vocab_size: int | None = None) -> None:
+        if params.num_beams != 1:
+            raise TinyLMError("the sampling engine decodes one path per sample; use tinylm.generate.beam for num_beams > 1")
+        if params.stop and tokenizer is None:
+            raise TinyLMError("stop strings need a tokenizer to turn tokens into text")
+        self.model = model
+        self.params = params
+        self.tokenizer = tokenizer
+        self.block_size: int = model.config.block_size
+        self.keep = window_keep(params, self.block_size)
+        if params.stop_ids is not None:
+            self.stop_ids = set(params.stop_ids)
+        else:
+            self.stop_ids = {tokenizer.eos_id} if tokenizer is not None else set()
+        self.vocab_size = vocab_size if vocab_size is not None else (tokenizer.vocab_size if tokenizer else None)
+        self.device = next(model.parameters()).device
+        self.cache: KVCache | None = None
+        self.warned = False
+
+    # -- public --------------------------------------------------------------------------------
+
+    def generate(self, prompts: Sequence[Sequence[int]]) -> list[Completion]:
+        """Completions for token-id prompts: ``num_samples`` per prompt, prompt by prompt."""
+        rows = self._rows(prompts)
+        for _ in self._run(rows):
+            pass
+        return [self._completion(r, row) for r, row in enumerate(rows)]
+
+    def events(self, prompts: Sequence[Sequence[int]]) -> Iterator[TokenEvent]:
+        """Each new token of each row as it is generated (row = prompt_index * num_samples + sample_index)."""
+        return self._run(self._rows(prompts))
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def _rows(self, prompts: Sequence[Sequence[int]]) -> list[_Row]:
+        vocab = self.model.config.vocab_size
+        rows = []
+        for i, prompt in enumerate(prompts):
+            ids = [int(t) for t in prompt]
+            if not ids:
+                raise TinyLMError(f"prompt {i} is empty: give at least one token (e.g. a run's start_ids)")
+            if any(not 0 <= t < vocab for t in ids):
+                raise TinyLMError(f"prompt {i} holds ids outside the model's vocabulary 0..{vocab - 1}")
+            for _ in range(self.params.num_samples):
+                stream = TextStream(self.tokenizer, self.params.stop) if self.tokenizer is not None else None
+                rows.append(_Row(seq=list(ids), stream=stream))
+        return rows
+
+    @torch.inference_mode()
+    def _run(self, rows: list[_Row]) -> Iterator[TokenEvent]:
+        params = self.params
+        if params.max_new_tokens == 0:
+            for row in rows:
+                row.finish_reason = "length"
+            return
+        generators = None if params.greedy else make_generators(params.seed, len(rows), self.device)
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            logits = self._start_window(rows, first=True)  # (B, V)
+            for step in range(params.max_new_tokens):
+                if self.vocab_size is not None and self.vocab_size < logits.size(-1):
+                    logits[:, self.vocab_size:] = float("-inf")  # ids the tokenizer cannot decode
+                tokens = sample(logits, params, generators)  # (B,)
+                logprobs = token_logprobs(logits, tokens)  # (B,)
+                last_step = step == params.max_new_tokens - 1
+                new_tokens = tokens.tolist()
+                for r, (token, logprob) in enumerate(zip(new_tokens, logprobs.tolist())):
+                    if not rows[r].done:
+                        yield self._accept(r, rows[r], token, logprob, last_step)
+                if all(row.done for row in rows) or last_step:
+                    return
+                for row, token in zip(rows, new_tokens):
+                    row.seq.append(token)
+                if self.length + 1 > self.cache.max_len:
+                    logits = self._start_window(rows)  # the window overflowed: cut and recompute
+                else:
+                    logits = self._step(tokens)
+        finally:
+            self.model.train(was_training)
+
+    def _accept(self, r: int, row: _Row, token: int, logprob: float, last_step: bool) -> TokenEvent:
+        """Record a row's new token; decide whether the row is done; the text it releases."""
+        row.tokens.append(token)
+        row.logprobs.append(logprob)
+        stream = row.stream
+        if token in self.stop_ids:
+            row.finish_reason, row.stop = "stop", token
+            piece = stream.finish() if stream else ""  # the stop token's own text is never shown
+        else:
+            piece = stream.push(token) if stream else ""
+            if stream is not None and stream.stopped_by is not None:
+                row.finish_reason, row.stop = "stop", stream.stopped_by
+            elif last_step:
+                row.finish_reason = "length"
+                piece += stream.finish() if stream else ""
+        return TokenEvent(r, token, logprob, piece, row.finish_reason)
+
+    def _start_window(self, rows: list[_Row], first: bool = False) -> Tensor:
+        """(Re)build the cache: each row's window per `context_start`, left-padded, prefilled. Logits (B, V)."""
+        windows = []
+        for row in rows:
+            if row.done:
+                windows.append(row.seq[-1:])  # finished rows only ride along: one token is enough
+                continue
+            start = context_start(len(row.seq), self.block_size, self.keep)
+            if start > row.start and not self.warned:
+                warn_window(self.block_size, self.keep)
+                self.warned = True
+            row.start = start
+            windows.append(row.seq[start:])
+        idx, mask = left_pad(windows, self.device)  # (B, T), (B, T)
+        B, T = idx.shape
+        if first:
+            # the longest window plus every new token, but never more than the model's context
+            capacity = min(self.block_size, T + self.params.max_new_tokens)
+            self.cache = KVCache.for_model(self.model, B, capacity)
+            self.mask = torch.zeros(B, capacity, dtype=torch.bool, device=self.device)
+        self.cache.reset()
+        self.padded = not bool(mask.all())
+        self.mask[:, :T] = mask
+        self.length = T
+        # each row's positions count its real tokens from 0; padding sits at position 0 (it is masked)
+        position_ids = (mask.long().cumsum(dim=1) - 1).clamp(min=0)  # (B, T)
+        self.next_position = position_ids[:, -1:] + 1  # (B, 1): where each row's next token goes
+        return prefill(self.model, idx, self.cache, self.mask[:, :T] if self.padded else None, position_ids)
+
+    def _step(self, tokens: Tensor) -> Tensor:
+        """Feed the sampled tokens (B,); logits (B, V) for the token after them."""
+        self.mask[:, self.length] = True
+        self.length += 1
+        attention_mask = self.mask[:, :self.length] if self.padded else None  # no padding: no mask needed
+        logits = decode_one_token(self.model, tokens, self.cache, attention_mask, self.next_position)
+        self.next_position += 1
+        return logits
+
+    def _completion(self, r: int, row: _Row) -> Completion:
+        n = self.params.num_samples
+        return Completion(text=row.stream.text if row.stream else "", token_ids=row.tokens, logprobs=row.logprobs,
+                          finish_reason=row.finish_reason or "length", prompt_index=r // n, sample_index=r % n,
+                          stop=row.stop)
+
+
+def generate(
+    model: nn.Module,
+    tokenizer: Tokenizer,
+    prompts: Sequence[str] | str,
+    params: SamplingParams | None = None,
+    *,
+    start_ids: Sequence[int] = (),
+) -> list[Completion]:
+    """Complete each prompt ``params.num_samples`` times: the one call behind `tinylm sample`.
+
+    Returns the completions prompt by prompt (prompt i's sample j at i * num_samples + j).
+    ``start_ids`` go before every prompt (pass a run's `start_ids`: the token documents began
+    after in training); an empty prompt then samples a document from the start. Sampling, beam
+    search (``params.num_beams > 1``), stopping and the context window follow ``params``.
+
+        run = load_run("runs/tiny")
+        out = generate(run.model, run.tokenizer, "ROMEO:", SamplingParams(temperature=0.8, seed=1),
+                       start_ids=run.start_ids)
+        print(out[0].text, out[0].finish_reason)
+    """
+    params = params if params is not None else SamplingParams()
+    if isinstance(prompts, str):
+        prompts = [prompts]
+    ids = encode_prompts(tokenizer, prompts, start_ids)
+    if params.num_beams > 1:
+        from tinylm.generate.beam import beam_search_completions  # beam.py builds on this module
+
+        return [c for i, p in enumerate(ids) for c in beam_search_completions(model, tokenizer, p, params, prompt_index=i)]
+    return Engine(model, params, tokenizer).generate(ids)

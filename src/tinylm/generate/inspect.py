@@ -1,0 +1,111 @@
+"""Looking inside one step: the next-token distribution and the attention weights behind it.
+
+`next_token_candidates` answers "what does the model think comes next?": the most likely tokens
+with their probabilities at a temperature. Dividing the logits by tau before the softmax
+reshapes the distribution without reordering it: logits (2, 1, -1) give probabilities
+(0.705, 0.259, 0.035) at tau = 1, (0.879, 0.119, 0.002) at tau = 0.5 and (0.547, 0.331, 0.122)
+at tau = 2. `temperature_table` lays several temperatures side by side, which is what
+`tinylm next-token --temperatures 0.5,1,2` prints.
+
+`attention_maps` gives every layer's attention weights for a text (row i of a head's map is how
+position i spreads its attention over positions 0..i), for heatmaps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from tinylm.generate.engine import context_start
+from tinylm.generate.sampling import SamplingParams, sampling_distribution
+from tinylm.tokenizers.base import Tokenizer
+
+
+@dataclass
+class Candidate:
+    """A possible next token: its id, its bytes, its logit and its probability at the chosen temperature."""
+
+    token_id: int
+    token_bytes: bytes
+    logit: float
+    probability: float
+
+    @property
+    def text(self) -> str:
+        """The token's text (U+FFFD for bytes that are only part of a character)."""
+        return self.token_bytes.decode("utf-8", errors="replace")
+
+    def display(self) -> str:
+        """For a table: the text in quotes, or the bytes (b'\\xe4') when they are not whole characters."""
+        try:
+            return repr(self.token_bytes.decode("utf-8"))
+        except UnicodeDecodeError:
+            return repr(self.token_bytes)
+
+
+def temperature_probabilities(logits: Tensor, temperature: float) -> Tensor:
+    """softmax(logits / temperature) over the last axis; temperature 0 puts all mass on the argmax."""
+    probs = sampling_distribution(logits.reshape(-1, logits.size(-1)), SamplingParams(temperature=temperature))
+    return probs.reshape(logits.shape)
+
+
+@torch.inference_mode()
+def next_token_logits(model: nn.Module, ids: Sequence[int]) -> Tensor:
+    """The model's logits (V,) for the token after ``ids`` (only the last block_size tokens are seen)."""
+    block_size = model.config.block_size
+    window = list(ids)[context_start(len(ids), block_size, block_size):]
+    idx = torch.tensor([window], dtype=torch.long, device=next(model.parameters()).device)  # (1, T)
+    was_training = model.training
+    model.eval()
+    try:
+        logits, _ = model(idx)
+    finally:
+        model.train(was_training)
+    return logits[0, -1].float()  # (V,)
+
+
+def next_token_candidates(model: nn.Module, tokenizer: Tokenizer, ids: Sequence[int], top: int = 10,
+                          temperature: float = 1.0) -> list[Candidate]:
+    """The ``top`` most likely next tokens after ``ids``, most likely first, with probabilities at ``temperature``."""
+    logits = next_token_logits(model, ids)[: tokenizer.vocab_size]  # (V,) ids the tokenizer can show
+    probs = temperature_probabilities(logits, temperature)  # (V,)
+    order = torch.argsort(logits, descending=True, stable=True)[:top]  # temperature never changes the order
+    return [Candidate(int(i), tokenizer.token_bytes(int(i)), float(logits[i]), float(probs[i])) for i in order]
+
+
+def temperature_table(model: nn.Module, tokenizer: Tokenizer, ids: Sequence[int], temperatures: Sequence[float],
+                      top: int = 10) -> tuple[list[Candidate], list[list[float]]]:
+    """The ``top`` candidates (probabilities at temperature 1) and, per candidate, its probability at each temperature."""
+    logits = next_token_logits(model, ids)[: tokenizer.vocab_size]
+    candidates = next_token_candidates(model, tokenizer, ids, top, 1.0)
+    columns = [temperature_probabilities(logits, t) for t in temperatures]  # each (V,)
+    return candidates, [[float(col[c.token_id]) for col in columns] for c in candidates]
+
+
+def format_candidates(candidates: Sequence[Candidate], temperatures: Sequence[float] | None = None,
+                      table: Sequence[Sequence[float]] | None = None, temperature: float = 1.0) -> str:
+    """A plain-text table: rank, id, the token (see `Candidate.display`) and its probability at each temperature."""
+    temps = list(temperatures) if temperatures is not None else [temperature]
+    header = f"{'rank':>4}  {'id':>6}  {'token':<16}" + "".join(f"  {'T=' + format(t, 'g'):>8}" for t in temps)
+    lines = [header]
+    for rank, c in enumerate(candidates, 1):
+        probs = table[rank - 1] if table is not None else [c.probability]
+        lines.append(f"{rank:>4}  {c.token_id:>6}  {c.display():<16}" + "".join(f"  {p:>8.4f}" for p in probs))
+    return "\n".join(lines)
+
+
+def attention_maps(model: nn.Module, ids: Sequence[int]) -> list[Tensor]:
+    """Each layer's attention weights (n_head, T, T) for the sequence ``ids`` (its last block_size tokens)."""
+    block_size = model.config.block_size
+    window = list(ids)[context_start(len(ids), block_size, block_size):]
+    idx = torch.tensor([window], dtype=torch.long, device=next(model.parameters()).device)  # (1, T)
+    was_training = model.training
+    model.eval()
+    try:
+        weights = model.attention_weights(idx)  # per layer (1, nh, T, T)
+    finally:
+        model.train(was_training)
+    return [w[0] for w in weights]
