@@ -413,6 +413,18 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_sample(args: argparse.Namespace) -> int:
+    from tinylm.generate.commands import cmd_sample as sample
+
+    return sample(args)
+
+
+def cmd_next_token(args: argparse.Namespace) -> int:
+    from tinylm.generate.commands import cmd_next_token as next_token
+
+    return next_token(args)
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     from tinylm.export import export_run
 
@@ -575,6 +587,36 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-dir", help="the run's shard folder, if it has moved since training")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps (default: cpu)")
     p.set_defaults(func=cmd_eval)
+
+    # tinylm sample / next-token
+    p = sub.add_parser("sample", help="generate text from a trained run",
+                       description="Complete prompts with a trained run. Filters apply in this order: "
+                       "temperature, then top-k, then top-p, then min-p; temperature 0 is greedy.")
+    p.add_argument("--run", required=True, help="the run folder")
+    p.add_argument("--prompt", action="append", help="a prompt (repeat for a batch; default: read --prompt-file, "
+                   "or stdin, or start from nothing)")
+    p.add_argument("--prompt-file", help="a file with one prompt per line")
+    p.add_argument("--num-samples", type=_positive_int, default=1, help="samples per prompt (default: 1)")
+    p.add_argument("--max-new-tokens", type=_positive_int, default=256, help="the token limit (default: 256)")
+    p.add_argument("--temperature", type=float, default=1.0, help="0 is greedy (default: 1.0)")
+    p.add_argument("--top-k", type=_positive_int, help="keep the k most likely tokens")
+    p.add_argument("--top-p", type=float, help="keep the smallest set whose probability reaches p (nucleus)")
+    p.add_argument("--min-p", type=float, help="drop tokens below min-p times the top probability")
+    p.add_argument("--seed", type=int, help="makes sampling reproducible")
+    p.add_argument("--stop", action="append", help="a stop string, removed from the output (repeatable; \\n allowed)")
+    p.add_argument("--stream", action="store_true", help="print the text as it is generated")
+    p.add_argument("--num-beams", type=_positive_int, default=1, help="beam search with this many beams (default: 1)")
+    p.set_defaults(func=cmd_sample)
+
+    p = sub.add_parser("next-token", help="show the next-token distribution after a prompt",
+                       description="Print the most likely next tokens after a prompt with their probabilities, "
+                       "at one temperature or side by side at several.")
+    p.add_argument("--run", required=True, help="the run folder")
+    p.add_argument("--prompt", required=True, help="the text so far")
+    p.add_argument("--top", type=_positive_int, default=10, help="how many candidates (default: 10)")
+    p.add_argument("--temperature", type=float, default=1.0, help="softmax temperature (default: 1.0)")
+    p.add_argument("--temperatures", help="several temperatures side by side, e.g. 0.5,1,2")
+    p.set_defaults(func=cmd_next_token)
 
     # tinylm export / import
     p = sub.add_parser("export", help="write a trained run for transformers (hf) or llama.cpp (gguf)",
