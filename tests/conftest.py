@@ -32,3 +32,19 @@ def shakespeare_corpus() -> Corpus:
 def shakespeare_text(shakespeare_corpus: Corpus) -> str:
     """The complete works as one string: the documents in order, separated by a blank line."""
     return "\n\n".join(shakespeare_corpus.texts())
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Every test runs PyTorch on one thread.
+
+    The models in the tests are tiny: splitting their matmuls across threads costs more than it
+    saves, and on a busy 2-core machine the waiting threads make a 4 ms training step take over
+    100 ms. Training runs started by the tests set ``threads = 1`` in their config for the same reason.
+    """
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -1,24 +1,13 @@
-"""Fixtures for the training tests: one thread, a local corpus and its prepared shards."""
+"""Fixtures for the training tests: a local corpus and its prepared shards."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
-import torch
 from trainkit import tiny_config, write_corpus
 
 from tinylm.train import prepare_data
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    # Tiny models on a busy 2-core machine: splitting their matmuls across threads costs more than it
-    # saves. The runs' own `threads = 1` setting does the same inside `train`.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")
