@@ -14,7 +14,8 @@ from exportkit import randomize
 
 from tinylm.config import Config, TrainConfig, build_config, load_config_file
 from tinylm.export import import_hf_into_run
-from tinylm.generate import generate_naive
+from tinylm.generate.engine import generate
+from tinylm.generate.sampling import SamplingParams
 from tinylm.model import GPT
 from tinylm.run import load_run
 from tinylm.tokenizers.formats import save_hf_tokenizer_json
@@ -52,5 +53,6 @@ def test_import_fine_tune_on_shakespeare_and_sample(tmp_path, tokenizer, shakesp
     assert 0 < moved < 0.01  # three steps of lr 1e-3 from the imported weights...
     assert (fresh["E.weight"] - start["E.weight"]).abs().max() > 0.5  # ...which are not what a fresh init gives
 
-    ids = generate_naive(tuned.model, tuned.start_ids, 20, temperature=1.0, seed=0)
-    assert len(ids) > 0 and isinstance(tuned.tokenizer.decode(ids), str)
+    (completion,) = generate(tuned.model, tuned.tokenizer, "", SamplingParams(max_new_tokens=20, seed=0),
+                             start_ids=tuned.start_ids)
+    assert len(completion.token_ids) > 0 and isinstance(completion.text, str)

@@ -9,7 +9,6 @@ import torch
 
 from tinylm.errors import TinyLMError
 from tinylm.generate.engine import Engine, context_start, generate
-from tinylm.generate.naive import generate_naive
 from tinylm.generate.reference import reference_generate
 from tinylm.generate.sampling import SamplingParams
 from tinylm.tokenizers import BPETokenizer
@@ -248,12 +247,17 @@ def test_a_batch_crossing_the_window_at_different_steps_equals_one_by_one():
 
 
 def test_keeping_the_whole_window_is_the_naive_samplers_one_token_slide():
-    """`window_keep = block_size` slides by one token per step, which is what `generate_naive` does."""
+    """`window_keep = block_size` slides by one token per step: greedy over the last 16 tokens, by hand."""
     model = tiny_gpt(positions="learned", block_size=16)
     params = SamplingParams(max_new_tokens=30, temperature=0, window_keep=16)
     with pytest.warns(UserWarning):
         ours = Engine(model, params).generate([[1, 2, 3]])[0].token_ids
-    assert ours == generate_naive(model, [1, 2, 3], 30, temperature=0)
+    tokens = [1, 2, 3]
+    with torch.no_grad():
+        for _ in range(30):
+            logits, _ = model(torch.tensor([tokens[-16:]]))
+            tokens.append(int(logits[0, -1].argmax()))
+    assert ours == tokens[3:]
 
 
 # ----- the public function -------------------------------------------------------------------------------------

@@ -1,11 +1,19 @@
-"""Generation: turning a trained model's next-token distributions into text.
+"""Generation: turning a trained model's next-token distributions into text (SPEC section 5).
 
-- `generate_naive`: ancestral sampling that recomputes the whole context at every step, with
-  temperature, top-k, a seed, and a stop at EOS. The readable reference every faster sampler
-  is tested against (`tinylm.generate.naive`).
-- `next_token_distribution`: logits -> probabilities after temperature and top-k.
+- `generate` (engine.py): the one call behind `tinylm sample`: prompts in, completions out, through
+  a preallocated KV cache, with batches of prompts of different lengths (left padding).
+- `SamplingParams` (sampling.py): greedy, temperature, top-k, top-p, min-p, seeds, stops, beams;
+  the filters apply in that order.
+- `reference_generate` (reference.py): the naive generator that recomputes every step; the
+  oracle the engine is tested against, and what `train` uses for its closing sample.
+- `stream` (stream.py): text pieces as tokens arrive, never splitting a character.
+- `next_token_candidates` (inspect.py): the next-token distribution, for learners.
 """
 
-from tinylm.generate.naive import generate_naive, next_token_distribution
+from tinylm.generate.engine import Completion, generate
+from tinylm.generate.inspect import next_token_candidates
+from tinylm.generate.reference import reference_generate
+from tinylm.generate.sampling import SamplingParams
+from tinylm.generate.stream import stream
 
-__all__ = ["generate_naive", "next_token_distribution"]
+__all__ = ["Completion", "SamplingParams", "generate", "next_token_candidates", "reference_generate", "stream"]

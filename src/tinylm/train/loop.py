@@ -43,6 +43,7 @@ import os
 import shutil
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,7 +61,8 @@ from tinylm.data.shards import META_FILE, ShardSet, prepare
 from tinylm.errors import TinyLMError
 from tinylm.evaluate import EvalResult, evaluate, restrict, window_starts
 from tinylm.explain.accounting import summary
-from tinylm.generate.naive import generate_naive
+from tinylm.generate.reference import reference_generate
+from tinylm.generate.sampling import SamplingParams
 from tinylm.model.gpt import GPT, IGNORE_INDEX
 from tinylm.run import (
     CONFIG_FILE,
@@ -927,10 +929,13 @@ class _Trainer:
             return ""
         # every process samples (a sharded model needs all of them for each forward pass); the same
         # seed gives each the same text
-        ids = generate_naive(self.eval_model if self.fsdp else self.model, start_ids(self.config, self.tokenizer),
-                             tc.sample_tokens, temperature=tc.sample_temperature, top_k=tc.sample_top_k or None,
-                             seed=tc.seed, eos_id=self.tokenizer.eos_id)
-        return self.tokenizer.decode(ids)
+        params = SamplingParams(max_new_tokens=tc.sample_tokens, temperature=tc.sample_temperature,
+                                top_k=tc.sample_top_k or None, seed=tc.seed)
+        model = self.eval_model if self.fsdp else self.model
+        with warnings.catch_warnings():  # a sample longer than the context slides its window; expected here
+            warnings.simplefilter("ignore", UserWarning)
+            (completion,) = reference_generate(model, [start_ids(self.config, self.tokenizer)], params, self.tokenizer)
+        return completion.text
 
     def _result(self, status: str, train_loss: float | None, val: dict[str, Any] | None, sample: str) -> RunResult:
         best = checkpoint_path(self.out, "best")
