@@ -71,6 +71,10 @@ def next_token_candidates(model: nn.Module, tokenizer: Tokenizer, ids: Sequence[
                           temperature: float = 1.0) -> list[Candidate]:
     """The ``top`` most likely next tokens after ``ids``, most likely first, with probabilities at ``temperature``."""
     logits = next_token_logits(model, ids)[: tokenizer.vocab_size]  # (V,) ids the tokenizer can show
+    return _candidates(logits, tokenizer, top, temperature)
+
+
+def _candidates(logits: Tensor, tokenizer: Tokenizer, top: int, temperature: float) -> list[Candidate]:
     probs = temperature_probabilities(logits, temperature)  # (V,)
     order = torch.argsort(logits, descending=True, stable=True)[:top]  # temperature never changes the order
     return [Candidate(int(i), tokenizer.token_bytes(int(i)), float(logits[i]), float(probs[i])) for i in order]
@@ -79,8 +83,8 @@ def next_token_candidates(model: nn.Module, tokenizer: Tokenizer, ids: Sequence[
 def temperature_table(model: nn.Module, tokenizer: Tokenizer, ids: Sequence[int], temperatures: Sequence[float],
                       top: int = 10) -> tuple[list[Candidate], list[list[float]]]:
     """The ``top`` candidates (probabilities at temperature 1) and, per candidate, its probability at each temperature."""
-    logits = next_token_logits(model, ids)[: tokenizer.vocab_size]
-    candidates = next_token_candidates(model, tokenizer, ids, top, 1.0)
+    logits = next_token_logits(model, ids)[: tokenizer.vocab_size]  # one forward pass for every column
+    candidates = _candidates(logits, tokenizer, top, 1.0)
     columns = [temperature_probabilities(logits, t) for t in temperatures]  # each (V,)
     return candidates, [[float(col[c.token_id]) for col in columns] for c in candidates]
 
