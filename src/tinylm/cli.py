@@ -370,6 +370,10 @@ def _train_config(args: argparse.Namespace):
         base = load_config_file(saved) if saved.exists() else load_preset("tiny")
     else:
         base = load_preset(args.preset or "tiny") if (args.preset or not args.config) else {}
+        init_config = Path(args.init_from or "") / "config.toml"
+        if args.init_from and not (args.preset or args.config) and init_config.is_file():
+            # fine-tuning: the model is the one being started from; the [train] settings are tiny's
+            base = dict(base, model=load_config_file(init_config).get("model", {}))
         if args.config:
             from tinylm.config import _merge
 
