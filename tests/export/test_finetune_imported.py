@@ -56,3 +56,27 @@ def test_import_fine_tune_on_shakespeare_and_sample(tmp_path, tokenizer, shakesp
     (completion,) = generate(tuned.model, tuned.tokenizer, "", SamplingParams(max_new_tokens=20, seed=0),
                              start_ids=tuned.start_ids)
     assert len(completion.token_ids) > 0 and isinstance(completion.text, str)
+
+
+@pytest.mark.slow
+def test_the_train_command_fine_tunes_an_imported_run_without_a_config(tmp_path, tokenizer, shakespeare_corpus):
+    """`tinylm train --init-from RUN` takes the model's shape from RUN (not the tiny preset's), then samples."""
+    import subprocess
+    import sys
+
+    config = transformers.GPT2Config(vocab_size=tokenizer.vocab_size, n_embd=32, n_layer=2, n_head=2, n_positions=64)
+    torch.manual_seed(0)
+    randomize(transformers.GPT2LMHeadModel(config)).save_pretrained(tmp_path / "hf")
+    save_hf_tokenizer_json(tokenizer, tmp_path / "hf" / "tokenizer.json")
+
+    def tinylm(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "tinylm", *args], capture_output=True, text=True, cwd=tmp_path)
+
+    assert tinylm("import", "--from", "hf", "--out", "imported").returncode == 0
+    tuned = tinylm("train", "--init-from", "imported", "--out", "tuned", "--max-steps", "2", "--batch-size", "2",
+                   "--eval-tokens", "256", "--final-eval-tokens", "256", "--sample-tokens", "0", "--threads", "1",
+                   "--no-progress")
+    assert tuned.returncode == 0, tuned.stderr
+    assert "2 layers, d_model 32" in tuned.stdout
+    sample = tinylm("sample", "--run", "tuned", "--prompt", "To be", "--max-new-tokens", "8", "--seed", "0")
+    assert sample.returncode == 0 and sample.stdout.startswith("To be")
