@@ -161,7 +161,10 @@ def column_major(model: GPT) -> GPT:
     return fast
 
 
-def bench_shape(name: str, config: GPTConfig, args: argparse.Namespace) -> list[tuple[str, str, float, float | None, float | None]]:
+Row = tuple[str, str, float, float | None, float | None]  # shape, decoder, tokens/s, vs transformers, of bound
+
+
+def bench_shape(name: str, config: GPTConfig, args: argparse.Namespace) -> list[Row]:
     """Rows (shape, decoder, tokens/s, ratio to transformers in the same setting, fraction of the bound)."""
     ours, theirs = build_pair(config)
     ours_inout = column_major(ours)
@@ -183,7 +186,8 @@ def bench_shape(name: str, config: GPTConfig, args: argparse.Namespace) -> list[
         "tinylm, KV cache, W as (in, out)": (lambda: tinylm_generate(ours_inout, prompt, n), 1,
                                              "transformers, KV cache"),
         "transformers, KV cache": (lambda: hf_generate(theirs, prompt, n), 1, "transformers, KV cache"),
-        f"tinylm, KV cache, batch {B}": (lambda: tinylm_generate(ours, batch, n), B, f"transformers, KV cache, batch {B}"),
+        f"tinylm, KV cache, batch {B}": (lambda: tinylm_generate(ours, batch, n), B,
+                                         f"transformers, KV cache, batch {B}"),
         f"transformers, KV cache, batch {B}": (lambda: hf_generate(theirs, batch, n), B,
                                                f"transformers, KV cache, batch {B}"),
     }

@@ -43,6 +43,26 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _nonneg_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {value}")
+    return value
+
+
+def _probability(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number between 0 and 1, got {text!r}") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number between 0 and 1, got {value}")
+    return value
+
+
 def _fraction(text: str) -> float:
     try:
         value = float(text)
@@ -594,32 +614,44 @@ def build_parser() -> argparse.ArgumentParser:
 
     # tinylm sample / next-token
     p = sub.add_parser("sample", help="generate text from a trained run",
-                       description="Complete prompts with a trained run. Filters apply in this order: "
-                       "temperature, then top-k, then top-p, then min-p; temperature 0 is greedy.")
-    p.add_argument("--run", required=True, help="the run folder")
-    p.add_argument("--prompt", action="append", help="a prompt (repeat for a batch; default: read --prompt-file, "
-                   "or stdin, or start from nothing)")
-    p.add_argument("--prompt-file", help="a file with one prompt per line")
-    p.add_argument("--num-samples", type=_positive_int, default=1, help="samples per prompt (default: 1)")
-    p.add_argument("--max-new-tokens", type=_positive_int, default=256, help="the token limit (default: 256)")
-    p.add_argument("--temperature", type=float, default=1.0, help="0 is greedy (default: 1.0)")
-    p.add_argument("--top-k", type=_positive_int, help="keep the k most likely tokens")
-    p.add_argument("--top-p", type=float, help="keep the smallest set whose probability reaches p (nucleus)")
-    p.add_argument("--min-p", type=float, help="drop tokens below min-p times the top probability")
-    p.add_argument("--seed", type=int, help="makes sampling reproducible")
-    p.add_argument("--stop", action="append", help="a stop string, removed from the output (repeatable; \\n allowed)")
-    p.add_argument("--stream", action="store_true", help="print the text as it is generated")
-    p.add_argument("--num-beams", type=_positive_int, default=1, help="beam search with this many beams (default: 1)")
+                       description="Complete prompts with a trained model: sampling (temperature, top-k, top-p, "
+                       "min-p; applied in that order), greedy decoding (--temperature 0) or beam search "
+                       "(--num-beams). The prompt comes from --prompt (repeat it for a batch), --prompt-file, "
+                       "or stdin; with none, samples start a new document. Prints each prompt and its completion.")
+    p.add_argument("--run", required=True, metavar="DIR", help="the run folder written by `tinylm train`")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--prompt", action="append", metavar="TEXT",
+                     help="a prompt; give it several times to complete several prompts in one batch")
+    src.add_argument("--prompt-file", metavar="PATH", help="read one prompt from this UTF-8 file")
+    p.add_argument("--num-samples", type=_positive_int, default=1, metavar="N", help="samples per prompt (default: 1)")
+    p.add_argument("--max-new-tokens", type=_positive_int, default=256, metavar="N",
+                   help="most tokens to generate (default: 256)")
+    p.add_argument("--temperature", type=_nonneg_float, default=1.0, metavar="T",
+                   help="divide the logits by this; 0 is greedy decoding (default: 1.0)")
+    p.add_argument("--top-k", type=_positive_int, metavar="K", help="keep only the k most likely tokens (default: off)")
+    p.add_argument("--top-p", type=_probability, metavar="P",
+                   help="keep the smallest set of most likely tokens whose probability reaches p (default: off)")
+    p.add_argument("--min-p", type=_probability, metavar="P",
+                   help="keep tokens at least this fraction as likely as the most likely one (default: off)")
+    p.add_argument("--seed", type=int, metavar="N", help="make the sampling reproducible (default: a fresh seed each run)")
+    p.add_argument("--stop", action="append", metavar="TEXT",
+                   help="stop a sample at this text (not included in the output; \\n and \\t are understood); "
+                   "repeat for several; the end-of-text token always stops")
+    p.add_argument("--stream", action="store_true", help="print the text as it is generated (one prompt, one sample)")
+    p.add_argument("--num-beams", type=_positive_int, default=1, metavar="N",
+                   help="beam search with this many beams instead of sampling (default: 1, no beam search)")
     p.set_defaults(func=cmd_sample)
 
-    p = sub.add_parser("next-token", help="show the next-token distribution after a prompt",
-                       description="Print the most likely next tokens after a prompt with their probabilities, "
-                       "at one temperature or side by side at several.")
-    p.add_argument("--run", required=True, help="the run folder")
-    p.add_argument("--prompt", required=True, help="the text so far")
-    p.add_argument("--top", type=_positive_int, default=10, help="how many candidates (default: 10)")
-    p.add_argument("--temperature", type=float, default=1.0, help="softmax temperature (default: 1.0)")
-    p.add_argument("--temperatures", help="several temperatures side by side, e.g. 0.5,1,2")
+    p = sub.add_parser("next-token", help="show the most likely next tokens after a prompt",
+                       description="Print the model's top candidates for the token after --prompt, with their "
+                       "probabilities at --temperature, or side by side at several --temperatures.")
+    p.add_argument("--run", required=True, metavar="DIR", help="the run folder written by `tinylm train`")
+    p.add_argument("--prompt", required=True, metavar="TEXT", help="the text to continue")
+    p.add_argument("--top", type=_positive_int, default=10, metavar="N", help="how many candidates (default: 10)")
+    p.add_argument("--temperature", type=_nonneg_float, default=1.0, metavar="T",
+                   help="the temperature of the probabilities (default: 1.0)")
+    p.add_argument("--temperatures", metavar="T1,T2,...",
+                   help="show the probabilities at several temperatures side by side, e.g. 0.5,1,2")
     p.set_defaults(func=cmd_next_token)
 
     # tinylm export / import

@@ -273,7 +273,8 @@ def test_an_empty_prompt_needs_start_ids(byte_tokenizer):
     model = tiny_gpt(vocab_size=byte_tokenizer.vocab_size)
     with pytest.raises(TinyLMError, match="start_ids"):
         generate(model, byte_tokenizer, "", SamplingParams(max_new_tokens=3))
-    out = generate(model, byte_tokenizer, "", SamplingParams(max_new_tokens=3, seed=0), start_ids=[byte_tokenizer.eos_id])
+    out = generate(model, byte_tokenizer, "", SamplingParams(max_new_tokens=3, seed=0),
+                   start_ids=[byte_tokenizer.eos_id])
     assert len(out[0].token_ids) >= 1
 
 

@@ -130,7 +130,8 @@ def test_top_k_keeps_k_tokens_unless_there_are_ties(values, k):
 
 def test_top_p_works_row_by_row():
     logits = torch.cat([logits_of(0.5, 0.3, 0.15, 0.05), logits_of(0.05, 0.15, 0.3, 0.5)])
-    assert torch.isfinite(top_p_filter(logits, 0.7)).tolist() == [[True, True, False, False], [False, False, True, True]]
+    expected = [[True, True, False, False], [False, False, True, True]]
+    assert torch.isfinite(top_p_filter(logits, 0.7)).tolist() == expected
 
 
 # ----- min-p --------------------------------------------------------------------------------------

@@ -88,7 +88,8 @@ class KVCache(Sequence[StaticKVCacheLayer]):
         """
         cfg = model.config
         if max_len > cfg.block_size:
-            raise TinyLMError(f"a cache of {max_len} positions exceeds the model's context (block_size = {cfg.block_size})")
+            raise TinyLMError(f"a cache of {max_len} positions exceeds the model's context "
+                              f"(block_size = {cfg.block_size})")
         p = next(model.parameters())
         return cls([StaticKVCacheLayer(batch, cfg.kv_heads, max_len, cfg.head_dim, p.dtype, p.device)
                     for _ in range(cfg.n_layer)])

@@ -151,7 +151,7 @@ def left_pad(windows: Sequence[Sequence[int]], device: torch.device | str = "cpu
 
 
 def encode_prompts(tokenizer: Tokenizer, prompts: Sequence[str], start_ids: Sequence[int] = ()) -> list[list[int]]:
-    """Each prompt's token ids, after ``start_ids`` (e.g. `Run.start_ids`, the token documents started after in training)."""
+    """Each prompt's token ids after ``start_ids`` (e.g. `Run.start_ids`: what documents began after in training)."""
     out = [list(start_ids) + tokenizer.encode(p) for p in prompts]
     if any(not ids for ids in out):
         raise TinyLMError("an empty prompt gives the model nothing to continue from: pass start_ids "
@@ -192,7 +192,8 @@ class Engine:
     def __init__(self, model: nn.Module, params: SamplingParams, tokenizer: Tokenizer | None = None,
                  vocab_size: int | None = None) -> None:
         if params.num_beams != 1:
-            raise TinyLMError("the sampling engine decodes one path per sample; use tinylm.generate.beam for num_beams > 1")
+            raise TinyLMError("the sampling engine decodes one path per sample; "
+                              "use tinylm.generate.beam for num_beams > 1")
         if params.stop and tokenizer is None:
             raise TinyLMError("stop strings need a tokenizer to turn tokens into text")
         self.model = model
@@ -360,5 +361,6 @@ def generate(
     if params.num_beams > 1:
         from tinylm.generate.beam import beam_search_completions  # beam.py builds on this module
 
-        return [c for i, p in enumerate(ids) for c in beam_search_completions(model, tokenizer, p, params, prompt_index=i)]
+        return [c for i, p in enumerate(ids)
+                for c in beam_search_completions(model, tokenizer, p, params, prompt_index=i)]
     return Engine(model, params, tokenizer).generate(ids)

@@ -82,7 +82,7 @@ def _candidates(logits: Tensor, tokenizer: Tokenizer, top: int, temperature: flo
 
 def temperature_table(model: nn.Module, tokenizer: Tokenizer, ids: Sequence[int], temperatures: Sequence[float],
                       top: int = 10) -> tuple[list[Candidate], list[list[float]]]:
-    """The ``top`` candidates (probabilities at temperature 1) and, per candidate, its probability at each temperature."""
+    """The ``top`` candidates (at temperature 1) and, for each, its probability at each of ``temperatures``."""
     logits = next_token_logits(model, ids)[: tokenizer.vocab_size]  # one forward pass for every column
     candidates = _candidates(logits, tokenizer, top, 1.0)
     columns = [temperature_probabilities(logits, t) for t in temperatures]  # each (V,)

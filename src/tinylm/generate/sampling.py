@@ -85,7 +85,8 @@ class SamplingParams:
         _check_int("max_new_tokens", self.max_new_tokens, minimum=0)
         _check_int("num_samples", self.num_samples, minimum=1)
         _check_int("num_beams", self.num_beams, minimum=1)
-        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature) and self.temperature >= 0):
+        t = self.temperature
+        if not (isinstance(t, (int, float)) and math.isfinite(t) and t >= 0):
             raise TinyLMError(f"temperature must be 0 (greedy) or a positive number, got {self.temperature!r}")
         if self.top_k is not None:
             _check_int("top_k", self.top_k, minimum=0)
