@@ -55,16 +55,21 @@ def temperature_probabilities(logits: Tensor, temperature: float) -> Tensor:
 @torch.inference_mode()
 def next_token_logits(model: nn.Module, ids: Sequence[int]) -> Tensor:
     """The model's logits (V,) for the token after ``ids`` (only the last block_size tokens are seen)."""
+    logits, _ = _in_eval_mode(model, model, ids)  # (1, T, V)
+    return logits[0, -1].float()  # (V,)
+
+
+def _in_eval_mode(model: nn.Module, fn, ids: Sequence[int]):
+    """``fn`` of the last block_size tokens of ``ids`` as a (1, T) batch, with ``model`` in eval mode meanwhile."""
     block_size = model.config.block_size
     window = list(ids)[context_start(len(ids), block_size, block_size):]
     idx = torch.tensor([window], dtype=torch.long, device=next(model.parameters()).device)  # (1, T)
     was_training = model.training
     model.eval()
     try:
-        logits, _ = model(idx)
+        return fn(idx)
     finally:
         model.train(was_training)
-    return logits[0, -1].float()  # (V,)
 
 
 def next_token_candidates(model: nn.Module, tokenizer: Tokenizer, ids: Sequence[int], top: int = 10,
@@ -103,13 +108,5 @@ def format_candidates(candidates: Sequence[Candidate], temperatures: Sequence[fl
 
 def attention_maps(model: nn.Module, ids: Sequence[int]) -> list[Tensor]:
     """Each layer's attention weights (n_head, T, T) for the sequence ``ids`` (its last block_size tokens)."""
-    block_size = model.config.block_size
-    window = list(ids)[context_start(len(ids), block_size, block_size):]
-    idx = torch.tensor([window], dtype=torch.long, device=next(model.parameters()).device)  # (1, T)
-    was_training = model.training
-    model.eval()
-    try:
-        weights = model.attention_weights(idx)  # per layer (1, nh, T, T)
-    finally:
-        model.train(was_training)
+    weights = _in_eval_mode(model, model.attention_weights, ids)  # per layer (1, nh, T, T)
     return [w[0] for w in weights]
