@@ -52,6 +52,7 @@ _positive_int = _number(int, "a positive integer", lambda v: v >= 1)
 _nonneg_float = _number(float, "a number >= 0", lambda v: v >= 0)
 _probability = _number(float, "a number between 0 and 1", lambda v: 0.0 <= v <= 1.0)
 _fraction = _number(float, "a number strictly between 0 and 1", lambda v: 0.0 < v < 1.0)
+_port = _number(int, "a port number from 0 (any free port) to 65535", lambda v: 0 <= v <= 65535)
 
 
 # ----- shared flag groups ---------------------------------------------------------------------
@@ -290,6 +291,7 @@ _SETTING_PREFIX = "setting:"  # argparse dest of a [model]/[train] setting: "set
 
 # What each [model] setting means, for --help (GPTConfig's docstring says it at length).
 _MODEL_HELP = {
+    "family": "which model: the Transformer (gpt), an lstm or rnn, or a counted ngram model (also --model)",
     "vocab_size": "|V|; training sets it from the tokenizer",
     "block_size": "context length T: the most tokens the model sees at once",
     "n_layer": "number of Transformer blocks",
@@ -309,6 +311,10 @@ _MODEL_HELP = {
     "init_std": "standard deviation of the initial weights",
     "attention": "attention implementation: fused (sdpa), the definition (reference) or tiled online softmax",
     "tile_size": "key block size of tiled attention",
+    "bptt": "lstm/rnn: backpropagate through at most this many steps (truncated BPTT; unset: the whole window)",
+    "order": "ngram: the n of n-gram (the context is n - 1 tokens)",
+    "smoothing": "ngram: Kneser-Ney (kn), add-k, unsmoothed counts (mle), or nltk's KN (kn-nltk)",
+    "add_k": "ngram: add-k's pseudo-count",
 }
 
 
@@ -383,7 +389,8 @@ def _train_config(args: argparse.Namespace):
 
 
 def _default_run_dir(args: argparse.Namespace) -> Path:
-    """runs/<preset or config file name>-<corpus name>, e.g. runs/tiny-shakespeare."""
+    """runs/<preset or config file name>-<corpus name>, e.g. runs/tiny-shakespeare (runs/lstm-shakespeare
+    for `--model lstm`)."""
     settings = _settings(args)
     corpus = str(settings.get("train.corpus", "shakespeare"))
     if args.config and "train.corpus" not in settings:
@@ -391,6 +398,9 @@ def _default_run_dir(args: argparse.Namespace) -> Path:
 
         corpus = str(load_config_file(args.config).get("train", {}).get("corpus", corpus))
     recipe = args.preset or (Path(args.config).stem if args.config else "tiny")
+    family = str(settings.get("model.family", "gpt"))
+    if family != "gpt":  # runs/lstm-shakespeare beside runs/tiny-shakespeare, not on top of it
+        recipe = family if not (args.preset or args.config) else f"{recipe}-{family}"
     return Path("runs") / f"{recipe}-{Path(corpus.rstrip('/')).stem or 'corpus'}"
 
 
@@ -409,12 +419,33 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     from tinylm.evaluate import evaluate_run
 
-    result = evaluate_run(args.run, args.split, checkpoint=args.checkpoint, max_tokens=args.tokens or 0,
-                          batch_size=args.batch_size, data_dir=args.data_dir, device=args.device)
-    scope = "bytes prorated from a subset" if result.prorated else "the whole split"
-    print(f"{args.run} ({args.checkpoint} checkpoint) on {args.split}: loss {result.loss:.4f} nats per token, "
-          f"perplexity {result.perplexity:.2f}, {result.bits_per_byte:.4f} bits per byte "
-          f"({result.tokens:,} tokens, {scope})")
+    run = args.run_flag or args.run
+    if run is None:
+        raise TinyLMError("give the run to evaluate: tinylm eval --run DIR (a run folder or an n-gram .npz file)")
+    if args.run_flag and args.run and args.run_flag != args.run:
+        raise TinyLMError("give the run once, with --run or as the argument, not both")
+    if args.corpus and args.split != "val":
+        raise TinyLMError("--split picks a split of the run's shards; --corpus evaluates on a whole corpus instead")
+    result = evaluate_run(run, args.split, checkpoint=args.checkpoint, max_tokens=args.tokens or 0,
+                          batch_size=args.batch_size, data_dir=args.data_dir, corpus=args.corpus,
+                          tokenizer=args.tokenizer, device=args.device)
+    scope = "bytes prorated from a subset" if result.prorated else "all of it"
+    where = f"the corpus {args.corpus}" if args.corpus else f"the {args.split} split"
+    print(f"{run} on {where}: loss {result.loss:.4f} nats per token, perplexity {result.perplexity:.2f}, "
+          f"{result.bits_per_byte:.4f} bits per byte")
+    print(f"  {result.tokens:,} tokens, {result.bytes:,.0f} bytes ({scope}), {result.seconds:.1f} s")
+    return 0
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from tinylm.compare import compare_runs, format_table, plot_comparison
+
+    if args.corpus and args.split != "val":
+        raise TinyLMError("--split picks a split of each run's shards; --corpus evaluates on a whole corpus instead")
+    rows = compare_runs(args.runs, split=args.split, corpus=args.corpus, max_tokens=args.tokens or 0,
+                        device=args.device)
+    print(format_table(rows))
+    print(f"chart: {plot_comparison(rows, args.plot)}")
     return 0
 
 
@@ -576,22 +607,45 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stop after this many steps with a checkpoint, as if interrupted (resume later)")
     p.add_argument("--no-progress", dest="progress", action="store_false",
                    help="no progress bar or progress lines")
+    p.add_argument("--model", dest=f"{_SETTING_PREFIX}model.family", choices=["gpt", "lstm", "rnn", "ngram"],
+                   default=argparse.SUPPRESS, help="which model to train: the Transformer (gpt, default), an LSTM or "
+                   "RNN by the same loop, or an n-gram model by counting (the same as --family)")
     _add_setting_flags(p)
     p.set_defaults(func=cmd_train)
 
     # tinylm eval
-    p = sub.add_parser("eval", help="loss, perplexity and bits per byte of a trained run",
-                       description="Evaluate a trained run on a split of the token shards it was trained on: "
-                       "mean loss per token, perplexity, and bits per byte of the original text.")
-    p.add_argument("run", help="the run folder (e.g. runs/tiny-shakespeare)")
+    p = sub.add_parser("eval", help="loss, perplexity and bits per byte of a trained run (any model family)",
+                       description="Evaluate a trained run (Transformer, LSTM, RNN or n-gram) on a split of the "
+                       "token shards it was trained on, or on any corpus: mean loss per token, perplexity, bits per "
+                       "byte of the original text, the tokens and bytes counted, and the time it took.")
+    p.add_argument("run", nargs="?", help=argparse.SUPPRESS)
+    p.add_argument("--run", dest="run_flag", metavar="DIR",
+                   help="the run folder (e.g. runs/tiny-shakespeare), or an n-gram model file (.npz)")
     p.add_argument("--checkpoint", choices=["best", "latest"], default="best", help="which checkpoint (default: best)")
     p.add_argument("--split", choices=["val", "train"], default="val", help="which split (default: val)")
+    p.add_argument("--corpus", help="evaluate on this corpus instead (shakespeare, stdlib, a file, folder or .jsonl), "
+                   "tokenized with the run's tokenizer")
+    p.add_argument("--tokenizer", help="for an n-gram .npz file: the tokenizer JSON it was counted with")
     p.add_argument("--tokens", type=_positive_int, help="evaluate evenly spaced windows of about this many tokens "
                    "(default: the whole split)")
     p.add_argument("--batch-size", type=_positive_int, help="sequences per batch (default: the run's batch_size)")
     p.add_argument("--data-dir", help="the run's shard folder, if it has moved since training")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps (default: cpu)")
     p.set_defaults(func=cmd_eval)
+
+    # tinylm compare
+    p = sub.add_parser("compare", help="evaluate several runs on the same text: a table and a bar chart",
+                       description="Evaluate runs of any family and tokenizer (n-gram, RNN, LSTM, Transformer) on "
+                       "their validation split, or all on one --corpus, and print a table sorted by bits per byte, "
+                       "the measure that is fair across tokenizers; draw the bits per byte as a bar chart (PNG).")
+    p.add_argument("runs", nargs="+", metavar="RUN", help="run folders")
+    p.add_argument("--split", choices=["val", "train"], default="val", help="which split (default: val)")
+    p.add_argument("--corpus", help="evaluate every run on this corpus instead of its split")
+    p.add_argument("--tokens", type=_positive_int, help="evaluate about this many tokens per network "
+                   "(default: all; n-gram models always score all)")
+    p.add_argument("--plot", default="compare.png", metavar="PATH", help="the bar chart (default: compare.png)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps (default: cpu)")
+    p.set_defaults(func=cmd_compare)
 
     # tinylm sample / next-token
     p = sub.add_parser("sample", help="generate text from a trained run",

@@ -66,6 +66,8 @@ OptimizerKind = Literal["adamw", "sgd"]
 DecayKind = Literal["cosine", "linear", "constant"]
 DtypeKind = Literal["auto", "float32", "bfloat16"]
 ParallelKind = Literal["ddp", "fsdp"]
+ModelFamily = Literal["gpt", "lstm", "rnn", "ngram"]
+SmoothingKind = Literal["kn", "add-k", "mle", "kn-nltk"]
 
 # SwiGLU's hidden width when not given: 8/3 d (so its three matrices hold as many weights as
 # GELU's two at 4 d), rounded up to a multiple of this so the matrices tile well on hardware.
@@ -74,9 +76,19 @@ SWIGLU_MULTIPLE = 64
 
 @dataclass
 class GPTConfig:
-    """The shape and the choices of a GPT-style Transformer (SPEC section 3).
+    """The [model] table: the shape and the choices of a GPT-style Transformer (SPEC section 3),
+    or of one of the baselines it is compared with (SPEC section 6).
 
     The defaults are GPT-2 small (124M parameters with vocab 50257). Fields:
+
+    - ``family`` which kind of language model: "gpt" (the Transformer, everything below), "lstm"
+      or "rnn" (`tinylm.model.rnn`: an embedding, ``n_layer`` recurrent layers of width
+      ``d_model``, the output head; ``dropout``, ``tie_embeddings`` and ``init_std`` as for gpt,
+      and ``bptt``: backpropagate through at most that many steps of a window, truncated
+      backpropagation through time, None for the whole window), or "ngram"
+      (`tinylm.model.ngram`: counts of ``order``-grams with ``smoothing``, ``add_k`` the pseudo-count
+      of add-k). A family ignores the fields it has no use for; attention, heads, norms and
+      positions are the Transformer's alone.
 
     - ``vocab_size`` |V|, ``block_size`` the context length T (the most tokens the model sees).
     - ``n_layer`` blocks, each attention then MLP; ``d_model`` the width d of every position's vector.
@@ -98,6 +110,7 @@ class GPTConfig:
       compute the same function; the tests pin them equal.
     """
 
+    family: ModelFamily = "gpt"
     vocab_size: int = 50257
     block_size: int = 1024
     n_layer: int = 12
@@ -117,6 +130,10 @@ class GPTConfig:
     init_std: float = 0.02
     attention: AttentionKind = "sdpa"
     tile_size: int = 64
+    bptt: int | None = None
+    order: int = 5
+    smoothing: SmoothingKind = "kn"
+    add_k: float = 1.0
 
     def __post_init__(self) -> None:
         hints = _type_hints(type(self))
@@ -147,9 +164,20 @@ class GPTConfig:
         for name in ("vocab_size", "block_size", "n_layer", "d_model", "n_head", "tile_size"):
             if getattr(self, name) <= 0:
                 raise TinyLMError(f"{name} must be a positive integer, got {getattr(self, name)}")
-        for name in ("n_kv_head", "d_ff"):
+        for name in ("n_kv_head", "d_ff", "bptt"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise TinyLMError(f"{name} must be a positive integer (or left out), got {getattr(self, name)}")
+        if not 1 <= self.order <= 10:
+            raise TinyLMError(f"order (of an n-gram model) must be between 1 and 10, got {self.order}")
+        if not (math.isfinite(self.add_k) and self.add_k > 0):
+            raise TinyLMError(f"add_k must be a positive number, got {self.add_k}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise TinyLMError(f"dropout is a probability in [0, 1), got {self.dropout}")
+        for name in ("init_std", "norm_eps", "rope_theta"):
+            if not getattr(self, name) > 0:
+                raise TinyLMError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.family != "gpt":
+            return  # heads, positions and norms are the Transformer's: a baseline does not use them
         if self.d_model % self.n_head:
             raise TinyLMError(
                 f"d_model ({self.d_model}) must be divisible by n_head ({self.n_head}), since each head gets "
@@ -171,11 +199,6 @@ class GPTConfig:
                 f"positions = 'sinusoidal' pairs a sine and a cosine per frequency, so d_model must be even; "
                 f"got {self.d_model}"
             )
-        if not 0.0 <= self.dropout < 1.0:
-            raise TinyLMError(f"dropout is a probability in [0, 1), got {self.dropout}")
-        for name in ("init_std", "norm_eps", "rope_theta"):
-            if not getattr(self, name) > 0:
-                raise TinyLMError(f"{name} must be positive, got {getattr(self, name)}")
 
 
 def _help(text: str) -> Any:

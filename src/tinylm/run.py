@@ -10,6 +10,10 @@
     checkpoints/latest/    the most recent checkpoint: `--resume` continues from it
     checkpoints/best/      the checkpoint with the lowest validation loss seen so far
 
+An n-gram run (``family = "ngram"``: counted, not trained) has no checkpoints: its model is one
+file, ``ngram.npz`` (`tinylm.model.ngram.NGramModel.save`), beside the same config, tokenizer,
+run.json and metrics.
+
 A checkpoint folder stands on its own (it can be loaded without the run around it)::
 
     model.safetensors      the weights; a tied output head is stored once and restored as an alias
@@ -55,7 +59,7 @@ from torch import Tensor
 from tinylm.atomic import atomic_write_text
 from tinylm.config import Config, build_config, dump_toml, load_config_file
 from tinylm.errors import TinyLMError
-from tinylm.model.gpt import GPT
+from tinylm.model import NGramLM, NGramModel, build_model
 from tinylm.tokenizers.base import Tokenizer, load_tokenizer
 
 RUN_FORMAT = "tinylm.run"
@@ -67,6 +71,7 @@ TOKENIZER_FILE = "tokenizer.json"
 RUN_FILE = "run.json"
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "loss.png"
+NGRAM_FILE = "ngram.npz"
 CHECKPOINTS = "checkpoints"
 
 MODEL_FILE = "model.safetensors"
@@ -295,11 +300,11 @@ class Checkpoint:
         """Copy the weights into ``model``; a checkpoint of another shape is a clear error."""
         load_weights(model, self.model_state(), self.path)
 
-    def build_model(self, device: torch.device | str = "cpu") -> GPT:
-        """A `GPT` of this checkpoint's configuration with its weights, in eval mode."""
+    def build_model(self, device: torch.device | str = "cpu") -> torch.nn.Module:
+        """The model of this checkpoint's configuration (`GPT`, `RecurrentLM`) with its weights, in eval mode."""
         # the random initialisation is overwritten at once; fork_rng leaves the caller's random state alone
         with torch.random.fork_rng(devices=[]):
-            model = GPT(self.config.model)
+            model = build_model(self.config.model)
         model = model.to(device)
         self.load_weights(model)
         return model.eval()
@@ -408,14 +413,18 @@ class Run:
     path: Path
     config: Config
     tokenizer: Tokenizer
-    model: GPT
-    checkpoint: Checkpoint
+    model: torch.nn.Module  # GPT, RecurrentLM, or NGramLM (an n-gram run)
+    checkpoint: Checkpoint | None  # None for an n-gram run
     info: dict[str, Any] = field(default_factory=dict)
     metrics: list[dict[str, Any]] = field(default_factory=list)
 
     @property
+    def family(self) -> str:
+        return self.config.model.family
+
+    @property
     def step(self) -> int:
-        return self.checkpoint.step
+        return self.checkpoint.step if self.checkpoint is not None else int(self.info.get("step", 0))
 
     @property
     def start_ids(self) -> list[int]:
@@ -430,6 +439,9 @@ def load_run(run_dir: str | os.PathLike, checkpoint: str = "best", device: torch
     if not run_dir.is_dir():
         raise TinyLMError(f"run folder {run_dir} does not exist; train one with `tinylm train --out {run_dir}`")
     info = read_run_info(run_dir)
+    run_config = build_config(load_config_file(run_dir / CONFIG_FILE))
+    if run_config.model.family == "ngram":
+        return _load_ngram_run(run_dir, run_config, info, device)
     if checkpoint in CHECKPOINT_NAMES:
         candidates = [checkpoint] + (["latest"] if checkpoint == "best" else [])
         found = [checkpoint_path(run_dir, n) for n in candidates if _has_checkpoint(checkpoint_path(run_dir, n))]
@@ -438,7 +450,6 @@ def load_run(run_dir: str | os.PathLike, checkpoint: str = "best", device: torch
         ckpt = load_checkpoint(found[0])
     else:
         ckpt = load_checkpoint(checkpoint)
-    run_config = build_config(load_config_file(run_dir / CONFIG_FILE))
     if run_config.model != ckpt.config.model:
         raise TinyLMError(f"{ckpt.path} is a checkpoint of another model configuration than {run_dir / CONFIG_FILE}; "
                           "load it with the run it came from")
@@ -448,3 +459,14 @@ def load_run(run_dir: str | os.PathLike, checkpoint: str = "best", device: torch
 
 def _has_checkpoint(path: Path) -> bool:
     return (path / STATE_FILE).is_file() or (path.with_name(f".{path.name}.old") / STATE_FILE).is_file()
+
+
+def _load_ngram_run(run_dir: Path, config: Config, info: dict[str, Any], device: torch.device | str) -> Run:
+    """An n-gram run: its counts file behind the neural models' interface (`NGramLM`)."""
+    tokenizer = load_tokenizer(run_dir / TOKENIZER_FILE)
+    ngram = NGramModel.load(run_dir / NGRAM_FILE)
+    if ngram.vocab_size != tokenizer.vocab_size or ngram.eos_id != tokenizer.eos_id:
+        raise TinyLMError(f"{run_dir / NGRAM_FILE} was not counted with {run_dir / TOKENIZER_FILE} (their "
+                          "vocabularies differ); count it again with `tinylm train --model ngram --force`")
+    model = NGramLM(ngram, config.model).to(device)
+    return Run(run_dir, config, tokenizer, model, None, info, read_metrics(run_dir))

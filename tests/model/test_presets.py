@@ -112,7 +112,7 @@ def test_overrides_as_a_dict_and_back_to_the_default_rule():
     "overrides, message",
     [
         (["--n-layr", "4"],
-         r"unknown setting --n-layr \(did you mean '--n-layer'\?\); the valid settings are: --vocab-size, --block-size"),
+         r"unknown setting --n-layr \(did you mean '--n-layer'\?\); the valid settings are: --family, --vocab-size, --block-size"),
         (["--n-layer", "four"], r"--n-layer expects an integer, got 'four'"),
         (["--dropout", "lots"], "--dropout expects a number"),
         (["--bias", "maybe"], "--bias expects true or false"),
@@ -139,7 +139,7 @@ def test_a_config_file_over_a_preset(tmp_path):
     "text, message",
     [
         ("[model]\nn_layers = 2\n",
-         r"unknown key 'n_layers' in \[model\] \(did you mean 'n_layer'\?\); the valid keys are: vocab_size"),
+         r"unknown key 'n_layers' in \[model\] \(did you mean 'n_layer'\?\); the valid keys are: family, vocab_size"),
         ("[model]\nn_layer = \"2\"\n", r"model.n_layer expects an integer, got '2' \(str\)"),
         ("[modle]\nn_layer = 2\n", r"unexpected table \[modle\]; a configuration has the tables \[model\]"),
         ("n_layer = 2\n", r"unexpected key 'n_layer'"),

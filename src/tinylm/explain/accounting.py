@@ -128,6 +128,10 @@ def training_memory(config: GPTConfig, bytes_per_value: int = 4, optimizer: str 
 
 def summary(config: GPTConfig, seq_len: int | None = None) -> str:
     """One line for the start of a run: shape, parameters and training FLOPs per token."""
+    if config.family in ("rnn", "lstm"):
+        from tinylm.model.rnn import describe
+
+        return describe(config)
     heads = f"{config.n_head} heads" + (f" ({config.kv_heads} kv)" if config.kv_heads != config.n_head else "")
     return (f"{config.n_layer} layers, d_model {config.d_model}, {heads}, context {_context(config, seq_len)}: "
             f"{count_params(config):,} parameters, {flops_per_token(config, seq_len) / 1e6:,.1f} MFLOPs per token "

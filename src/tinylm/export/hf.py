@@ -161,6 +161,9 @@ def architecture_for(config: GPTConfig) -> Architecture:
 
     Anything else is a `TinyLMError` that lists, for the closer architecture first, what does not map.
     """
+    if config.family != "gpt":
+        raise TinyLMError(f"an {config.family} model cannot be exported: the transformers and llama.cpp formats hold "
+                          "Transformers (family gpt) only; sample, evaluate and serve it with tinylm itself")
     problems = architecture_problems(config)
     for arch, issues in problems.items():
         if not issues:

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from tinylm.generate.cache import KVCache
+from tinylm.generate.cache import KVCache, cache_for
 from tinylm.generate.engine import Completion, context_start, decode_one_token, prefill, warn_window, window_keep
 from tinylm.generate.sampling import SamplingParams
 from tinylm.tokenizers.base import Tokenizer
@@ -95,7 +95,7 @@ def beam_search(
         idx = windows(beams)  # (k, T)
         if not use_cache:
             return None, model(idx)[0][:, -1]  # (k, V), recomputed from scratch
-        cache = KVCache.for_model(model, len(beams), min(block_size, idx.size(1) + max_new_tokens))
+        cache = cache_for(model, len(beams), min(block_size, idx.size(1) + max_new_tokens))
         return cache, prefill(model, idx, cache)
 
     was_training = model.training

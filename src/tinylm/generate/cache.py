@@ -21,6 +21,10 @@ takes as ``kv_cache`` (each layer implements `tinylm.model.attention.KVCacheLaye
     cache = KVCache.for_model(model, batch=1, max_len=128)
     logits, _ = model(prompt, kv_cache=cache)          # prefill: stores the prompt's keys/values
     logits, _ = model(next_token, kv_cache=cache)      # one step: the new token only
+
+A model that remembers the past in another form (an RNN's state, an n-gram's last tokens) makes
+its own cache with a ``new_cache(batch, max_len)`` method; `cache_for` asks for it, so the
+engine and beam search drive every model family the same way.
 """
 
 from __future__ import annotations
@@ -71,6 +75,14 @@ class StaticKVCacheLayer:
     def reset(self) -> None:
         """Forget everything (the buffers are kept and overwritten)."""
         self._length = 0
+
+
+def cache_for(model: nn.Module, batch: int, max_len: int):
+    """The generation cache for ``model``: its own (``model.new_cache``) or a `KVCache`."""
+    make = getattr(model, "new_cache", None)
+    if make is not None:
+        return make(batch, max_len)
+    return KVCache.for_model(model, batch, max_len)
 
 
 class KVCache(Sequence[StaticKVCacheLayer]):

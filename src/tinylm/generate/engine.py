@@ -48,7 +48,7 @@ import torch
 from torch import Tensor, nn
 
 from tinylm.errors import TinyLMError
-from tinylm.generate.cache import KVCache
+from tinylm.generate.cache import KVCache, cache_for
 from tinylm.generate.sampling import SamplingParams, make_generators, sample, token_logprobs
 from tinylm.generate.stream import TextStream
 from tinylm.tokenizers.base import Tokenizer
@@ -307,7 +307,7 @@ class Engine:
         if first:
             # the longest window plus every new token, but never more than the model's context
             capacity = min(self.block_size, T + self.params.max_new_tokens)
-            self.cache = KVCache.for_model(self.model, B, capacity)
+            self.cache = cache_for(self.model, B, capacity)
             self.mask = torch.zeros(B, capacity, dtype=torch.bool, device=self.device)
         self.cache.reset()
         self.padded = not bool(mask.all())

@@ -164,7 +164,7 @@ def wrap_model(model: torch.nn.Module, parallel: str, ctx: Distributed) -> torch
     if parallel == "fsdp":
         from torch.distributed.fsdp import fully_shard
 
-        for block in model.blocks:
+        for block in getattr(model, "blocks", ()):  # a recurrent model is sharded as one unit
             fully_shard(block)
         fully_shard(model)
         return model

@@ -63,7 +63,8 @@ from tinylm.evaluate import EvalResult, evaluate, restrict, window_starts
 from tinylm.explain.accounting import summary
 from tinylm.generate.reference import reference_generate
 from tinylm.generate.sampling import SamplingParams
-from tinylm.model.gpt import GPT, IGNORE_INDEX
+from tinylm.model import build_model
+from tinylm.model.gpt import IGNORE_INDEX
 from tinylm.run import (
     CONFIG_FILE,
     METRICS_FILE,
@@ -395,6 +396,10 @@ def train(
     if resume and init_from is not None:
         raise TinyLMError("--resume continues a run from its own checkpoint; --init-from starts a new one: choose one")
     out = Path(out_dir)
+    if _family(config, out) == "ngram":
+        from tinylm.train.ngram import count_ngram  # counting, not gradient descent
+
+        return count_ngram(config or Config(), out, resume=resume, force=force, init_from=init_from, log=log)
     ckpt = _checkpoint_to_resume(out, resume) if resume else None
     if ckpt is not None:
         if config is None:
@@ -419,6 +424,37 @@ def train(
             return _Trainer(config, out, ckpt, ctx, force, init_from, stop_after, progress, log).run()
     finally:
         ctx.close()
+
+
+def _family(config: Config | None, out: Path) -> str:
+    """The model family of ``config``, or (resuming with the run's own settings) of the run in ``out``."""
+    if config is not None:
+        return config.model.family
+    saved = out / CONFIG_FILE
+    if not saved.is_file():
+        return "gpt"
+    from tinylm.config import build_config, load_config_file
+
+    return build_config(load_config_file(saved)).model.family
+
+
+def check_new_run_folder(out: Path, force: bool) -> None:
+    """A new run may go in ``out``: it is missing or empty, or ``force`` deletes the old run there."""
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        if not force:
+            raise TinyLMError(f"{out} already exists; pass --resume to continue that run, --force to start it "
+                              "over (deleting it), or --out to train in another folder")
+        if not out.is_dir() or not ((out / RUN_FILE).exists() or (out / CONFIG_FILE).exists()):
+            raise TinyLMError(f"{out} is not a tinylm run folder; --force deletes only run folders, so choose "
+                              "another --out")
+        shutil.rmtree(out)
+
+
+def data_info(shards: ShardSet) -> dict[str, Any]:
+    """What run.json records of the data a run learned from: where it is and which text and tokenizer."""
+    meta = shards.meta
+    return {"dir": str(shards.path.resolve()), "corpus": meta["corpus"], "input_fingerprint": meta["input_fingerprint"],
+            "tokenizer_fingerprint": meta["tokenizer"]["fingerprint"]}
 
 
 def _checkpoint_to_resume(out: Path, resume: bool | str) -> Checkpoint:
@@ -516,15 +552,7 @@ class _Trainer:
         return init
 
     def _check_new_run_folder(self) -> None:
-        out = self.out
-        if out.exists() and (not out.is_dir() or any(out.iterdir())):
-            if not self.force:
-                raise TinyLMError(f"{out} already exists; pass --resume to continue that run, --force to start it "
-                                  "over (deleting it), or --out to train in another folder")
-            if not out.is_dir() or not ((out / RUN_FILE).exists() or (out / CONFIG_FILE).exists()):
-                raise TinyLMError(f"{out} is not a tinylm run folder; --force deletes only run folders, so choose "
-                                  "another --out")
-            shutil.rmtree(out)
+        check_new_run_folder(self.out, self.force)
 
     def _data(self, tokenizer: Tokenizer | None) -> ShardSet:
         tc = self.tc
@@ -555,7 +583,7 @@ class _Trainer:
         mc, tc, ctx = self.config.model, self.tc, self.ctx
         self.fsdp = ctx.active and tc.parallel == "fsdp"
         torch.manual_seed(tc.seed)  # the same initial weights in every process
-        model = GPT(mc)
+        model = build_model(mc)
         if init is not None:
             load_weights(model, init.model_state(), init.path)
         if self.ckpt is not None and not self.fsdp:  # a sharded model loads its shards after sharding
@@ -623,15 +651,8 @@ class _Trainer:
         out.mkdir(parents=True, exist_ok=True)
         atomic_write_text(out / CONFIG_FILE, dump_toml(self.config.to_dict()))
         self.tokenizer.save(out / TOKENIZER_FILE)
-        meta = self.shards.meta
-        write_run_info(out, {
-            "status": "running",
-            "step": self.step,
-            "total_steps": self.total,
-            "data": {"dir": str(self.shards.path.resolve()), "corpus": meta["corpus"],
-                     "input_fingerprint": meta["input_fingerprint"],
-                     "tokenizer_fingerprint": meta["tokenizer"]["fingerprint"]},
-        })
+        write_run_info(out, {"status": "running", "step": self.step, "total_steps": self.total,
+                             "data": data_info(self.shards)})
         # lines logged after the checkpoint we resume from describe steps that will be done again
         rows = read_metrics(out / METRICS_FILE)
         write_metrics(out / METRICS_FILE, [r for r in rows if r.get("step", 0) <= self.step])
