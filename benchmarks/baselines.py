@@ -4,6 +4,7 @@ Run from the repository root::
 
     python benchmarks/baselines.py                         # Shakespeare, BPE 4096, n-gram orders 1..6, nltk
     python benchmarks/baselines.py --max-order 5 --no-nltk
+    python benchmarks/baselines.py --no-nltk --budget-tokens 500000     # shorter neural runs
     python benchmarks/baselines.py --nltk-train-tokens 50000 --nltk-val-tokens 1000
 
 Everything shares one tokenizer (byte-level BPE, GPT-4 split pattern, trained here on the whole
@@ -27,9 +28,11 @@ tokenizer. Two tables are printed:
    gets probability 0 there, and in tinylm's copy of it). A row with tinylm's own modified KN on the
    same subset shows what the proper formulation gives on all targets.
 
-Models of other families join table 1 as more `Row`s from the same shards: a function that
-trains one and returns its Row (build = training time, scored with `tinylm.evaluate` on the same
-validation split) is all a recurrent or Transformer baseline needs.
+Table 1 also has the neural models on the same shards, each trained by the same loop
+(`tinylm.train.train`) for the same number of training tokens (``--budget-tokens``, the default
+`tinylm train`'s 1.5M): an LSTM (``--lstm-layers`` x ``--lstm-width``, backpropagation through
+the whole 128-token window) and the `tiny` Transformer preset. Their "build" is the training
+time; they are scored on the whole validation split. ``--no-neural`` leaves them out.
 
 nltk is not a tinylm dependency: ``pip install nltk`` to get table 2 (it is skipped otherwise).
 This is a measurement, not a test.
@@ -136,6 +139,47 @@ def ngram_rows(shards: ShardSet, max_order: int, add_k: float) -> tuple[list[Row
     return rows, best
 
 
+def neural_rows(shards: ShardSet, tok: Tokenizer, corpus: str, folder: str, budget: int, lstm_layers: int,
+                lstm_width: int) -> list[Row]:
+    """An LSTM and the tiny Transformer, trained by `tinylm.train.train` for ``budget`` tokens on these shards."""
+    from tinylm.config import resolve_config
+    from tinylm.evaluate import evaluate_run
+    from tinylm.train import train
+
+    tok_path = f"{folder}/tokenizer.json"
+    tok.save(tok_path)
+    common = {"corpus": corpus, "tokenizer": tok_path, "data_dir": str(shards.path), "max_tokens": budget,
+              "sample_tokens": 0, "eval_interval": 10**9}
+    setups = [
+        ("tinylm LSTM", f"LSTM {lstm_layers} x {lstm_width}, BPTT over the window",
+         {"family": "lstm", "n_layer": lstm_layers, "d_model": lstm_width}),
+        ("tinylm GPT", "tiny preset: 4 x 192, RoPE, SwiGLU", {}),
+    ]
+    rows = []
+    for name, words, model in setups:
+        config = resolve_config(preset="tiny", overrides={**common, **model})
+        out = f"{folder}/{name.split()[-1].lower()}"
+        result = train(config, out, progress=False, log=lambda line: None)
+        val = evaluate_run(out)
+        n_params = sum(p.numel() for p in {id(p): p for p in _model(out).parameters()}.values())
+        rows.append(Row(name, words, f"{n_params / 1e6:.2f}M", result.tokens, result.elapsed, val.seconds,
+                        val.tokens, val.loss, val.bits_per_byte,
+                        f"{result.tokens / result.elapsed:,.0f} tok/s training, {torch_threads()} threads"))
+    return rows
+
+
+def _model(run_dir: str):
+    from tinylm.run import load_run
+
+    return load_run(run_dir).model
+
+
+def torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
 # ----- table 2: tinylm against nltk on a subset ------------------------------------------------------
 
 
@@ -224,6 +268,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-order", type=int, default=6, help="n-gram orders 1..N on the full split")
     parser.add_argument("--add-k", type=float, default=0.01, help="k for the add-k row")
     parser.add_argument("--no-nltk", action="store_true", help="skip the comparison with nltk")
+    parser.add_argument("--no-neural", action="store_true", help="leave the LSTM and Transformer rows out")
+    parser.add_argument("--budget-tokens", type=int, default=1_500_000, help="training tokens for each neural model")
+    parser.add_argument("--lstm-layers", type=int, default=2)
+    parser.add_argument("--lstm-width", type=int, default=256)
     parser.add_argument("--nltk-order", type=int, default=3)
     parser.add_argument("--nltk-train-tokens", type=int, default=100_000)
     parser.add_argument("--nltk-val-tokens", type=int, default=2_000)
@@ -244,7 +292,10 @@ def main(argv: list[str] | None = None) -> None:
                   f"({s['bytes'] / s['tokens']:.2f} bytes/token)")
 
         rows, best = ngram_rows(shards, args.max_order, args.add_k)
-        title = "1. n-gram models on the full split: bits per byte of the validation text (* best order)"
+        if not args.no_neural:
+            rows += neural_rows(shards, tok, args.corpus, tmp, args.budget_tokens, args.lstm_layers, args.lstm_width)
+        title = ("1. n-gram, LSTM and Transformer on the full split: bits per byte of the validation text "
+                 "(* best n-gram order)")
         print_table(title, rows, best)
 
         if args.no_nltk:

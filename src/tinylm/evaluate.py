@@ -35,7 +35,11 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
+import time
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -46,6 +50,7 @@ from torch import Tensor
 from tinylm.data.shards import ShardSet
 from tinylm.errors import TinyLMError
 from tinylm.run import load_run
+from tinylm.tokenizers.base import Tokenizer
 
 
 @dataclass
@@ -60,6 +65,7 @@ class EvalResult:
     window_starts: np.ndarray = field(repr=False)
     window_losses: np.ndarray = field(repr=False)
     window_tokens: np.ndarray = field(repr=False)
+    seconds: float = 0.0  # how long the evaluation took
 
     @property
     def loss(self) -> float:
@@ -68,7 +74,7 @@ class EvalResult:
 
     @property
     def perplexity(self) -> float:
-        return math.exp(min(self.loss, 700.0))  # exp overflows a float past ~709
+        return math.inf if self.loss > 700 else math.exp(self.loss)  # exp overflows a float past ~709
 
     @property
     def bits_per_byte(self) -> float:
@@ -105,13 +111,29 @@ def _window(data: np.ndarray, start: int, length: int, context: int) -> tuple[np
     return x, y
 
 
-@torch.no_grad()
 def evaluate(
     model: torch.nn.Module | Callable[[Tensor], Tensor | tuple[Tensor, ...]],
     shards: ShardSet,
     split: str = "val",
+    **kwargs: Any,
+) -> EvalResult:
+    """Loss, perplexity and bits per byte of ``model`` on ``split`` of ``shards`` (see `evaluate_tokens`)."""
+    data = shards.tokens(split)
+    if len(data) == 0:
+        raise TinyLMError(f"the {split} split of {shards.path} is empty; "
+                          "prepare the data with a larger validation share")
+    return evaluate_tokens(model, data, shards.meta["splits"][split]["bytes"], shards.eos_id, split=split, **kwargs)
+
+
+@torch.no_grad()
+def evaluate_tokens(
+    model: torch.nn.Module | Callable[[Tensor], Tensor | tuple[Tensor, ...]],
+    data: np.ndarray,
+    split_bytes: int,
+    eos_id: int,
     *,
     block_size: int,
+    split: str = "val",
     batch_size: int = 32,
     max_tokens: int = 0,
     device: torch.device | str = "cpu",
@@ -119,22 +141,23 @@ def evaluate(
     rank: int = 0,
     world_size: int = 1,
 ) -> EvalResult:
-    """Loss, perplexity and bits per byte of ``model`` on ``split`` (see the module docstring).
+    """Loss, perplexity and bits per byte of ``model`` on a token stream (see the module docstring).
 
-    ``model(x)`` takes token ids (B, T) and returns logits (B, T, |V|), or a tuple whose first
-    element is the logits (as `GPT` does). ``max_tokens`` > 0 evaluates evenly spaced windows
-    within that budget instead of the whole split. ``autocast`` is a context manager factory for
-    mixed precision. With ``world_size`` > 1 (inside an initialised process group) each process
-    takes every world_size-th batch and the sums are all-reduced.
+    ``data`` holds the documents' tokens back to back, each followed by EOS (``eos_id``), and
+    stands for ``split_bytes`` UTF-8 bytes of text. ``model(x)`` takes token ids (B, T) and
+    returns logits (B, T, |V|), or a tuple whose first element is the logits (as `GPT` does).
+    ``max_tokens`` > 0 evaluates evenly spaced windows within that budget instead of everything.
+    ``autocast`` is a context manager factory for mixed precision. With ``world_size`` > 1
+    (inside an initialised process group) each process takes every world_size-th batch and the
+    sums are all-reduced.
     """
     if batch_size < 1:
         raise TinyLMError(f"batch_size must be positive, got {batch_size}")
+    started = time.perf_counter()
     device = torch.device(device)
-    data = shards.tokens(split)
     n_tokens = len(data)
     if n_tokens == 0:
-        raise TinyLMError(f"the {split} split of {shards.path} is empty; "
-                          "prepare the data with a larger validation share")
+        raise TinyLMError("there are no tokens to evaluate")
     starts = window_starts(n_tokens, block_size, max_tokens)
     lengths = np.minimum(block_size, n_tokens - starts)
     # full windows in batches, the one short tail window (if evaluated) as a batch of its own
@@ -142,7 +165,7 @@ def evaluate(
     batches = [full[i : i + batch_size] for i in range(0, len(full), batch_size)]
     batches += [np.array([i]) for i in np.flatnonzero(lengths < block_size)]
     losses = torch.zeros(len(starts), dtype=torch.float64, device=device)  # per window, nats
-    context = shards.eos_id
+    context = eos_id
     was_training = getattr(model, "training", False)
     if isinstance(model, torch.nn.Module):
         model.eval()
@@ -172,11 +195,10 @@ def evaluate(
         dist.all_reduce(losses)  # each window was filled in by exactly one process, zeros elsewhere
     window_losses = losses.cpu().numpy()
     tokens = int(lengths.sum())
-    split_bytes = shards.meta["splits"][split]["bytes"]
     prorated = tokens != n_tokens
     n_bytes = split_bytes * tokens / n_tokens if prorated else float(split_bytes)
     return EvalResult(split, float(window_losses.sum()), tokens, n_bytes, prorated,
-                      starts, window_losses, lengths.astype(np.int64))
+                      starts, window_losses, lengths.astype(np.int64), time.perf_counter() - started)
 
 
 def restrict(result: EvalResult, starts: np.ndarray, n_split_tokens: int, split_bytes: int) -> EvalResult:
@@ -191,28 +213,122 @@ def restrict(result: EvalResult, starts: np.ndarray, n_split_tokens: int, split_
                       result.window_starts[keep], result.window_losses[keep], result.window_tokens[keep])
 
 
+@dataclass
+class EvalText:
+    """The text an evaluation reads: token ids (documents back to back, each ending in EOS) and its size."""
+
+    name: str  # "val", "train", or the corpus
+    tokens: np.ndarray
+    bytes: int  # UTF-8 bytes of the documents' text
+
+
+def corpus_text(spec: str, tokenizer: Tokenizer, *, glob: str | None = None, text_field: str = "text") -> EvalText:
+    """Any corpus `tinylm.data.load_corpus` reads, tokenized with ``tokenizer`` the way shards are."""
+    from tinylm.data.corpora import load_corpus
+
+    ids: list[int] = []
+    n_bytes = 0
+    for text in load_corpus(spec, glob=glob, text_field=text_field).texts():
+        ids += tokenizer.encode(text)
+        ids.append(tokenizer.eos_id)
+        n_bytes += len(text.encode("utf-8"))
+    if not ids:
+        raise TinyLMError(f"the corpus {spec} holds no text to evaluate on")
+    return EvalText(str(spec), np.asarray(ids, dtype=np.int64), n_bytes)
+
+
+def split_text(shards: ShardSet, split: str) -> EvalText:
+    return EvalText(split, shards.tokens(split), int(shards.meta["splits"][split]["bytes"]))
+
+
+def evaluate_model(
+    model: torch.nn.Module,
+    text: EvalText,
+    eos_id: int,
+    *,
+    block_size: int,
+    batch_size: int = 32,
+    max_tokens: int = 0,
+    device: str = "cpu",
+) -> EvalResult:
+    """Evaluate any family: a network (`GPT`, `RecurrentLM`) by windows, an n-gram (`NGramLM`) by its own scorer.
+
+    The n-gram model scores the whole text in a few vectorised passes, its context restarting
+    after each EOS as in counting (``max_tokens`` does not apply: it is fast enough for all of it).
+    """
+    from tinylm.model import NGramLM
+
+    if len(text.tokens) == 0:
+        raise TinyLMError(f"the {text.name} text is empty: there is nothing to evaluate")
+    if isinstance(model, NGramLM):
+        started = time.perf_counter()
+        result = model.ngram.evaluate(text.tokens, text.bytes)
+        n = result.tokens
+        return EvalResult(text.name, result.loss_sum, n, float(text.bytes), False, np.zeros(1, dtype=np.int64),
+                          np.array([result.loss_sum]), np.array([n]), time.perf_counter() - started)
+    return evaluate_tokens(model, text.tokens, text.bytes, eos_id, split=text.name, block_size=block_size,
+                           batch_size=batch_size, max_tokens=max_tokens, device=device)
+
+
 def evaluate_run(
-    run_dir: str,
+    run_dir: str | os.PathLike,
     split: str = "val",
     *,
     checkpoint: str = "best",
     max_tokens: int = 0,
     batch_size: int | None = None,
     data_dir: str | None = None,
+    corpus: str | None = None,
+    tokenizer: str | None = None,
     device: str = "cpu",
 ) -> EvalResult:
-    """Evaluate a trained run (`tinylm.run.load_run`) on a split of the shards it was trained on.
+    """Evaluate a trained run of any family (`tinylm.run.load_run`), or an n-gram model file (.npz).
 
-    ``data_dir`` points at the shards when they have moved since training; they must have been
-    made with the run's tokenizer.
+    On ``split`` of the shards the run was trained on (``data_dir`` if they have moved; they must
+    have been made with the run's tokenizer), or on any ``corpus`` (a name or path, as for
+    training), tokenized with the run's tokenizer. A bare n-gram file has no tokenizer of its
+    own: give ``data_dir`` (its shards carry one) or ``tokenizer`` (a tokenizer JSON file).
     """
-    run = load_run(run_dir, checkpoint=checkpoint, device=device)
-    folder = data_dir or run.info.get("data", {}).get("dir")
-    if not folder:
-        raise TinyLMError(f"{run_dir} does not say where its data is; give the shard folder with --data-dir")
-    shards = ShardSet.open(folder)
-    if shards.meta["tokenizer"]["fingerprint"] != run.tokenizer.fingerprint():
-        raise TinyLMError(f"the shards in {folder} were made with another tokenizer than {run_dir}'s; "
-                          "give the run's own data folder")
-    return evaluate(run.model, shards, split, block_size=run.config.model.block_size,
-                    batch_size=batch_size or run.config.train.batch_size, max_tokens=max_tokens, device=device)
+    path = Path(run_dir)
+    if path.suffix == ".npz" or path.is_file():
+        model, tok, block_size, batch, recorded = _ngram_file(path, data_dir, tokenizer)
+    else:
+        run = load_run(path, checkpoint=checkpoint, device=device)
+        model, tok = run.model, run.tokenizer
+        block_size, batch = run.config.model.block_size, run.config.train.batch_size
+        recorded = run.info.get("data", {}).get("dir")
+    if corpus is not None:
+        text = corpus_text(corpus, tok)
+    else:
+        folder = data_dir or recorded
+        if not folder:
+            raise TinyLMError(f"{run_dir} does not say where its data is; give the shard folder with --data-dir "
+                              "or a corpus with --corpus")
+        shards = ShardSet.open(folder)
+        if shards.meta["tokenizer"]["fingerprint"] != tok.fingerprint():
+            raise TinyLMError(f"the shards in {folder} were made with another tokenizer than {run_dir}'s; "
+                              "give the run's own data folder, or evaluate on a corpus with --corpus")
+        text = split_text(shards, split)
+    return evaluate_model(model, text, tok.eos_id, block_size=block_size, batch_size=batch_size or batch,
+                          max_tokens=max_tokens, device=device)
+
+
+def _ngram_file(path: Path, data_dir: str | None, tokenizer: str | None):
+    """An n-gram model file with the tokenizer it needs: (model, tokenizer, block size, batch, data folder)."""
+    from tinylm.config import GPTConfig
+    from tinylm.model import NGramLM, NGramModel
+    from tinylm.tokenizers.base import load_tokenizer
+
+    ngram = NGramModel.load(path)
+    if tokenizer is not None:
+        tok = load_tokenizer(tokenizer)
+    elif data_dir is not None:
+        tok = ShardSet.open(data_dir).tokenizer()
+    else:
+        raise TinyLMError(f"{path} is an n-gram model file without a tokenizer; give --data-dir (the shards it "
+                          "was counted on) or --tokenizer")
+    if tok.vocab_size != ngram.vocab_size or tok.eos_id != ngram.eos_id:
+        raise TinyLMError(f"{path} was counted with another tokenizer ({ngram.vocab_size} tokens) than the one given "
+                          f"({tok.vocab_size} tokens)")
+    config = GPTConfig(family="ngram", vocab_size=ngram.vocab_size, block_size=1024, order=ngram.order)
+    return NGramLM(ngram, config), tok, 1024, 32, data_dir

@@ -48,3 +48,35 @@ def plot_loss_curve(
     with atomic_path(path) as tmp:
         fig.savefig(tmp, format="png")
     return Path(path)
+
+
+def plot_bits_per_byte(
+    labels: list[str], values: list[float], path: str | os.PathLike, title: str | None = None
+) -> Path:
+    """A horizontal bar per model of its bits per byte (lower is better) into the PNG file ``path``."""
+    import math
+
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 1.2 + 0.45 * len(labels)), dpi=110)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    finite = [v for v in values if math.isfinite(v)]
+    top = max(finite) if finite else 1.0
+    shown = [v if math.isfinite(v) else top * 1.1 for v in values]  # an infinite one: a bar past the others
+    y = list(range(len(labels)))[::-1]  # the first model on top
+    bars = ax.barh(y, shown, color=["tab:gray" if not math.isfinite(v) else "tab:blue" for v in values])
+    for bar, v in zip(bars, values):
+        text = f"{v:.3f}" if math.isfinite(v) else "infinite"
+        ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, f" {text}", va="center", fontsize=9)
+    ax.set_yticks(y, labels, fontsize=9)
+    ax.set_xlim(0, top * 1.25)
+    ax.set_xlabel("bits per byte (lower is better)")
+    ax.grid(True, axis="x", alpha=0.3)
+    if title:
+        ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png")
+    return Path(path)

@@ -1,0 +1,133 @@
+"""`tinylm compare`: several trained models, of any family and tokenizer, on the same text.
+
+Bits per byte is the one number that compares language models across tokenizers: a model's
+total code length for the text, -sum log2 p(x_t | x_<t), divided by the text's UTF-8 bytes. A
+character model predicts many easy tokens, a BPE model fewer harder ones; per byte they measure
+the same thing. So an n-gram model, an LSTM and a Transformer trained on the same corpus line up
+in one table even when each has its own vocabulary.
+
+Which text: each run's own validation split by default. The split is made per document from the
+text alone (a hash of each document), so runs trained on the same corpus with the same
+``val_fraction`` hold out the same documents whatever their tokenizers; the table checks that
+the byte counts agree and says so when they do not. ``--corpus`` evaluates every run on one
+given text instead (tokenized with each run's own tokenizer).
+
+Usage::
+
+    rows = compare_runs(["runs/ngram", "runs/lstm", "runs/tiny"])
+    print(format_table(rows)); plot_comparison(rows, "compare.png")
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from tinylm.errors import TinyLMError
+from tinylm.evaluate import EvalResult, corpus_text, evaluate_model, split_text
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@dataclass
+class Compared:
+    """One model of a comparison: what it is and how it did."""
+
+    name: str  # the run folder's name
+    family: str
+    size: str  # "2.6M parameters", or the n-gram model's table size
+    tokenizer: str  # "bpe |V|=4096"
+    result: EvalResult
+
+
+def compare_runs(
+    runs: Sequence[str | os.PathLike],
+    *,
+    split: str = "val",
+    corpus: str | None = None,
+    max_tokens: int = 0,
+    device: str = "cpu",
+) -> list[Compared]:
+    """Evaluate every run (`tinylm.run.load_run`) on its ``split``, or all on ``corpus``."""
+    from tinylm.data.shards import ShardSet
+    from tinylm.run import load_run
+
+    if not runs:
+        raise TinyLMError("give at least one run folder to compare")
+    rows = []
+    for path in runs:
+        run = load_run(path, device=device)
+        if corpus is not None:
+            text = corpus_text(corpus, run.tokenizer)
+        else:
+            folder = run.info.get("data", {}).get("dir")
+            if not folder or not Path(folder).is_dir():
+                raise TinyLMError(f"the data of {path} is not at {folder!r} any more; compare on a corpus with "
+                                  "--corpus, or prepare the data again")
+            text = split_text(ShardSet.open(folder), split)
+        result = evaluate_model(run.model, text, run.tokenizer.eos_id, block_size=run.config.model.block_size,
+                                batch_size=run.config.train.batch_size, max_tokens=max_tokens, device=device)
+        rows.append(Compared(Path(path).name or str(path), run.family, _size(run.model),
+                             f"{run.tokenizer.kind} |V|={run.tokenizer.vocab_size}", result))
+    return rows
+
+
+def _size(model) -> str:
+    from tinylm.model import NGramLM
+
+    if isinstance(model, NGramLM):
+        return f"{_count(sum(len(k) for k in model.ngram.keys))} n-grams"
+    return f"{_count(sum(p.numel() for p in model.parameters()))} parameters"
+
+
+def _count(n: int) -> str:
+    """1234 -> '1.2k', 2_600_000 -> '2.60M'."""
+    return f"{n / 1e6:.2f}M" if n >= 1e6 else f"{n / 1e3:.1f}k" if n >= 1e3 else str(n)
+
+
+def same_text(rows: Sequence[Compared]) -> bool:
+    """Whether every model read the same text (same split bytes, or no proration differences)."""
+    return len({round(r.result.bytes) for r in rows if not r.result.prorated}) <= 1
+
+
+def format_table(rows: Sequence[Compared]) -> str:
+    """The comparison as a plain-text table, best bits per byte first."""
+    header = ("run", "family", "size", "tokenizer", "tokens", "bytes", "loss/token", "perplexity", "bits/byte",
+              "time")
+    lines = [header]
+    for r in sorted(rows, key=lambda r: r.result.bits_per_byte):
+        res = r.result
+        lines.append((r.name, r.family, r.size, r.tokenizer, f"{res.tokens:,}", f"{res.bytes:,.0f}",
+                      _number(res.loss), _number(res.perplexity, 2), _number(res.bits_per_byte), f"{res.seconds:.2f} s"))
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    out = ["  ".join(c.ljust(w) if i < 4 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths)))
+           for line in lines]
+    out.insert(1, "  ".join("-" * w for w in widths))
+    if not same_text(rows):
+        out.append("note: these models were evaluated on texts of different sizes (their validation splits "
+                   "differ); use --corpus to evaluate all of them on one text")
+    if any(r.result.prorated for r in rows):
+        out.append("note: bytes are prorated where only part of the text was evaluated (--tokens)")
+    return "\n".join(out)
+
+
+def _number(x: float, digits: int = 4) -> str:
+    return f"{x:.{digits}f}" if math.isfinite(x) else "inf"
+
+
+def plot_comparison(rows: Sequence[Compared], path: str | os.PathLike) -> Path:
+    """The bar chart of bits per byte, one bar per model in the order given (PNG)."""
+    from tinylm.explain.plots import plot_bits_per_byte
+
+    path = Path(path)
+    if path.suffix.lower() != ".png":
+        raise TinyLMError(f"the chart is a PNG file; give a path ending in .png, not {path}")
+    if path.is_dir() or (path.exists() and path.read_bytes()[:8] != PNG_MAGIC):
+        raise TinyLMError(f"{path} exists and is not a PNG image; choose another --plot path")
+    labels = [f"{r.name} ({r.family}, {r.tokenizer})" for r in rows]
+    text = rows[0].result.split if rows else ""
+    return plot_bits_per_byte(labels, [r.result.bits_per_byte for r in rows], path,
+                              title=f"bits per byte on {text}")

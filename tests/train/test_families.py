@@ -1,0 +1,168 @@
+"""Every model family through the same commands: train (--model), eval, sample, compare."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+
+import pytest
+import torch
+from trainkit import cli_flags, run_cli, tiny_config
+
+from tinylm.data.shards import ShardSet
+from tinylm.evaluate import evaluate_run
+from tinylm.model import NGramLM, NGramModel, RecurrentLM
+from tinylm.run import load_run
+from tinylm.train import train
+
+BPB = re.compile(r"loss ([\d.]+|inf) nats per token, perplexity ([\d.]+|inf), ([\d.]+|inf) bits per byte")
+
+
+def eval_numbers(stdout: str) -> tuple[float, float, float]:
+    loss, ppl, bpb = BPB.search(stdout).groups()
+    return float(loss), float(ppl), float(bpb)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, corpus, data_dir):
+    """One tiny run of each family, all on the same corpus and char tokenizer (made through the CLI)."""
+    root = tmp_path_factory.mktemp("families")
+    made = {}
+    for family, extra in [("gpt", []), ("lstm", ["--bptt", "8"]), ("rnn", []),
+                          ("ngram", ["--order", "4"])]:
+        out = root / family
+        proc = run_cli("train", "--model", family, *cli_flags(corpus, data_dir, max_steps=12), *extra,
+                       "--out", str(out), "--no-progress")
+        assert proc.returncode == 0, proc.stderr
+        made[family] = out
+    return made
+
+
+def test_train_model_flag_builds_each_family(runs):
+    for family, out in runs.items():
+        run = load_run(out)
+        assert run.family == family
+        if family in ("lstm", "rnn"):
+            assert isinstance(run.model, RecurrentLM) and run.model.lstm == (family == "lstm")
+            assert (out / "checkpoints" / "latest" / "model.safetensors").is_file()
+            assert run.step == 12
+        if family == "ngram":
+            assert isinstance(run.model, NGramLM) and run.model.ngram.order == 4
+            assert (out / "ngram.npz").is_file() and not (out / "checkpoints").exists()
+        info = json.loads((out / "run.json").read_text())
+        assert info["status"] == "complete" and math.isfinite(info["final"]["bits_per_byte"])
+
+
+def test_recurrent_training_resumes_exactly(tmp_path, corpus, data_dir):
+    config = tiny_config(corpus, data_dir, family="lstm", bptt=8, max_steps=6, eval_interval=3)
+    whole = train(config, tmp_path / "whole", progress=False, log=lambda line: None)
+    train(config, tmp_path / "halves", stop_after=3, progress=False, log=lambda line: None)
+    halves = train(None, tmp_path / "halves", resume=True, progress=False, log=lambda line: None)
+    assert whole.train_loss == halves.train_loss
+    a, b = load_run(tmp_path / "whole", "latest").model, load_run(tmp_path / "halves", "latest").model
+    assert all(torch.equal(p, q) for p, q in zip(a.state_dict().values(), b.state_dict().values()))
+
+
+def test_eval_reports_every_family_and_bits_per_byte_is_the_formula(runs, data_dir):
+    shards = ShardSet.open(data_dir)
+    val_bytes = shards.meta["splits"]["val"]["bytes"]
+    for family, out in runs.items():
+        proc = run_cli("eval", "--run", str(out))
+        assert proc.returncode == 0, proc.stderr
+        loss, ppl, bpb = eval_numbers(proc.stdout)
+        tokens, n_bytes = re.search(r"([\d,]+) tokens, ([\d,]+) bytes", proc.stdout).groups()
+        tokens, n_bytes = int(tokens.replace(",", "")), int(n_bytes.replace(",", ""))
+        assert tokens == shards.num_tokens("val") and n_bytes == val_bytes
+        assert bpb == pytest.approx(loss * tokens / (n_bytes * math.log(2)), rel=1e-3)
+        assert ppl == pytest.approx(math.exp(loss), abs=0.006)  # printed with two decimals
+        assert re.search(r"\d+\.\d s$", proc.stdout.strip())  # the time it took
+
+
+def test_ngram_run_evaluates_as_the_counted_model_does(runs, data_dir):
+    shards = ShardSet.open(data_dir)
+    direct = NGramModel.fit_shards(shards, 4).evaluate_shards(shards, "val")
+    result = evaluate_run(str(runs["ngram"]))
+    assert result.loss_sum == pytest.approx(direct.loss_sum, rel=1e-12)
+    assert result.bits_per_byte == pytest.approx(direct.bits_per_byte, rel=1e-12)
+    # the bare model file, with the shards' tokenizer
+    proc = run_cli("eval", "--run", str(runs["ngram"] / "ngram.npz"), "--data-dir", str(data_dir))
+    assert proc.returncode == 0, proc.stderr
+    assert eval_numbers(proc.stdout)[2] == pytest.approx(direct.bits_per_byte, abs=1e-4)
+    proc = run_cli("eval", "--run", str(runs["ngram"] / "ngram.npz"))
+    assert proc.returncode == 2 and "give --data-dir" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_eval_on_any_corpus_and_mle_reports_infinity(tmp_path, runs, corpus, data_dir):
+    text = tmp_path / "new.txt"
+    text.write_text("The king rode out. Zebras! Quixotic jazz.\n", encoding="utf-8")  # letters never seen
+    proc = run_cli("eval", "--run", str(runs["lstm"]), "--corpus", str(text))
+    assert proc.returncode == 0, proc.stderr
+    assert math.isfinite(eval_numbers(proc.stdout)[2])
+    n = len(text.read_bytes())  # ASCII: one character token per byte, then the EOS
+    assert f"{n + 1} tokens, {n} bytes" in proc.stdout
+    mle = tmp_path / "mle"
+    proc = run_cli("train", "--model", "ngram", "--smoothing", "mle", "--order", "2",
+                   *cli_flags(corpus, data_dir), "--out", str(mle))
+    assert proc.returncode == 0, proc.stderr
+    proc = run_cli("eval", "--run", str(mle), "--corpus", str(text))
+    assert proc.returncode == 0, proc.stderr
+    loss, ppl, bpb = eval_numbers(proc.stdout)
+    assert math.isinf(loss) and math.isinf(ppl) and math.isinf(bpb)
+
+
+def test_sample_from_every_family_is_reproducible(runs):
+    for family, out in runs.items():
+        args = ("sample", "--run", str(out), "--prompt", "The king", "--max-new-tokens", "20", "--seed", "7",
+                "--top-k", "10")
+        first, second = run_cli(*args), run_cli(*args)
+        assert first.returncode == 0, first.stderr
+        assert first.stdout == second.stdout and "The king" in first.stdout
+        assert len(first.stdout.strip()) > len("The king")
+
+
+def test_ngram_counting_refuses_resume_and_overwrites_only_with_force(runs, corpus, data_dir):
+    out = runs["ngram"]
+    before = (out / "ngram.npz").read_bytes()
+    proc = run_cli("train", "--model", "ngram", *cli_flags(corpus, data_dir), "--out", str(out))
+    assert proc.returncode == 2 and "already exists" in proc.stderr and "Traceback" not in proc.stderr
+    proc = run_cli("train", "--model", "ngram", *cli_flags(corpus, data_dir), "--out", str(out), "--resume")
+    assert proc.returncode == 2 and "nothing to resume" in proc.stderr
+    assert (out / "ngram.npz").read_bytes() == before
+
+
+def test_compare_three_runs_with_different_tokenizers(tmp_path, runs, corpus, data_dir):
+    # a word-level run on the same corpus: another tokenizer, the same held-out documents
+    word = tmp_path / "word-ngram"
+    proc = run_cli("train", "--model", "ngram", "--order", "3",
+                   *cli_flags(corpus, tmp_path / "data-word", tokenizer_kind="word", tokenizer_vocab_size=200),
+                   "--out", str(word))
+    assert proc.returncode == 0, proc.stderr
+    chart = tmp_path / "cmp.png"
+    proc = run_cli("compare", str(runs["ngram"]), str(runs["lstm"]), str(runs["gpt"]), str(word),
+                   "--plot", str(chart))
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    rows = [line.split() for line in lines[2:6]]
+    assert {r[0] for r in rows} == {"ngram", "lstm", "gpt", "word-ngram"}
+    bpbs = [float(r[-3]) for r in rows]
+    assert bpbs == sorted(bpbs)  # best first
+    assert "different sizes" not in proc.stdout  # the same documents held out, whatever the tokenizer
+    for name, bpb in zip([r[0] for r in rows], bpbs):
+        path = word if name == "word-ngram" else runs[name]
+        assert bpb == pytest.approx(evaluate_run(str(path)).bits_per_byte, abs=1e-4)
+    assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # one corpus for all of them
+    proc = run_cli("compare", str(runs["ngram"]), str(runs["rnn"]), "--corpus", str(corpus), "--plot", str(chart))
+    assert proc.returncode == 0, proc.stderr
+    assert len({re.sub(r"\s+", " ", line).split(" ")[5] for line in proc.stdout.splitlines()[2:4]}) == 1  # bytes
+
+
+def test_compare_refuses_to_overwrite_what_is_not_a_chart(tmp_path, runs):
+    precious = tmp_path / "notes.png"
+    precious.write_text("my notes")
+    proc = run_cli("compare", str(runs["ngram"]), "--plot", str(precious))
+    assert proc.returncode == 2 and "not a PNG image" in proc.stderr
+    assert precious.read_text() == "my notes"
+    proc = run_cli("compare", str(tmp_path / "missing"))
+    assert proc.returncode == 2 and "does not exist" in proc.stderr and "Traceback" not in proc.stderr
