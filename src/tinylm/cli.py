@@ -461,6 +461,12 @@ def cmd_next_token(args: argparse.Namespace) -> int:
     return next_token(args)
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from tinylm.serve.server import cmd_serve as serve
+
+    return serve(args)
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     from tinylm.export import export_run
 
@@ -688,6 +694,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperatures", metavar="T1,T2,...",
                    help="show the probabilities at several temperatures side by side, e.g. 0.5,1,2")
     p.set_defaults(func=cmd_next_token)
+
+    # tinylm serve
+    p = sub.add_parser("serve", help="serve a trained run: an OpenAI-compatible API and a web playground",
+                       description="Serve a trained run over HTTP: the OpenAI API (/v1/models, /v1/completions, "
+                       "/v1/chat/completions, streaming by server-sent events) that the official openai clients "
+                       "use unchanged, and a playground page at / that streams completions and charts the "
+                       "next-token probabilities. Requests in flight are decoded together in batches.")
+    p.add_argument("--run", required=True, metavar="DIR", help="the run folder written by `tinylm train`")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="the address to listen on (default: 127.0.0.1, this machine only; 0.0.0.0 for every network)")
+    p.add_argument("--port", type=_port, default=8000, help="the port (default: 8000; 0 picks a free one)")
+    p.add_argument("--api-key", metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on the API (default: $TINYLM_API_KEY, else no key)")
+    p.add_argument("--model-name", metavar="NAME", help="the model id clients ask for (default: the run folder's name)")
+    p.add_argument("--max-batch-size", type=_positive_int, default=32, metavar="N",
+                   help="the most samples decoded together; 1 serves one at a time (default: 32)")
+    p.add_argument("--batch-window-ms", type=_nonneg_float, default=2.0, metavar="MS",
+                   help="how long an idle server waits for more requests to batch with the first (default: 2)")
+    p.add_argument("--checkpoint", choices=["best", "latest"], default="best", help="which checkpoint (default: best)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps (default: cpu)")
+    p.add_argument("--threads", type=_positive_int, metavar="N", help="PyTorch CPU threads (default: PyTorch's choice)")
+    p.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"], default="info",
+                   help="the server's log level; info logs every request (default: info)")
+    p.set_defaults(func=cmd_serve)
 
     # tinylm export / import
     p = sub.add_parser("export", help="write a trained run for transformers (hf) or llama.cpp (gguf)",

@@ -1,0 +1,524 @@
+"""The HTTP app: an OpenAI-compatible API over a trained run, and the playground page.
+
+`create_app(run)` returns a FastAPI (ASGI) app; `tinylm.serve.server.serve` runs it with uvicorn.
+
+=========================  =========================================================================
+``GET  /v1/models``        the one model this server serves (and ``GET /v1/models/{id}``)
+``POST /v1/completions``   continue a prompt: text, texts, token ids; ``n``, ``stop``, ``seed``,
+                           ``logprobs``, ``echo``, ``stream``, plus ``top_k`` and ``min_p``
+``POST /v1/chat/completions``  messages through the plain-text chat template (`tinylm.serve.chat`)
+``GET  /health``           liveness, and the scheduler's counters
+``POST /tokenize``         text (or chat messages) -> token ids; ``POST /detokenize``: ids -> text
+``POST /next_token``       the next-token distribution after a text (the playground's chart)
+``GET  /``                 the playground: a prompt box, sliders, the streamed completion, the chart
+=========================  =========================================================================
+
+Every generation goes through one `Scheduler`, which batches the requests in flight. A
+streaming response is server-sent events, one ``data: {json}`` chunk per piece of text (whole
+characters only: the text streams of `tinylm.generate.stream` hold back partial UTF-8 and
+possible stop strings), then ``data: [DONE]``. When a client disconnects, its job is cancelled
+and its rows leave the batch at the next step, streaming or not.
+
+Bad requests are answered with OpenAI error JSON and a 4xx status, never a 500 (see
+`tinylm.serve.protocol`); a body larger than ``max_body_bytes`` gets 413 before it is read in
+full. With ``api_key`` set, the API (everything but the page, its files and /health) answers 401
+unless the request carries ``Authorization: Bearer <key>``, as the OpenAI clients send it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hmac
+import json
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from fastapi.staticfiles import StaticFiles
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from tinylm.errors import TinyLMError
+from tinylm.generate.inspect import next_token_logits
+from tinylm.serve import protocol
+from tinylm.serve.chat import reply_text
+from tinylm.serve.protocol import (
+    APIError,
+    ChatRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    NextTokenRequest,
+    TokenizeRequest,
+    check_context,
+)
+from tinylm.serve.scheduler import ChoiceEvent, Job, JobDone, JobFailed, PromptEvent, Scheduler, TokenLogprob
+
+STATIC = Path(__file__).parent / "static"
+OPEN_PATHS = {"/", "/health", "/docs", "/openapi.json"}  # no API key needed: the page, its files, liveness
+OPEN_PREFIXES = ("/static/",)
+MAX_BODY_BYTES = 1 << 20  # 1 MiB: far more than any prompt a tinylm model's context can hold
+
+
+@dataclass
+class ServedModel:
+    """What the endpoints need from a loaded run (`tinylm.run.Run` or anything with these attributes)."""
+
+    name: str
+    model: torch.nn.Module
+    tokenizer: Any
+    start_ids: list[int]
+    block_size: int
+    created: int = field(default_factory=protocol.now)
+
+    def check(self, requested: str | None) -> None:
+        if requested is not None and requested != self.name:
+            raise APIError(404, f"The model '{requested}' does not exist; this server serves '{self.name}'",
+                           param="model", code="model_not_found")
+
+    def card(self) -> dict[str, Any]:
+        return {"id": self.name, "object": "model", "created": self.created, "owned_by": "tinylm",
+                "max_model_len": self.block_size}
+
+
+def create_app(run: Any, *, model_name: str | None = None, api_key: str | None = None, max_batch_size: int = 32,
+               batch_window: float = 0.002, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+    """The app serving ``run`` (a `tinylm.run.Run`, or any object with model, tokenizer, start_ids).
+
+    ``model_name`` is the id clients ask for (default: the run folder's name); ``api_key`` makes
+    the API require it; ``max_batch_size`` and ``batch_window`` go to the `Scheduler`.
+    """
+    path = getattr(run, "path", None)
+    served = ServedModel(name=model_name or (Path(path).name if path else "tinylm"), model=run.model,
+                   tokenizer=run.tokenizer, start_ids=list(run.start_ids), block_size=run.model.config.block_size)
+    scheduler = Scheduler(run.model, run.tokenizer, max_batch_size=max_batch_size, batch_window=batch_window)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        scheduler.start()
+        try:
+            yield
+        finally:
+            await run_in_threadpool(scheduler.close)
+
+    app = FastAPI(title="tinylm", summary="An OpenAI-compatible server for a tinylm run", lifespan=lifespan)
+    app.state.scheduler = scheduler
+    app.state.model = served
+    _add_error_handlers(app)
+    app.add_middleware(_BodyLimit, max_bytes=max_body_bytes)
+    if api_key:
+        app.add_middleware(_APIKeyGate, key=api_key)  # added last: runs first
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"status": "ok", "model": served.name, "scheduler": scheduler.stats()}
+
+    @app.get("/v1/models")
+    async def list_models() -> dict[str, Any]:
+        return {"object": "list", "data": [served.card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def retrieve_model(model_id: str) -> dict[str, Any]:
+        served.check(model_id)
+        return served.card()
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        served.check(body.model)
+        body.check_unsupported()
+        prompts = await run_in_threadpool(body.prompt_ids, served.tokenizer)  # a long text takes a while
+        n = body.n or 1
+        if len(prompts) * n > protocol.MAX_CHOICES:
+            raise APIError(400, f"{len(prompts)} prompts x n = {n} is {len(prompts) * n} completions; "
+                           f"the most in one request is {protocol.MAX_CHOICES}", param="n")
+        full = [served.start_ids + p for p in prompts]
+        lengths = [len(ids) for ids in full]
+        check_context(lengths, 1 if body.max_tokens is None else body.max_tokens, served.block_size)
+        room = served.block_size - max(lengths)
+        max_tokens = min(protocol.COMPLETIONS_DEFAULT_MAX_TOKENS, room) if body.max_tokens is None else body.max_tokens
+        params = body.sampling_params(max_tokens)
+        echo = [served.tokenizer.decode(p) for p in prompts] if body.echo else None
+        stream = _JobStream(scheduler)
+        job = Job(full, params, on_event=stream.push, logprobs=body.logprobs,
+                  prompt_logprobs=bool(body.echo and body.logprobs is not None), echo_from=len(served.start_ids))
+        result = _Completions(served, job, prompt_tokens=sum(lengths), echo=echo, logprobs=body.logprobs is not None)
+        return await _respond(request, stream, job, result, body.stream, body.include_usage)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatRequest, request: Request) -> Response:
+        served.check(body.model)
+        body.check_unsupported()
+        prompt = served.start_ids + await run_in_threadpool(served.tokenizer.encode, body.prompt())
+        requested = body.requested_max_tokens
+        check_context([len(prompt)], 1 if requested is None else requested, served.block_size, what="messages")
+        max_tokens = served.block_size - len(prompt) if requested is None else requested
+        params = body.chat_sampling_params(max_tokens)
+        top = (body.top_logprobs or 0) if body.logprobs else None
+        stream = _JobStream(scheduler)
+        job = Job([prompt], params, on_event=stream.push, logprobs=top)
+        result = _ChatCompletions(served, job, prompt_tokens=len(prompt), logprobs=bool(body.logprobs))
+        return await _respond(request, stream, job, result, body.stream, body.include_usage)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        served.check(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give either prompt (text) or messages (a chat)", param="prompt")
+        if body.messages is not None:
+            text = ChatRequest(messages=body.messages).prompt()
+        else:
+            text = body.prompt
+        ids = (served.start_ids if body.add_special_tokens else []) + served.tokenizer.encode(text)
+        return {"tokens": ids, "count": len(ids), "max_model_len": served.block_size,
+                "token_strs": [protocol.token_string(served.tokenizer, i) for i in ids]}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        served.check(body.model)
+        vocab = served.tokenizer.vocab_size
+        if any(not 0 <= i < vocab for i in body.tokens):
+            raise APIError(400, f"tokens must be ids in 0..{vocab - 1}", param="tokens")
+        return {"prompt": served.tokenizer.decode(body.tokens)}
+
+    @app.post("/next_token")
+    async def next_token(body: NextTokenRequest) -> dict[str, Any]:
+        """The logits of the token after ``prompt`` (all of them, base64 float32 little-endian, so a page can
+        apply any temperature and filter itself) and the ``top`` most likely tokens at temperature 1."""
+        served.check(body.model)
+        ids = served.start_ids + served.tokenizer.encode(body.prompt)
+        # the model reads the last block_size tokens; it runs beside the scheduler (inference only)
+        logits = await run_in_threadpool(next_token_logits, served.model, ids)
+        logits = logits[:served.tokenizer.vocab_size].cpu()  # (V,) ids the tokenizer can show
+        probs = torch.softmax(logits, dim=-1)  # (V,)
+        order = torch.argsort(logits, descending=True, stable=True)[:body.top].tolist()
+        return {"model": served.name, "prompt_tokens": len(ids), "vocab_size": len(logits),
+                "logits": base64.b64encode(logits.numpy().astype("<f4").tobytes()).decode("ascii"),
+                "top": [{"id": i, "token": protocol.token_string(served.tokenizer, i),
+                         "logit": protocol.finite(float(logits[i])),
+                         "probability": float(probs[i])} for i in order]}
+
+    @app.get("/", include_in_schema=False)
+    async def page() -> FileResponse:
+        return FileResponse(STATIC / "index.html")
+
+    app.mount("/static", StaticFiles(directory=STATIC), name="static")
+    return app
+
+
+# ----- from scheduler events to responses ----------------------------------------------------------
+
+
+class _JobStream:
+    """A job's events, handed from the scheduler's thread to this request's event loop."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue[list] = asyncio.Queue()
+
+    def push(self, events: list) -> None:  # called on the scheduler's thread
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, events)
+
+    async def events(self) -> AsyncIterator[ChoiceEvent | PromptEvent]:
+        while True:
+            for event in await self.queue.get():
+                if isinstance(event, JobDone):
+                    return
+                if isinstance(event, JobFailed):
+                    raise APIError(500, f"generation failed: {event.message}")
+                yield event
+
+
+@dataclass
+class _Choice:
+    text: str = ""
+    tokens: list[TokenLogprob] = field(default_factory=list)  # shown tokens (not a stop token)
+    unsent: list[TokenLogprob] = field(default_factory=list)  # streaming: tokens not in a chunk yet
+    unsent_text: str = ""  # streaming: text not in a chunk yet
+    finish_reason: str | None = None
+    started: bool = False  # streaming: a chunk was sent (chat: the reply's first visible text)
+
+
+class _Result:
+    """Collects a job's events and writes them as one response or as stream chunks (per endpoint)."""
+
+    kind: str  # the response's "object"
+    chunk_kind: str  # a stream chunk's "object"
+    id_prefix: str
+
+    def __init__(self, served: ServedModel, job: Job, prompt_tokens: int, logprobs: bool) -> None:
+        self.served = served
+        self.tokenizer = served.tokenizer
+        self.id = protocol.new_id(self.id_prefix)
+        self.created = protocol.now()
+        self.prompt_tokens = prompt_tokens
+        self.completion_tokens = 0
+        self.logprobs = logprobs
+        self.choices = [_Choice() for _ in range(len(job.prompts) * job.n)]
+        self.n = job.n
+
+    def add(self, event: ChoiceEvent | PromptEvent) -> _Choice | None:
+        """Record an event; the choice it advanced (None for a prompt event)."""
+        if isinstance(event, PromptEvent):
+            return None
+        choice = self.choices[event.index]
+        choice.text += event.text
+        choice.unsent_text += event.text
+        if event.token is not None:
+            self.completion_tokens += 1  # a stop token was generated too: it counts, as OpenAI counts it
+            if not event.is_stop_token:
+                choice.tokens.append(event.token)
+                choice.unsent.append(event.token)
+        choice.finish_reason = event.finish_reason
+        return choice
+
+    def envelope(self, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.served.name,
+                "system_fingerprint": None, "choices": choices}
+
+    def usage(self) -> dict[str, int]:
+        return protocol.usage(self.prompt_tokens, self.completion_tokens)
+
+    def response(self) -> dict[str, Any]:
+        body = self.envelope(self.kind, [self.final_choice(i, c) for i, c in enumerate(self.choices)])
+        return {**body, "usage": self.usage()}
+
+    def final_choice(self, index: int, choice: _Choice) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def start_chunks(self) -> list[dict[str, Any]]:
+        """Chunks to send before any token (chat: the assistant role)."""
+        return []
+
+    def chunk_choice(self, index: int, choice: _Choice) -> dict[str, Any] | None:
+        """The chunk for what a choice gained since its last chunk, or None if there is nothing to send yet."""
+        raise NotImplementedError
+
+
+class _Completions(_Result):
+    kind = chunk_kind = "text_completion"
+    id_prefix = "cmpl"
+
+    def __init__(self, served: ServedModel, job: Job, prompt_tokens: int, echo: list[str] | None,
+                 logprobs: bool) -> None:
+        super().__init__(served, job, prompt_tokens, logprobs)
+        self.echo = echo
+        self.prompt_logprobs: dict[int, tuple[TokenLogprob, ...]] = {}
+
+    def add(self, event: ChoiceEvent | PromptEvent) -> _Choice | None:
+        if isinstance(event, PromptEvent):
+            self.prompt_logprobs[event.prompt_index] = event.tokens
+        return super().add(event)
+
+    def _prefix(self, index: int) -> str:
+        return self.echo[index // self.n] if self.echo is not None else ""
+
+    def _logprobs(self, index: int, tokens: list[TokenLogprob], with_prompt: bool) -> dict[str, list] | None:
+        """The legacy logprobs of ``tokens`` (offsets after the echoed prompt), after the prompt's own if asked."""
+        if not self.logprobs:
+            return None
+        prompt = self.prompt_logprobs.get(index // self.n, ()) if with_prompt else ()  # filled with echo only
+        head = protocol.completion_logprobs(self.tokenizer, prompt)
+        tail = protocol.completion_logprobs(self.tokenizer, tokens, offset=len(self._prefix(index)))
+        return {key: head[key] + tail[key] for key in head}
+
+    def final_choice(self, index: int, choice: _Choice) -> dict[str, Any]:
+        return {"index": index, "text": self._prefix(index) + choice.text,
+                "logprobs": self._logprobs(index, choice.tokens, with_prompt=True),
+                "finish_reason": choice.finish_reason}
+
+    def chunk_choice(self, index: int, choice: _Choice) -> dict[str, Any] | None:
+        text, choice.unsent_text = choice.unsent_text, ""
+        first = not choice.started
+        if not (text or choice.finish_reason or (first and self.echo)):
+            return None
+        choice.started = True
+        tokens, choice.unsent = choice.unsent, []
+        return {"index": index, "text": (self._prefix(index) if first else "") + text,
+                "logprobs": self._logprobs(index, tokens, with_prompt=first), "finish_reason": choice.finish_reason}
+
+
+class _ChatCompletions(_Result):
+    kind = "chat.completion"
+    chunk_kind = "chat.completion.chunk"
+    id_prefix = "chatcmpl"
+
+    def _logprobs(self, tokens: list[TokenLogprob]) -> dict[str, list] | None:
+        return protocol.chat_logprobs(self.tokenizer, tokens) if self.logprobs else None
+
+    def final_choice(self, index: int, choice: _Choice) -> dict[str, Any]:
+        return {"index": index, "message": {"role": "assistant", "content": reply_text(choice.text)},
+                "logprobs": self._logprobs(choice.tokens), "finish_reason": choice.finish_reason}
+
+    def start_chunks(self) -> list[dict[str, Any]]:
+        return [self.envelope(self.chunk_kind, [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                                   "logprobs": None, "finish_reason": None}])
+                for i in range(len(self.choices))]
+
+    def chunk_choice(self, index: int, choice: _Choice) -> dict[str, Any] | None:
+        text, choice.unsent_text = choice.unsent_text, ""
+        if not choice.started:
+            text = reply_text(text)  # the reply starts at its first visible character
+            choice.started = bool(text)
+        if not (text or choice.finish_reason):
+            return None
+        tokens, choice.unsent = choice.unsent, []
+        delta = {"content": text} if text else {}
+        return {"index": index, "delta": delta, "logprobs": self._logprobs(tokens),
+                "finish_reason": choice.finish_reason}
+
+
+async def _respond(request: Request, stream: _JobStream, job: Job, result: _Result, streaming: bool | None,
+                   include_usage: bool) -> Response:
+    """Submit the job; answer with the whole result, or stream it as server-sent events."""
+    try:
+        stream.scheduler.submit(job)
+    except TinyLMError as e:
+        raise APIError(400, str(e)) from None
+    if streaming:
+        return StreamingResponse(_sse_events(stream, job, result, include_usage), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    collecting = asyncio.ensure_future(_collect(stream, result))
+    gone = asyncio.ensure_future(_client_gone(request))
+    try:
+        await asyncio.wait({collecting, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not collecting.done():  # the client left: free its rows for the others
+            stream.scheduler.cancel(job)
+            collecting.cancel()
+    if collecting.cancelled():
+        return Response(status_code=499)  # nobody is listening; the status only shows in the access log
+    collecting.result()  # raises the job's error, if any
+    return JSONResponse(result.response())
+
+
+async def _collect(stream: _JobStream, result: _Result) -> None:
+    async for event in stream.events():
+        result.add(event)
+
+
+async def _client_gone(request: Request) -> None:
+    """Returns when the client disconnects (the body is already read, so the next message is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _sse(data: dict[str, Any] | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+async def _sse_events(stream: _JobStream, job: Job, result: _Result, include_usage: bool) -> AsyncIterator[str]:
+    """The stream: chunks as text becomes certain, then the usage chunk (if asked) and ``[DONE]``.
+
+    Leaving this generator early (the client disconnected, so the server cancels it) cancels
+    the job: its rows leave the batch at the next step.
+    """
+    usage_field: dict[str, Any] = {"usage": None} if include_usage else {}
+    try:
+        for chunk in result.start_chunks():
+            yield _sse({**chunk, **usage_field})
+        async for event in stream.events():
+            choice = result.add(event)
+            if choice is None:
+                continue
+            body = result.chunk_choice(event.index, choice)
+            if body is not None:
+                yield _sse({**result.envelope(result.chunk_kind, [body]), **usage_field})
+        if include_usage:
+            yield _sse({**result.envelope(result.chunk_kind, []), "usage": result.usage()})
+    except APIError as e:
+        yield _sse(e.body())
+    finally:
+        stream.scheduler.cancel(job)  # nothing to do if it finished
+    yield _sse("[DONE]")
+
+
+
+# ----- errors, the API key and the body limit ----------------------------------------------------------
+
+
+def _error_response(error: APIError) -> JSONResponse:
+    headers = {"WWW-Authenticate": "Bearer"} if error.status == 401 else None
+    return JSONResponse(error.body(), status_code=error.status, headers=headers)
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return _error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = protocol.validation_message(exc.errors())
+        return _error_response(APIError(400, message, param=param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        messages = {404: f"no such endpoint: {request.method} {request.url.path}",
+                    405: f"{request.method} is not allowed on {request.url.path}",
+                    413: str(exc.detail)}
+        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status_code)
+        return _error_response(APIError(exc.status_code, messages.get(exc.status_code, str(exc.detail)), code=code))
+
+    @app.exception_handler(Exception)
+    async def crash(request: Request, exc: Exception) -> JSONResponse:  # a bug: still an OpenAI-shaped answer
+        return _error_response(APIError(500, f"internal error: {type(exc).__name__}: {exc}"))
+
+
+class _TooLarge(StarletteHTTPException):
+    def __init__(self, limit: int) -> None:
+        super().__init__(413, f"the request body is larger than {limit} bytes")
+
+
+class _BodyLimit:
+    """ASGI middleware: refuse bodies over ``max_bytes`` with 413, by Content-Length or while reading."""
+
+    def __init__(self, app: Any, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            error = APIError(413, _TooLarge(self.max_bytes).detail, code="request_too_large")
+            return await _error_response(error)(scope, receive, send)
+        received = 0
+
+        async def limited() -> dict:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise _TooLarge(self.max_bytes)  # FastAPI passes HTTP exceptions raised while reading on
+            return message
+
+        await self.app(scope, limited, send)
+
+
+class _APIKeyGate:
+    """ASGI middleware: without ``Authorization: Bearer <key>`` the API answers 401 (the page and /health stay open)."""
+
+    def __init__(self, app: Any, key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {key}".encode()
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        path = scope.get("path", "")
+        if scope["type"] == "http" and not (path in OPEN_PATHS or path.startswith(OPEN_PREFIXES)):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                message = ("Incorrect API key provided" if given else
+                           "You didn't provide an API key: send it as 'Authorization: Bearer KEY'")
+                error = APIError(401, message, code="invalid_api_key")
+                return await _error_response(error)(scope, receive, send)
+        await self.app(scope, receive, send)

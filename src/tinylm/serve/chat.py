@@ -1,0 +1,72 @@
+"""The chat template: how `/v1/chat/completions` turns a list of messages into a prompt for a base model.
+
+A tinylm model is a *base* model: it continues text, it was never tuned on conversations, and
+it has no special chat tokens. So a chat is written out as a plain-text transcript, one
+message per line, and the model is asked to continue the assistant's line::
+
+    System: You are a helpful assistant.
+    User: What is a token?
+    Assistant: A piece of text the model reads.
+    User: And a KV cache?
+    Assistant:
+
+- Each message is ``Role: content`` followed by a newline; the roles are written ``System``,
+  ``User`` and ``Assistant`` (``developer`` messages, the newer name for system messages, are
+  written ``System`` too). Content may be a string or a list of ``{"type": "text", "text": ...}``
+  parts, which are joined; any other part (an image, audio) is refused.
+- The prompt ends with ``Assistant:`` and no space. Byte-level BPE tokenizers attach a space to
+  the word after it (" Hello" is one token), so a trailing space would leave the model a
+  token boundary it rarely saw in training; instead the model writes the space itself and the
+  reply's leading whitespace is dropped (`reply_text`).
+- Generation stops at ``\\nUser:`` or ``\\nSystem:`` (`STOP`), the start of a line the assistant
+  should not write, besides the request's own stop strings and the end-of-text token.
+
+Nothing else is hidden: the prompt is exactly `chat_prompt(messages)`, and a completion request
+with that prompt and those stop strings gives the same text (before the leading whitespace is
+dropped). `POST /tokenize` with ``messages`` shows its tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from tinylm.errors import TinyLMError
+
+ROLE_NAMES = {"system": "System", "developer": "System", "user": "User", "assistant": "Assistant"}
+STOP = ("\nUser:", "\nSystem:")
+ASSISTANT_PREFIX = "Assistant:"
+
+
+def message_text(content: str | Sequence[Mapping[str, Any]] | None) -> str:
+    """A message's content as text: the string itself, or its text parts joined; None is ""."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    texts = []
+    for part in content:
+        if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise TinyLMError(f"a tinylm model reads text only: content parts must be {{'type': 'text', 'text': ...}}, "
+                              f"got a part of type {part.get('type')!r}")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def chat_prompt(messages: Sequence[Mapping[str, Any]]) -> str:
+    """The transcript of ``messages`` (dicts with ``role`` and ``content``) that the model continues."""
+    if not messages:
+        raise TinyLMError("messages is empty: give at least one message, e.g. {'role': 'user', 'content': 'Hi'}")
+    lines = []
+    for message in messages:
+        role = message.get("role")
+        if role not in ROLE_NAMES:
+            raise TinyLMError(f"unknown message role {role!r}; a base model's transcript has "
+                              f"{', '.join(sorted(ROLE_NAMES))} messages")
+        lines.append(f"{ROLE_NAMES[role]}: {message_text(message.get('content'))}\n")
+    return "".join(lines) + ASSISTANT_PREFIX
+
+
+def reply_text(completion: str) -> str:
+    """The assistant's message from the model's continuation: without the whitespace after ``Assistant:``."""
+    return completion.lstrip()

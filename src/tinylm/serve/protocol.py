@@ -1,0 +1,319 @@
+"""The OpenAI wire format: request schemas, their checks, errors, and the JSON of responses and stream chunks.
+
+Requests are validated in pydantic's strict mode, as the OpenAI API does: ``"max_tokens": "10"``
+or ``"n": true`` is a type error, not a quiet conversion. Fields that are part of the OpenAI API
+but that tinylm does not implement (penalties, ``logit_bias``, tools, ...) are accepted at their
+neutral values and refused otherwise, so a client never gets silently different behaviour.
+Unknown fields are ignored, as many clients send a few extras.
+
+Errors are the OpenAI shape, ``{"error": {"message", "type", "param", "code"}}``, with the
+status codes the official clients map to their exception classes (400 `BadRequestError`,
+401 `AuthenticationError`, 404 `NotFoundError`, 413, 500 `InternalServerError`).
+
+The extensions beyond the OpenAI API: ``top_k`` and ``min_p`` on both completion endpoints
+(as vLLM accepts them), and ``logprobs`` up to 20 on `/v1/completions` (OpenAI stops at 5).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from tinylm.errors import TinyLMError
+from tinylm.generate.sampling import SamplingParams
+from tinylm.serve.chat import STOP as CHAT_STOP
+from tinylm.serve.chat import chat_prompt
+from tinylm.serve.scheduler import TokenLogprob
+from tinylm.tokenizers.base import Tokenizer
+
+MAX_CHOICES = 128  # prompts x n in one request
+MAX_STOP = 16
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # the OpenAI default for /v1/completions
+
+
+class APIError(Exception):
+    """An error answered as OpenAI error JSON with ``status``; ``param`` names the offending field."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 type: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or ("invalid_request_error" if status < 500 else "server_error")
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+# ----- requests ----------------------------------------------------------------------------------------
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool | None = None
+
+
+class _Sampling(_Strict):
+    """The settings both completion endpoints share. None everywhere means "the default"."""
+
+    model: str | None = None
+    temperature: float | None = Field(None, ge=0, allow_inf_nan=False)
+    top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
+    top_k: int | None = Field(None, ge=-1)  # extension; 0 and -1 (vLLM's spelling) mean off
+    min_p: float | None = Field(None, ge=0, le=1, allow_inf_nan=False)  # extension
+    n: int | None = Field(None, ge=1, le=MAX_CHOICES)
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    # in the OpenAI API, not implemented here: accepted at their neutral values only
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+    def check_unsupported(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) not in (None, 0):
+                raise APIError(400, f"{name} is not supported by tinylm; leave it out or set it to 0", param=name)
+        if self.logit_bias:
+            raise APIError(400, "logit_bias is not supported by tinylm; leave it out", param="logit_bias")
+
+    def stop_strings(self) -> tuple[str, ...]:
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        if len(stop) > MAX_STOP or any(s == "" for s in stop):
+            raise APIError(400, f"stop takes up to {MAX_STOP} non-empty strings", param="stop")
+        return stop
+
+    def sampling_params(self, max_tokens: int, extra_stop: Sequence[str] = ()) -> SamplingParams:
+        try:
+            return SamplingParams(
+                max_new_tokens=max_tokens,
+                temperature=1.0 if self.temperature is None else self.temperature,
+                top_k=None if self.top_k in (None, -1) else self.top_k,
+                top_p=self.top_p,
+                min_p=self.min_p,
+                seed=self.seed,
+                num_samples=self.n or 1,
+                stop=tuple(extra_stop) + self.stop_strings(),
+            )
+        except TinyLMError as e:  # the ranges above make this rare; the library's own check has the last word
+            raise APIError(400, str(e)) from None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Sampling):
+    """``POST /v1/completions``: a prompt (text, texts, token ids, or lists of token ids) to continue."""
+
+    prompt: str | list[str] | list[int] | list[list[int]] = ""
+    max_tokens: int | None = Field(None, ge=0)
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def check_unsupported(self) -> None:
+        super().check_unsupported()
+        if self.best_of not in (None, self.n or 1):
+            raise APIError(400, "best_of is not supported by tinylm; leave it out or set it to n", param="best_of")
+        if self.suffix:
+            raise APIError(400, "suffix (insertion) is not supported by tinylm; leave it out", param="suffix")
+
+    def prompt_ids(self, tokenizer: Tokenizer) -> list[list[int]]:
+        """Each prompt's token ids (without the start ids); text is encoded, ids are checked."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [tokenizer.encode(prompt)]
+        if not prompt:
+            raise APIError(400, "prompt is an empty list: give a string, a list of strings or token ids",
+                           param="prompt")
+        if isinstance(prompt[0], str):
+            return [tokenizer.encode(p) for p in prompt]
+        lists = [prompt] if isinstance(prompt[0], int) else prompt
+        for ids in lists:
+            if any(not 0 <= i < tokenizer.vocab_size for i in ids):
+                raise APIError(400, f"prompt holds token ids outside the vocabulary 0..{tokenizer.vocab_size - 1}",
+                               param="prompt")
+        return [list(ids) for ids in lists]
+
+
+class ContentPart(_Strict):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ChatRequest(_Sampling):
+    """``POST /v1/chat/completions``: messages, written out with the chat template (`tinylm.serve.chat`)."""
+
+    messages: list[ChatMessage]
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)  # the newer name of max_tokens
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def check_unsupported(self) -> None:
+        super().check_unsupported()
+        if self.tools:
+            raise APIError(400, "tools are not supported by tinylm's base models; leave them out", param="tools")
+        if self.tool_choice not in (None, "none", "auto"):
+            raise APIError(400, "tool_choice is not supported by tinylm; leave it out", param="tool_choice")
+        if self.response_format not in (None, {"type": "text"}):
+            raise APIError(400, "only response_format {'type': 'text'} is supported", param="response_format")
+        if self.top_logprobs and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+
+    def prompt(self) -> str:
+        messages = [{"role": m.role, "content": None if m.content is None else
+                     (m.content if isinstance(m.content, str) else [p.model_dump() for p in m.content])}
+                    for m in self.messages]
+        try:
+            return chat_prompt(messages)
+        except TinyLMError as e:
+            raise APIError(400, str(e), param="messages") from None
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def chat_sampling_params(self, max_tokens: int) -> SamplingParams:
+        return self.sampling_params(max_tokens, extra_stop=CHAT_STOP)
+
+
+class TokenizeRequest(_Strict):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True  # the start ids a prompt is generated after
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int]
+
+
+class NextTokenRequest(_Strict):
+    """``POST /next_token`` (the playground's): the distribution of the token after ``prompt``."""
+
+    model: str | None = None
+    prompt: str = ""
+    top: int = Field(20, ge=1, le=200)
+
+
+# fields that take several shapes: a type error there lists every shape's failure; one line says them all
+UNION_FIELDS = {"prompt": "a string, a list of strings, a list of token ids or a list of lists of token ids",
+                "stop": "a string or a list of strings", "content": "a string or a list of text parts"}
+
+
+def validation_message(errors: Sequence[dict[str, Any]]) -> tuple[str, str | None]:
+    """One readable line and the offending parameter from pydantic's errors (the first one counts)."""
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    if first.get("type") == "json_invalid":
+        detail = (first.get("ctx") or {}).get("error", "")
+        return f"the body is not valid JSON ({detail})" if detail else "the body is not valid JSON", None
+    # pydantic names a failed union member after the field ("prompt.str", "prompt.list[int].0"): drop those
+    parts = [p for p in loc if not (p[0].isalpha() and ("[" in p or p in {"str", "int", "float", "bool"}))]
+    param = parts[0] if parts else None
+    where = "".join(f"[{p}]" if p.isdigit() else f".{p}" for p in parts[1:])
+    if param is None:
+        return f"the body must be a JSON object: {first.get('msg', 'invalid')}", None
+    if first.get("type") == "missing":
+        return f"{param}{where} is required", param
+    field = parts[-1] if parts[-1] in UNION_FIELDS else param
+    if len(errors) > 1 and field in UNION_FIELDS:  # every member of the union failed: say what would do
+        return f"{param}{where} must be {UNION_FIELDS[field]}", param
+    return f"{param}{where}: {first.get('msg', 'invalid')}", param
+
+
+def check_context(prompt_lengths: Sequence[int], max_tokens: int, block_size: int, what: str = "prompt") -> None:
+    """OpenAI's rule: prompt plus completion must fit the context window, or 400 context_length_exceeded."""
+    longest = max(prompt_lengths)
+    if longest + max_tokens > block_size:
+        raise APIError(400, f"This model's maximum context length is {block_size} tokens. However, you requested "
+                       f"{longest + max_tokens} tokens ({longest} in the {what}, {max_tokens} in the completion). "
+                       f"Please reduce the length of the {what} or completion.",
+                       param="max_tokens" if longest < block_size else what, code="context_length_exceeded")
+
+
+# ----- responses ---------------------------------------------------------------------------------------
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def token_string(tokenizer: Tokenizer, token_id: int) -> str:
+    """A token's text for logprobs; bytes that are only part of a character are written ``bytes:\\xe2\\x80``."""
+    data = tokenizer.token_bytes(token_id)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in data)
+
+
+def finite(logprob: float | None) -> float | None:
+    """A log-probability JSON can carry: -inf (a token an n-gram never saw) becomes -9999.0, as OpenAI writes it."""
+    return logprob if logprob is None or math.isfinite(logprob) else -9999.0
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def completion_logprobs(tokenizer: Tokenizer, tokens: Sequence[TokenLogprob], offset: int = 0) -> dict[str, list]:
+    """The legacy completions format: parallel lists of tokens, their logprobs, alternatives and text offsets.
+
+    Each ``top_logprobs`` entry maps the most likely tokens *and* the chosen one to their
+    log-probabilities (so it may hold one more than asked, as OpenAI's does).
+    """
+    out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for t in tokens:
+        out["tokens"].append(token_string(tokenizer, t.id))
+        out["token_logprobs"].append(finite(t.logprob))
+        top = {token_string(tokenizer, i): finite(lp) for i, lp in t.top}
+        if t.logprob is not None:
+            top.setdefault(token_string(tokenizer, t.id), finite(t.logprob))
+        out["top_logprobs"].append(top if t.logprob is not None else None)
+        out["text_offset"].append(offset + t.offset)
+    return out
+
+
+def chat_logprobs(tokenizer: Tokenizer, tokens: Sequence[TokenLogprob]) -> dict[str, list]:
+    """The chat format: one entry per token with its bytes and its ``top_logprobs`` alternatives."""
+
+    def entry(token_id: int, logprob: float) -> dict[str, Any]:
+        return {"token": token_string(tokenizer, token_id), "logprob": finite(logprob),
+                "bytes": list(tokenizer.token_bytes(token_id))}
+
+    return {"content": [{**entry(t.id, t.logprob), "top_logprobs": [entry(i, lp) for i, lp in t.top]}
+                        for t in tokens]}
+

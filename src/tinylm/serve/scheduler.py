@@ -1,0 +1,589 @@
+"""The batching scheduler: many requests, one model, one decoding step for all of them at a time.
+
+A decoding step costs about the same for 1 row as for 32 on a CPU or GPU (it is dominated by
+reading the weights), so a server that answers requests one after another wastes most of the
+machine. The scheduler runs every request's samples ("rows") through the model *together*, in
+one background thread that owns the model:
+
+1. **Admit.** Waiting rows join the batch between two steps, up to ``max_batch_size`` rows.
+   When the batch is idle, the first request waits ``batch_window`` seconds for others to arrive,
+   so that requests sent together are prefilled together. When rows are running, new ones join
+   at the next step at once (continuous batching, as in Orca and vLLM): a short request never
+   waits for a long one to finish. Admission is fair: requests are served in arrival order,
+   taking one row from each waiting request in turn, so a request asking for ``n = 100`` samples
+   cannot lock out the ones behind it.
+2. **Prefill.** The new rows' prompts run through the model at once (left-padded, as in
+   `tinylm.generate.engine`), filling a KV cache of their own; each row samples its first token.
+3. **Merge.** The new rows' cache is joined to the running batch's. All rows are kept
+   *right-aligned*: every row's last token sits in the same column, and shorter rows are padded
+   on the left, hidden by the attention mask (each row's position ids count its own tokens, so
+   padding changes nothing it computes). A merged cache holds exactly the columns needed: as
+   many as the longest row has tokens, plus room for the steps until the next row must finish.
+4. **Decode.** One step feeds every row's last token (B, 1), appends its keys and values, and
+   gives each row's next-token logits; each row samples with its own settings.
+5. **Leave.** Rows that finished (a stop token, a stop string, ``max_tokens``) or whose client
+   went away leave the batch; the cache is rebuilt without them and without the columns that
+   only they used, so the batch never outgrows the model's context.
+
+**Per-row sampling settings.** Rows of different requests may use different temperatures,
+top-k, top-p and min-p in the same step: the logits are grouped by settings and each group
+is filtered and drawn with `tinylm.generate.sampling.sample` (filters work row by row, so grouping
+changes nothing). Every row draws from its own `torch.Generator`, seeded like the library's
+from the request's ``seed`` and the row's index (`make_generators(seed, rows)`, row = prompt
+index x n + sample index). So a seeded request gives the same tokens whatever else is in the
+batch, and the same as `tinylm.generate.generate` with that seed, up to float rounding between
+matrix shapes (a near-tie of two tokens could in principle break the other way).
+
+**Context.** The scheduler never slides a window: `submit` refuses a prompt whose length plus
+``max_new_tokens`` exceeds the model's ``block_size`` (the API answers 400 before that), so
+every row fits the context from start to end.
+
+**Other model families.** An RNN's state or an n-gram's token history (models that make their
+own cache, see `tinylm.generate.cache.cache_for`) has no columns to re-align, so for those the
+scheduler batches statically: the rows admitted together are prefilled together and decoded
+until each finishes (a finished row leaves through the cache's ``reorder``), and waiting rows
+start with the next batch. Admission is fair in the same way, and each batch is kept small
+enough that its longest prompt plus its largest ``max_new_tokens`` fits the context.
+
+**Cancelling.** `cancel` marks a request; its rows leave the batch before the next step, which
+frees their slots for waiting requests. The HTTP layer calls it when a client disconnects.
+
+Events go back to the caller through ``Job.on_event``, called from the scheduler's thread with
+the events of one step (the HTTP layer hands them to its event loop).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import defaultdict, deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from tinylm.errors import TinyLMError
+from tinylm.generate.cache import KVCache, cache_for
+from tinylm.generate.engine import FinishReason, decode_one_token, left_pad
+from tinylm.generate.sampling import SamplingParams, make_generators, sample, token_logprobs
+from tinylm.generate.stream import TextStream
+from tinylm.tokenizers.base import Tokenizer
+
+PREFILL_LOGITS = 1 << 26  # most logits one prefill may produce: 256 MB in float32
+
+
+# ----- what a job sends back -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One token with the model's log-probability of it (temperature 1, no filters).
+
+    ``offset``: characters of the text decoded before this token (for the legacy ``text_offset``);
+    ``top``: the most likely tokens at that position as (id, logprob), most likely first, when asked.
+    """
+
+    id: int
+    logprob: float | None
+    offset: int = 0
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class ChoiceEvent:
+    """A row's progress in one step: its new token and the text that became certain.
+
+    ``token`` is None only for a row asked for 0 new tokens. ``finish_reason`` is set on the row's last event.
+    """
+
+    index: int
+    text: str
+    token: TokenLogprob | None
+    finish_reason: FinishReason | None = None
+    is_stop_token: bool = False  # the token is a stop id (end of text): its text is never shown
+
+
+@dataclass(frozen=True)
+class PromptEvent:
+    """The log-probabilities of a prompt's own tokens (after the start ids), for ``echo`` with ``logprobs``."""
+
+    prompt_index: int
+    tokens: tuple[TokenLogprob, ...]
+
+
+@dataclass(frozen=True)
+class JobFailed:
+    """The model failed on this job (a bug, or the device ran out of memory): the message to report."""
+
+    message: str
+
+
+class JobDone:
+    """The last event of a job: every row has finished."""
+
+
+# ----- jobs and rows ---------------------------------------------------------------------------------
+
+
+class Job:
+    """One request as the scheduler sees it: ``len(prompts) x n`` rows sharing one set of sampling settings.
+
+    ``prompts`` are token ids (the start ids included); ``params`` the settings (``num_samples``
+    is n); ``logprobs`` how many alternatives to report per token (None: no alternatives);
+    ``prompt_logprobs`` whether to report the prompt's tokens' log-probabilities, from index
+    ``echo_from`` of each prompt on; ``on_event`` receives lists of events, from the
+    scheduler's thread.
+    """
+
+    def __init__(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *,
+                 on_event: Callable[[list], None], logprobs: int | None = None, prompt_logprobs: bool = False,
+                 echo_from: int = 0) -> None:
+        if params.num_beams != 1:
+            raise TinyLMError("the server samples; beam search is not offered")
+        self.prompts = [list(map(int, p)) for p in prompts]
+        self.params = params
+        self.n = params.num_samples
+        self.logprobs = logprobs
+        self.prompt_logprobs = prompt_logprobs
+        self.echo_from = echo_from
+        self.on_event = on_event
+        self.cancelled = False
+        self.failed = False
+        self.rows_left = len(self.prompts) * self.n
+        # one generator per row, as `Engine` makes them: same seed, same tokens as the library
+        self.generators = None if params.greedy else make_generators(params.seed, self.rows_left)
+        self.pending: deque[int] = deque(range(self.rows_left))  # rows not yet admitted, in order
+        self.sampling_key = (params.temperature, params.top_k, params.top_p, params.min_p)
+        self.stop_ids = set(params.stop_ids) if params.stop_ids is not None else None
+
+
+@dataclass
+class _Row:
+    """One sample being generated: its tokens so far and its text stream."""
+
+    job: Job
+    index: int  # the choice index: prompt index x n + sample index
+    seq: list[int]  # the prompt, then the new tokens
+    prompt_len: int
+    stream: TextStream
+    finish_reason: FinishReason | None = None
+
+    @property
+    def n_new(self) -> int:
+        return len(self.seq) - self.prompt_len
+
+    @property
+    def fed(self) -> int:
+        """Tokens whose keys and values are in the cache: all but the newest (sampled, not yet fed)."""
+        return len(self.seq) - 1
+
+    @property
+    def remaining(self) -> int:
+        """Tokens still to draw; each needs one more decoding step."""
+        return self.job.params.max_new_tokens - self.n_new
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None or self.job.cancelled or self.job.failed
+
+    @property
+    def generator(self) -> torch.Generator | None:
+        return self.job.generators[self.index] if self.job.generators is not None else None
+
+
+@dataclass
+class _Batch:
+    """Rows that share one KV cache: right-aligned (every row's last fed token in column ``length - 1``)."""
+
+    rows: list[_Row]
+    cache: KVCache
+    mask: Tensor  # (B, capacity) bool, False at padding
+    length: int  # columns filled
+    padded: bool  # any False in mask[:, :length] (else attention needs no mask)
+
+
+# ----- the scheduler ---------------------------------------------------------------------------------
+
+
+class Scheduler:
+    """Runs jobs through ``model`` in batched decoding steps on a background thread (see the module docstring).
+
+    ``tokenizer`` turns tokens into text and gives the end-of-text id that stops a row;
+    ``max_batch_size`` is the most rows decoded together (1 serves one sample at a time);
+    ``batch_window`` is how long an idle scheduler waits for more requests before prefilling.
+
+        scheduler = Scheduler(run.model, run.tokenizer).start()
+        scheduler.submit(Job([ids], SamplingParams(max_new_tokens=20), on_event=print))
+    """
+
+    def __init__(self, model: nn.Module, tokenizer: Tokenizer, *, max_batch_size: int = 32,
+                 batch_window: float = 0.002) -> None:
+        if not isinstance(max_batch_size, int) or max_batch_size < 1:
+            raise TinyLMError(f"max_batch_size must be an integer >= 1, got {max_batch_size!r}")
+        if batch_window < 0:
+            raise TinyLMError(f"batch_window must be 0 or more seconds, got {batch_window}")
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.block_size: int = model.config.block_size
+        self.max_batch_size = max_batch_size
+        self.batch_window = batch_window
+        self.device = next(model.parameters()).device
+        self.vocab_size = tokenizer.vocab_size
+        # a KV cache can be re-aligned column by column, so rows may join a running batch; other caches cannot
+        self.continuous = getattr(model, "new_cache", None) is None
+        self._cond = threading.Condition()
+        self._waiting: deque[Job] = deque()  # jobs with rows not yet admitted, in arrival order
+        self._batch: _Batch | None = None
+        self._admitted: list[_Row] = []
+        self._thread: threading.Thread | None = None
+        self._closing = False
+        # counters for /health and the tests
+        self.steps = 0
+        self.jobs = 0
+        self.largest_batch = 0
+        self.cancelled_rows = 0
+
+    # -- the public side (any thread) -------------------------------------------------------------
+
+    def start(self) -> Scheduler:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="tinylm-scheduler", daemon=True)
+            self._thread.start()
+        return self
+
+    def close(self) -> None:
+        """Stop the thread after the current step; unfinished jobs get no more events."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def submit(self, job: Job) -> None:
+        """Queue a job; its rows join the batch as slots free up. Refuses prompts that would outgrow the context."""
+        for i, prompt in enumerate(job.prompts):
+            if not prompt:
+                raise TinyLMError(f"prompt {i} is empty: give at least one token (e.g. a run's start_ids)")
+            if any(not 0 <= t < self.vocab_size for t in prompt):
+                raise TinyLMError(f"prompt {i} holds ids outside the vocabulary 0..{self.vocab_size - 1}")
+            if len(prompt) + job.params.max_new_tokens > self.block_size:
+                raise TinyLMError(f"prompt {i} has {len(prompt)} tokens; with {job.params.max_new_tokens} new ones it "
+                                  f"exceeds the model's context of {self.block_size}")
+        with self._cond:
+            if self._closing:
+                raise TinyLMError("the server is shutting down")
+            self.jobs += 1
+            self._waiting.append(job)
+            self._cond.notify_all()
+
+    def cancel(self, job: Job) -> None:
+        """Drop a job: its waiting rows are forgotten, its running rows leave before the next step."""
+        with self._cond:
+            if job.rows_left == 0 or job.cancelled:
+                return
+            job.cancelled = True
+            if job in self._waiting:
+                self._waiting.remove(job)
+            self._cond.notify_all()
+
+    def stats(self) -> dict[str, int]:
+        batch = self._batch
+        with self._cond:
+            waiting = sum(len(job.pending) for job in self._waiting)
+        return {"active_rows": len(batch.rows) if batch else 0, "waiting_rows": waiting,
+                "max_batch_size": self.max_batch_size, "largest_batch": self.largest_batch, "steps": self.steps,
+                "jobs": self.jobs, "cancelled_rows": self.cancelled_rows}
+
+    # -- the loop (scheduler thread) ---------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            try:
+                if not self._iteration():
+                    return
+            except Exception as e:  # a bug or an out-of-memory: fail the running jobs, keep serving
+                self._fail_running(f"{type(e).__name__}: {e}")
+
+    @torch.inference_mode()
+    def _iteration(self) -> bool:
+        """Admit, prefill, merge, decode one step, retire. False when closing."""
+        new_rows = self._admit()
+        if new_rows is None:
+            return False
+        outbox: dict[Job, list] = defaultdict(list)
+        self._admitted = new_rows  # for _fail_running, until they are in the batch
+        self._drop_cancelled()
+        if new_rows and self.continuous:
+            # the prefilled rows' caches have no room to grow: merging gives the batch its columns
+            fresh = [self._prefill(group, outbox) for group in self._prefill_groups(new_rows)]
+            self._batch = self._merge(fresh if self._batch is None else [self._batch, *fresh])
+        elif new_rows:
+            self._batch = self._shrink(self._prefill(new_rows, outbox))  # a static batch: nothing runs yet
+        if new_rows:
+            self.largest_batch = max(self.largest_batch, len(self._batch.rows) if self._batch else 0)
+        self._admitted = []
+        if self._batch is not None:
+            self._decode(self._batch, outbox)
+            if any(r.done for r in self._batch.rows):
+                self._batch = self._retire(self._batch)
+        self._deliver(outbox)
+        return True
+
+    def _admit(self) -> list[_Row] | None:
+        """Rows to start now, taken one per waiting job in turn; waits while there is nothing to do."""
+        with self._cond:
+            idle = self._batch is None
+            if idle:
+                self._cond.wait_for(lambda: self._waiting or self._closing)
+            if self._closing:
+                return None
+        if idle and self.batch_window > 0:
+            time.sleep(self.batch_window)  # let requests sent together arrive together
+        rows: list[_Row] = []
+        if self._batch is None:
+            free = self.max_batch_size
+        else:  # a static batch takes no one until it is done
+            free = self.max_batch_size - len(self._batch.rows) if self.continuous else 0
+        with self._cond:
+            while free > 0 and self._waiting:
+                job = self._waiting[0]
+                r = job.pending[0]
+                prompt = job.prompts[r // job.n]
+                if not self.continuous and not self._fits_static(rows, len(prompt), job.params.max_new_tokens):
+                    break  # it starts the next static batch
+                self._waiting.popleft()
+                job.pending.popleft()
+                stream = TextStream(self.tokenizer, job.params.stop)
+                rows.append(_Row(job, r, list(prompt), len(prompt), stream))
+                free -= 1
+                if job.pending:
+                    self._waiting.append(job)  # round robin: its next row after the others' next
+        return rows
+
+    def _fits_static(self, rows: list[_Row], prompt_len: int, max_new_tokens: int) -> bool:
+        """Whether a row joins a static batch without outgrowing the context: its rows are left-padded to
+        the longest prompt, and each grows by up to the largest max_new_tokens."""
+        longest = max([prompt_len] + [r.prompt_len for r in rows])
+        most = max([max_new_tokens] + [r.job.params.max_new_tokens for r in rows])
+        return longest + most <= self.block_size
+
+    def _drop_cancelled(self) -> None:
+        batch = self._batch
+        if batch is not None and any(r.job.cancelled for r in batch.rows):
+            self._batch = self._retire(batch)
+
+    def _retire(self, batch: _Batch) -> _Batch | None:
+        """The batch without its finished and cancelled rows."""
+        return self._merge([batch]) if self.continuous else self._shrink(batch)
+
+    def _count_cancelled(self, rows: Sequence[_Row]) -> None:
+        self.cancelled_rows += sum(r.job.cancelled and r.finish_reason is None for r in rows)
+
+    def _shrink(self, batch: _Batch) -> _Batch | None:
+        """A static batch without its done rows: the cache keeps the others' rows (``reorder``), columns and all."""
+        keep = [i for i, r in enumerate(batch.rows) if not r.done]
+        self._count_cancelled(batch.rows)
+        if not keep:
+            return None
+        if len(keep) < len(batch.rows):
+            index = torch.tensor(keep, device=self.device)
+            batch.cache.reorder(index)
+            batch.mask = batch.mask[index]
+            batch.rows = [batch.rows[i] for i in keep]
+            batch.padded = not bool(batch.mask[:, :batch.length].all())
+        return batch
+
+    def _prefill_groups(self, rows: list[_Row]) -> list[list[_Row]]:
+        """The new rows in groups whose prefill logits (B, P, V) stay under `PREFILL_LOGITS` numbers.
+
+        The model computes logits at every prompt position (echo's logprobs use them); for a big
+        vocabulary and long prompts, 32 rows at once would need gigabytes.
+        """
+        longest = max(len(r.seq) for r in rows)
+        size = max(1, PREFILL_LOGITS // (longest * self.model.config.vocab_size))
+        return [rows[i:i + size] for i in range(0, len(rows), size)]
+
+    def _prefill(self, rows: list[_Row], outbox: dict[Job, list]) -> _Batch:
+        """Run the new rows' prompts through the model into a cache of their own; draw each row's first token.
+
+        The cache holds the prompts alone when the batch is continuous (`_merge` then makes room),
+        and the prompts plus every step to come when it is static.
+        """
+        idx, mask = left_pad([r.seq for r in rows], self.device)  # (Bn, P), (Bn, P)
+        Bn, P = idx.shape
+        capacity = P if self.continuous else P + max(r.remaining for r in rows)
+        cache = cache_for(self.model, Bn, capacity)
+        padded = not bool(mask.all())
+        position_ids = (mask.long().cumsum(dim=1) - 1).clamp(min=0)  # (Bn, P): each row counts its own tokens
+        logits, _ = self.model(idx, attention_mask=mask if padded else None, position_ids=position_ids,
+                               kv_cache=cache)  # (Bn, P, V)
+        for b, row in enumerate(rows):
+            job = row.job
+            if job.prompt_logprobs and row.index % job.n == 0:  # once per prompt
+                outbox[job].append(self._prompt_logprobs(row, logits[b, P - row.prompt_len:]))
+        drawing = [b for b, r in enumerate(rows) if r.remaining > 0]
+        for row in rows:
+            if row.remaining == 0:  # max_tokens = 0: nothing to draw (echo alone)
+                row.finish_reason = "length"
+                outbox[row.job].append(ChoiceEvent(row.index, row.stream.finish(), None, "length"))
+        if drawing:
+            self._draw([rows[b] for b in drawing], logits[drawing, -1], outbox)  # (b, V) last positions
+        full_mask = torch.zeros(Bn, capacity, dtype=torch.bool, device=self.device)
+        full_mask[:, :P] = mask
+        return _Batch(rows, cache, full_mask, P, padded)
+
+    def _decode(self, batch: _Batch, outbox: dict[Job, list]) -> None:
+        """One step for every row: feed its newest token, draw the next."""
+        rows = batch.rows
+        tokens = torch.tensor([r.seq[-1] for r in rows], device=self.device)  # (B,)
+        position_ids = torch.tensor([[r.fed] for r in rows], device=self.device)  # (B, 1)
+        batch.mask[:, batch.length] = True
+        batch.length += 1
+        attention_mask = batch.mask[:, :batch.length] if batch.padded else None  # (B, T_k)
+        logits = decode_one_token(self.model, tokens, batch.cache, attention_mask, position_ids)  # (B, V)
+        self.steps += 1
+        self._draw(rows, logits, outbox)
+
+    def _draw(self, rows: list[_Row], logits: Tensor, outbox: dict[Job, list]) -> None:
+        """Sample each row's next token from logits (B, V) with its own settings; record it; emit events."""
+        logits = logits.float()
+        if self.vocab_size < logits.size(-1):
+            logits[:, self.vocab_size:] = float("-inf")  # ids the tokenizer cannot decode (a padded vocabulary)
+        tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)  # (B,)
+        groups: dict[tuple, list[int]] = defaultdict(list)
+        for b, row in enumerate(rows):
+            groups[row.job.sampling_key].append(b)
+        for members in groups.values():
+            params = rows[members[0]].job.params
+            generators = None if params.greedy else [rows[b].generator for b in members]
+            tokens[members] = sample(logits[members], params, generators)
+        logprobs = token_logprobs(logits, tokens).tolist()  # (B,): the model's own log p of each token
+        tops = self._top_logprobs(rows, logits)
+        for b, (row, token) in enumerate(zip(rows, tokens.tolist())):
+            offset = len(row.stream.text) + len(row.stream.pending)  # characters decoded before this token
+            info = TokenLogprob(token, logprobs[b], offset, tops.get(b, ()))
+            outbox[row.job].append(self._accept(row, info))
+
+    def _accept(self, row: _Row, info: TokenLogprob) -> ChoiceEvent:
+        """Append a row's token; decide whether the row is done; the text it releases.
+
+        The rule is the generation engine's (`Engine._accept`): a stop id ends the row and its text
+        is never shown; a stop string ends it with the text cut before it; the last allowed token
+        ends it with finish reason "length" and releases whatever was held back.
+        """
+        row.seq.append(info.id)
+        stream = row.stream
+        stop_ids = row.job.stop_ids if row.job.stop_ids is not None else {self.tokenizer.eos_id}
+        if info.id in stop_ids:
+            row.finish_reason = "stop"
+            return ChoiceEvent(row.index, stream.finish(), info, "stop", is_stop_token=True)
+        piece = stream.push(info.id)
+        if stream.stopped_by is not None:
+            row.finish_reason = "stop"
+        elif row.remaining == 0:
+            row.finish_reason = "length"
+            piece += stream.finish()
+        return ChoiceEvent(row.index, piece, info, row.finish_reason)
+
+    def _top_logprobs(self, rows: list[_Row], logits: Tensor) -> dict[int, tuple[tuple[int, float], ...]]:
+        """For rows that asked for alternatives: the k most likely tokens and their log-probabilities."""
+        asking = [b for b, r in enumerate(rows) if r.job.logprobs]
+        if not asking:
+            return {}
+        k = min(max(rows[b].job.logprobs for b in asking), self.vocab_size)
+        logp = torch.log_softmax(logits[asking], dim=-1)  # (b, V)
+        values, ids = logp.topk(k, dim=-1)  # (b, k) each
+        return {b: tuple(zip(ids[i, :rows[b].job.logprobs].tolist(), values[i, :rows[b].job.logprobs].tolist()))
+                for i, b in enumerate(asking)}
+
+    def _prompt_logprobs(self, row: _Row, logits: Tensor) -> PromptEvent:
+        """log p of each prompt token from ``echo_from`` on, from the prefill's logits (prompt_len, V) of its row.
+
+        Token j is predicted by the logits at j - 1; the very first token of a sequence has no
+        prediction (None), which only happens when no start ids come before the prompt.
+        """
+        job = row.job
+        prompt = row.seq[:row.prompt_len]
+        logp = torch.log_softmax(logits[:row.prompt_len - 1].float(), dim=-1)  # (prompt_len - 1, V)
+        targets = torch.tensor(prompt[1:], dtype=torch.long, device=logp.device)  # (prompt_len - 1,)
+        chosen = logp.gather(-1, targets[:, None])[:, 0].tolist()
+        k = job.logprobs or 0
+        values, ids = logp.topk(min(k, logp.size(-1)), dim=-1)  # (prompt_len - 1, k) each
+        decoder = self.tokenizer.stream_decoder()
+        offset, tokens = 0, []
+        for j in range(job.echo_from, row.prompt_len):
+            if j == 0:
+                tokens.append(TokenLogprob(prompt[0], None, offset))
+            else:
+                tokens.append(TokenLogprob(prompt[j], chosen[j - 1], offset,
+                                           tuple(zip(ids[j - 1].tolist(), values[j - 1].tolist()))))
+            offset += len(decoder.push(prompt[j]))
+        return PromptEvent(row.index // job.n, tuple(tokens))
+
+    def _merge(self, batches: Sequence[_Batch]) -> _Batch | None:
+        """One batch of the unfinished rows of ``batches``: a new cache, right-aligned, trimmed to what they need.
+
+        Columns: as many as the longest row has tokens in the cache (L), plus room for the steps
+        until some row must end (the fewest tokens any row has left). No row's tokens are lost:
+        each row's tokens are the last ``row.fed`` columns of its batch, and ``row.fed <= L``.
+        Since every row fits the context (prompt + max_new_tokens <= block_size), so does L plus
+        the room: the longest row alone needs that much.
+        """
+        rows = [r for b in batches for r in b.rows if not r.done]
+        self._count_cancelled([r for b in batches for r in b.rows])
+        if not rows:
+            return None
+        L = max(r.fed for r in rows)
+        capacity = L + min(r.remaining for r in rows)
+        cache = KVCache.for_model(self.model, len(rows), capacity)
+        mask = torch.zeros(len(rows), capacity, dtype=torch.bool, device=self.device)
+        parts = []  # (batch, rows kept, columns taken from its end)
+        for b in batches:
+            keep = [i for i, r in enumerate(b.rows) if not r.done]
+            if keep:
+                parts.append((b, torch.tensor(keep, device=self.device), min(b.length, L)))
+        start = 0
+        for b, keep, width in parts:
+            mask[start:start + len(keep), L - width:L] = b.mask[keep, b.length - width:b.length]
+            start += len(keep)
+        for layer, target in enumerate(cache):
+            ks, vs = [], []
+            for b, keep, width in parts:
+                source = b.cache[layer]
+                k = source.k[keep, :, b.length - width:b.length]  # (kept, n_kv, width, hs)
+                v = source.v[keep, :, b.length - width:b.length]
+                ks.append(torch.nn.functional.pad(k, (0, 0, L - width, 0)))  # pad columns on the left
+                vs.append(torch.nn.functional.pad(v, (0, 0, L - width, 0)))
+            target.update(torch.cat(ks), torch.cat(vs))  # (B, n_kv, L, hs)
+        return _Batch(rows, cache, mask, L, padded=not bool(mask[:, :L].all()))
+
+    def _deliver(self, outbox: dict[Job, list]) -> None:
+        for job, events in outbox.items():
+            for event in events:
+                if isinstance(event, ChoiceEvent) and event.finish_reason is not None:
+                    job.rows_left -= 1
+            if job.rows_left == 0:
+                events.append(JobDone())
+            if not job.cancelled:
+                self._send(job, events)
+
+    def _send(self, job: Job, events: list) -> None:
+        try:
+            job.on_event(events)
+        except Exception:  # the receiver is gone (its event loop closed): nobody is listening any more
+            job.cancelled = True
+
+    def _fail_running(self, message: str) -> None:
+        """Fail every job with a row in the batch or being admitted; drop their rows, waiting ones too."""
+        batch, self._batch = self._batch, None
+        rows = (batch.rows if batch is not None else []) + self._admitted
+        self._admitted = []
+        with self._cond:
+            for job in {r.job for r in rows}:
+                job.failed = True
+                if job in self._waiting:
+                    self._waiting.remove(job)
+        for job in {r.job for r in rows}:
+            self._send(job, [JobFailed(message)])

@@ -1,0 +1,86 @@
+"""Running the app: `serve` loads a run and serves it with uvicorn; `cmd_serve` is `tinylm serve`.
+
+The listening socket is bound here, before uvicorn starts, so that a port already in use or a
+host that cannot be listened on is one clear `TinyLMError` (the CLI prints one line and exits
+with status 2) rather than a log message from inside the server. The default host is the
+loopback address: the server is reachable from this machine only unless ``--host 0.0.0.0``
+says otherwise (and then ``--api-key`` is worth setting).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+from typing import Any
+
+from tinylm.errors import TinyLMError
+
+API_KEY_ENV = "TINYLM_API_KEY"
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on host:port (port 0: any free port), or a one-line error saying why not."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise TinyLMError(f"cannot listen on host {host!r} ({e.strerror}); use an address such as 127.0.0.1") from None
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    # as uvicorn does: a restarted server may reuse the port while old connections linger in TIME_WAIT
+    # (on Linux this never allows two servers listening on one port)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise TinyLMError(f"port {port} on {host} is already in use (another server?); stop it or choose "
+                              "another with --port") from None
+        if e.errno == errno.EACCES:
+            raise TinyLMError(f"no permission to listen on port {port}; ports below 1024 need root: choose "
+                              "another with --port") from None
+        raise TinyLMError(f"cannot listen on {host}:{port} ({e.strerror})") from None
+    return sock
+
+
+def serve(run_dir: str | os.PathLike, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
+          model_name: str | None = None, max_batch_size: int = 32, batch_window: float = 0.002,
+          checkpoint: str = "best", device: str = "cpu", log_level: str = "info") -> None:
+    """Serve the run in ``run_dir`` until interrupted (Ctrl+C): the OpenAI API under /v1, the playground at /.
+
+    ``port`` 0 takes any free port (the line printed at start says which).
+    """
+    try:
+        import uvicorn
+
+        from tinylm.serve.app import create_app
+    except ImportError as e:
+        raise TinyLMError(f"tinylm serve needs FastAPI and uvicorn ({e.name} is missing): "
+                          "reinstall tinylm (pip install -e .), which brings them") from None
+    from tinylm.run import load_run
+
+    run = load_run(run_dir, checkpoint=checkpoint, device=device)
+    sock = bind_socket(host, port)
+    app = create_app(run, model_name=model_name, api_key=api_key, max_batch_size=max_batch_size,
+                     batch_window=batch_window)
+    bound_host, bound_port = sock.getsockname()[:2]
+    shown = f"[{bound_host}]" if ":" in bound_host else bound_host
+    print(f"serving {run_dir} as '{app.state.model.name}' at http://{shown}:{bound_port} "
+          f"(OpenAI API under /v1, playground at /; Ctrl+C stops)", flush=True)
+    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5))
+    server.run(sockets=[sock])
+
+
+def cmd_serve(args: Any) -> int:
+    """`tinylm serve`: the parsed flags -> `serve`."""
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
+    serve(args.run, host=args.host, port=args.port, api_key=api_key, model_name=args.model_name,
+          max_batch_size=args.max_batch_size, batch_window=args.batch_window_ms / 1000,
+          checkpoint=args.checkpoint, device=args.device, log_level=args.log_level)
+    return 0

@@ -1,0 +1,119 @@
+"""Bad requests get OpenAI error JSON with the right status, never a 500; the API key gates the API."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+from servekit import ThreadServer
+
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+USER = [{"role": "user", "content": "Hi"}]
+
+# (endpoint, raw body or JSON, status, the parameter named, a phrase of the message or the error code)
+BAD = [
+    (COMPLETIONS, b'{"prompt": "To be", ', 400, None, "not valid JSON"),
+    (COMPLETIONS, b"[1, 2, 3]", 400, None, "JSON object"),
+    (COMPLETIONS, {"prompt": "x", "max_tokens": "ten"}, 400, "max_tokens", "valid integer"),
+    (COMPLETIONS, {"prompt": "x", "max_tokens": 2.5}, 400, "max_tokens", "valid integer"),
+    (COMPLETIONS, {"prompt": "x", "temperature": "hot"}, 400, "temperature", "valid number"),
+    (COMPLETIONS, {"prompt": "x", "n": True}, 400, "n", "valid integer"),
+    (COMPLETIONS, {"prompt": "x", "stream": "yes"}, 400, "stream", "valid boolean"),
+    (COMPLETIONS, {"prompt": 5}, 400, "prompt", "a string, a list of strings"),
+    (COMPLETIONS, {"prompt": [1, "a"]}, 400, "prompt", "a string, a list of strings"),
+    (COMPLETIONS, {"prompt": "x", "stop": 3}, 400, "stop", "a string or a list of strings"),
+    (COMPLETIONS, {"prompt": "x", "temperature": -1}, 400, "temperature", "greater than or equal to 0"),
+    (COMPLETIONS, {"prompt": "x", "top_p": 0}, 400, "top_p", "greater than 0"),
+    (COMPLETIONS, {"prompt": "x", "n": 0}, 400, "n", "greater than or equal to 1"),
+    (COMPLETIONS, {"prompt": "x", "logprobs": 21}, 400, "logprobs", "less than or equal to 20"),
+    (COMPLETIONS, {"prompt": "x", "seed": -1}, 400, "seed", "greater than or equal to 0"),
+    (COMPLETIONS, {"prompt": [10**6]}, 400, "prompt", "outside the vocabulary"),
+    (COMPLETIONS, {"prompt": []}, 400, "prompt", "empty list"),
+    (COMPLETIONS, {"prompt": "x", "n": 100, "max_tokens": 1, "echo": False} | {"prompt": ["a", "b"]}, 400, "n",
+     "the most in one request"),
+    (COMPLETIONS, {"prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty", "not supported"),
+    (COMPLETIONS, {"prompt": "x", "logit_bias": {"5": 10}}, 400, "logit_bias", "not supported"),
+    (COMPLETIONS, {"prompt": "x", "model": "gpt-4"}, 404, "model", "model_not_found"),
+    (COMPLETIONS, {"prompt": "x", "max_tokens": 65}, 400, "max_tokens", "context_length_exceeded"),
+    (COMPLETIONS, {"prompt": "x", "max_tokens": 10**9}, 400, "max_tokens", "context_length_exceeded"),
+    (COMPLETIONS, {"prompt": "To be, or not to be " * 8}, 400, "prompt", "context_length_exceeded"),
+    (CHAT, {"messages": "Hi"}, 400, "messages", "valid list"),
+    (CHAT, {}, 400, "messages", "messages is required"),
+    (CHAT, {"messages": []}, 400, "messages", "messages is empty"),
+    (CHAT, {"messages": [{"role": "bot", "content": "x"}]}, 400, "messages", "'user'"),
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, 400, "messages",
+     "text only"),
+    (CHAT, {"messages": USER, "tools": [{"type": "function"}]}, 400, "tools", "not supported"),
+    (CHAT, {"messages": USER, "max_tokens": 200}, 400, "max_tokens", "context_length_exceeded"),
+    (CHAT, {"messages": USER, "model": "nope"}, 404, "model", "model_not_found"),
+    ("/tokenize", {"prompt": 3}, 400, "prompt", "valid string"),
+    ("/detokenize", {"tokens": [-1]}, 400, "tokens", "ids in 0.."),
+]
+
+
+@pytest.mark.parametrize("path, body, status, param, phrase", BAD, ids=[f"{b[0]}:{b[4]}" for b in BAD])
+def test_bad_requests_get_openai_errors(server, path, body, status, param, phrase):
+    kwargs = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) \
+        else {"json": body}
+    response = httpx.post(server.base_url + path, timeout=30, **kwargs)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
+    assert error["param"] == param
+    assert phrase in error["message"] or phrase == error["code"], error
+
+
+def test_oversized_bodies_get_413_whether_announced_or_not(server):
+    big = b'{"prompt": "' + b"a" * (2 << 20) + b'"}'
+    announced = httpx.post(server.base_url + COMPLETIONS, content=big, headers={"content-type": "application/json"})
+    assert announced.status_code == 413 and announced.json()["error"]["code"] == "request_too_large"
+
+    def chunks():  # no Content-Length: the limit must hold while reading
+        for i in range(0, len(big), 65536):
+            yield big[i:i + 65536]
+
+    streamed = httpx.post(server.base_url + COMPLETIONS, content=chunks(), headers={"content-type": "application/json"})
+    assert streamed.status_code == 413 and streamed.json()["error"]["code"] == "request_too_large"
+
+
+def test_unknown_paths_and_methods_answer_in_json(server):
+    missing = httpx.get(server.base_url + "/v1/engines")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
+    wrong = httpx.get(server.base_url + COMPLETIONS)
+    assert wrong.status_code == 405 and wrong.json()["error"]["code"] == "method_not_allowed"
+
+
+def test_the_openai_client_raises_its_own_error_classes(client, run_dir):
+    with pytest.raises(openai.BadRequestError) as too_long:
+        client.completions.create(model=run_dir.name, prompt="x", max_tokens=1000)
+    assert too_long.value.code == "context_length_exceeded" and too_long.value.param == "max_tokens"
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-4o", messages=USER)
+    with pytest.raises(openai.BadRequestError) as bad_type:
+        client.completions.create(model=run_dir.name, prompt="x", extra_body={"top_k": "many"})
+    assert bad_type.value.param == "top_k"
+
+
+def test_after_all_that_the_server_still_serves_and_never_crashed(server, client, run_dir):
+    assert client.completions.create(model=run_dir.name, prompt="x", max_tokens=3).choices[0].finish_reason
+    log = server.stderr.read_text()
+    assert "Traceback" not in log and "Exception in ASGI" not in log, log[-2000:]
+
+
+def test_an_api_key_gates_the_api_but_not_the_page(run):
+    with ThreadServer(run, api_key="s3cret") as served:
+        api = served.base_url + "/v1"
+        with pytest.raises(openai.AuthenticationError) as wrong:
+            openai.OpenAI(base_url=api, api_key="guess", max_retries=0).models.list()
+        assert wrong.value.status_code == 401 and wrong.value.code == "invalid_api_key"
+        missing = httpx.post(api + "/completions", json={"prompt": "x"})
+        assert missing.status_code == 401 and "didn't provide an API key" in missing.json()["error"]["message"]
+        malformed = httpx.post(api + "/completions", content=b"{", headers={"content-type": "application/json"})
+        assert malformed.status_code == 401  # the key is checked before anything else is looked at
+        assert httpx.post(served.base_url + "/tokenize", json={"prompt": "x"}).status_code == 401
+        good = openai.OpenAI(base_url=api, api_key="s3cret", max_retries=0)
+        assert good.completions.create(model=good.models.list().data[0].id, prompt="x", max_tokens=2).choices
+        assert httpx.get(served.base_url + "/health").status_code == 200
+        page = httpx.get(served.base_url + "/")
+        assert page.status_code == 200 and "tinylm playground" in page.text

@@ -1,0 +1,132 @@
+"""The playground page end to end in headless Chromium (Debian's `chromium`, driven by Playwright).
+
+A user opens the page, types a prompt, moves the temperature slider, sets top-k, generates, and
+watches the text stream in and the chart redraw. The oracles are the library on the same run:
+the chart's probabilities are `tinylm.generate.sampling`'s distribution at the page's settings
+for the text before the cursor, and the streamed text is `generate` with the page's seed.
+
+This test needs a Chromium binary. Playwright's own browser download is not used (it needs its
+CDN); the system's ``chromium`` is driven through ``executable_path``. Without it the test fails
+with the command that installs it: a missing browser must not pass as a skipped test.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import httpx
+import pytest
+
+from tinylm.generate import SamplingParams, generate
+from tinylm.generate.inspect import next_token_logits
+from tinylm.generate.sampling import sampling_distribution
+
+INSTALL = "install Chromium with `apt-get install -y chromium` (Debian/Ubuntu) so that `chromium` is on PATH"
+
+
+@pytest.fixture(scope="module")
+def browser():
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if chromium is None:
+        pytest.fail(f"the playground test needs a Chromium browser: {INSTALL}", pytrace=False)
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        pytest.fail("the playground test needs Playwright: pip install -e '.[test]'", pytrace=False)
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, headless=True,
+                                    args=["--no-sandbox", "--disable-gpu", "--disable-background-networking"])
+        yield browser
+        browser.close()
+
+
+def chart(page) -> list[tuple[int, float, bool]]:
+    """The bars on the page: (token id, probability, dropped by a filter)."""
+    return page.eval_on_selector_all("#chart .bar-row", "rows => rows.map(r => [Number(r.dataset.tokenId), "
+                                     "Number(r.dataset.probability), r.classList.contains('dropped')])")
+
+
+def expected_chart(run, text: str, ids: list[int], **settings) -> list[float]:
+    """The library's sampling distribution after ``text`` at the page's settings, for the charted ``ids``."""
+    logits = next_token_logits(run.model, run.start_ids + run.tokenizer.encode(text))[:run.tokenizer.vocab_size]
+    probs = sampling_distribution(logits[None], SamplingParams(**settings))[0]  # (V,)
+    return [float(probs[i]) for i in ids]
+
+
+def wait_for_caption(page, text: str) -> None:
+    """Until the chart is the one for ``text`` (its caption quotes the text's end, up to the closing quote)."""
+    page.wait_for_function("end => document.querySelector('#chart-caption').textContent.includes(end + '\u201d')",
+                           arg=text[-30:])
+
+
+def wait_for_chart(page, temperature: str) -> None:
+    page.wait_for_function(f"document.querySelector('#chart').dataset.temperature === '{temperature}' "
+                           "&& document.querySelectorAll('#chart .bar-row').length > 0")
+
+
+def test_the_playground_streams_text_and_charts_the_next_token(browser, server, run, run_dir, tmp_path):
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.goto(server.base_url + "/")
+    page.wait_for_function(f"document.querySelector('#model-name').textContent.startsWith('{run_dir.name}')")
+
+    # type a prompt; the chart shows the distribution at the cursor (the end of the text)
+    prompt = "To be, or not"
+    page.fill("#prompt", "")
+    page.type("#prompt", prompt)
+    wait_for_caption(page, prompt)
+    wait_for_chart(page, "0.8")
+    ids = [i for i, _, _ in chart(page)]
+    assert len(ids) == 12
+    shown = [p for _, p, _ in chart(page)]
+    assert shown == pytest.approx(expected_chart(run, prompt, ids, temperature=0.8), abs=1e-5)
+
+    # move the temperature slider: 0.8 -> 1.3 in ten steps of 0.05; the chart redraws at once
+    page.focus("#temperature")
+    for _ in range(10):
+        page.keyboard.press("ArrowRight")
+    assert page.text_content("#temperature-value") == "1.3"
+    wait_for_chart(page, "1.3")
+    hotter = [p for _, p, _ in chart(page)]
+    assert hotter == pytest.approx(expected_chart(run, prompt, ids, temperature=1.3), abs=1e-5)
+    assert hotter[0] < shown[0]  # a higher temperature flattens the distribution
+
+    # top-k 3: the other tokens are struck out with probability 0, the three share the mass
+    page.fill("#top-k", "3")
+    page.wait_for_function("document.querySelectorAll('#chart .bar-row.dropped').length === 9")
+    bars = chart(page)
+    assert [dropped for _, _, dropped in bars] == [False] * 3 + [True] * 9
+    assert [p for _, p, _ in bars] == pytest.approx(
+        expected_chart(run, prompt, ids, temperature=1.3, top_k=3), abs=1e-5)
+
+    # generate with a seed: the text streams into the box; it is the library's sample with these settings
+    page.fill("#seed", "3")
+    page.fill("#max-tokens", "20")
+    page.click("#generate")
+    page.wait_for_selector("#status[data-state='done']", timeout=30_000)
+    text = page.input_value("#prompt")
+    [expected] = generate(run.model, run.tokenizer, prompt,
+                          SamplingParams(temperature=1.3, top_k=3, seed=3, max_new_tokens=20), start_ids=run.start_ids)
+    assert text == prompt + expected.text and len(expected.text) > 0
+
+    # after the completion the chart follows the cursor to the end of the new text
+    wait_for_caption(page, text)
+    wait_for_chart(page, "1.3")
+    ids = [i for i, _, _ in chart(page)]
+    assert [p for _, p, _ in chart(page)] == pytest.approx(
+        expected_chart(run, text, ids, temperature=1.3, top_k=3), abs=1e-5)
+
+    shot = tmp_path / "playground.png"
+    page.screenshot(path=str(shot), full_page=True)
+    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 10_000
+    assert errors == []
+    page.close()
+
+
+def test_the_page_and_its_script_are_served_from_the_package(server):
+    page = httpx.get(server.base_url + "/")
+    script = httpx.get(server.base_url + "/static/playground.js")
+    assert page.status_code == script.status_code == 200
+    assert '<script src="/static/playground.js">' in page.text and "samplingDistribution" in script.text
+    assert script.headers["content-type"].startswith(("application/javascript", "text/javascript"))

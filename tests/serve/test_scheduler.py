@@ -1,0 +1,198 @@
+"""The batching scheduler on its own (no HTTP): per-row settings, batching invariance, fairness, cancelling."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from servekit import SlowLM, counted_ngram
+
+import tinylm.serve.scheduler as scheduler_module
+from tinylm.config import GPTConfig
+from tinylm.errors import TinyLMError
+from tinylm.generate import SamplingParams, generate
+from tinylm.model import RecurrentLM
+from tinylm.serve.scheduler import ChoiceEvent, Job, JobDone, JobFailed, Scheduler
+
+PROMPTS = ["To be", "Naïve café owners", "東京", "", "whether 'tis nobler in the mind to suffer the slings"]
+
+
+class Recorder:
+    """Collects one job's events; ``order`` (shared by the jobs of a test) records when each job finished."""
+
+    def __init__(self, name: str = "", order: list | None = None) -> None:
+        self.name, self.order = name, order if order is not None else []
+        self.texts: dict[int, str] = {}
+        self.finish: dict[int, str] = {}
+        self.failed: str | None = None
+        self.done = threading.Event()
+
+    def __call__(self, events: list) -> None:
+        for e in events:
+            if isinstance(e, ChoiceEvent):
+                self.texts[e.index] = self.texts.get(e.index, "") + e.text
+                if e.finish_reason:
+                    self.finish[e.index] = e.finish_reason
+            elif isinstance(e, JobFailed):
+                self.failed = e.message
+                self.done.set()
+            elif isinstance(e, JobDone):
+                self.order.append(self.name)
+                self.done.set()
+
+    def result(self) -> list[tuple[str, str]]:
+        assert self.done.wait(30), "the job never finished"
+        return [(self.texts.get(i, ""), self.finish[i]) for i in sorted(self.finish)]
+
+
+def settings(i: int) -> SamplingParams:
+    """Different settings for every job: greedy and sampled, filters on and off, n of 1 or 2, stop strings."""
+    return SamplingParams(max_new_tokens=8 + 5 * i, temperature=[0.0, 0.8, 1.2][i % 3], top_k=[None, 30][i % 2],
+                          top_p=[None, 0.9, None][i % 3], min_p=[None, None, 0.05][i % 3], seed=10 + i,
+                          num_samples=1 + i % 2, stop=("e ",) if i == 3 else ())
+
+
+def run_jobs(run, max_batch_size: int, start_first: bool = True):
+    scheduler = Scheduler(run.model, run.tokenizer, max_batch_size=max_batch_size)
+    if start_first:
+        scheduler.start()
+    recorders = []
+    for i, prompt in enumerate(PROMPTS):
+        recorders.append(Recorder())
+        ids = run.start_ids + run.tokenizer.encode(prompt)
+        scheduler.submit(Job([ids], settings(i), on_event=recorders[-1]))
+    scheduler.start()
+    try:
+        return [r.result() for r in recorders], scheduler.stats()
+    finally:
+        scheduler.close()
+
+
+def test_rows_with_their_own_settings_give_the_library_s_samples_however_they_are_batched(run):
+    together, stats = run_jobs(run, max_batch_size=32, start_first=False)  # all five jobs in one batch
+    assert stats["largest_batch"] == sum(p.num_samples for p in map(settings, range(5)))
+    alone, stats = run_jobs(run, max_batch_size=1)  # one row at a time
+    assert stats["largest_batch"] == 1
+    assert together == alone
+    for i, prompt in enumerate(PROMPTS):
+        expected = generate(run.model, run.tokenizer, prompt, settings(i), start_ids=run.start_ids)
+        assert together[i] == [(c.text, c.finish_reason) for c in expected]
+
+
+def test_a_short_request_joins_a_running_batch_and_finishes_first(run):
+    order: list[str] = []
+    slow = SlowLM(run.model, 0.005)
+    scheduler = Scheduler(slow, run.tokenizer, max_batch_size=8).start()
+    try:
+        long, short = Recorder("long", order), Recorder("short", order)
+        scheduler.submit(Job([run.start_ids], SamplingParams(max_new_tokens=40, temperature=0), on_event=long))
+        while scheduler.stats()["steps"] < 5:
+            time.sleep(0.001)  # the long job is running
+        scheduler.submit(Job([run.start_ids + [70]], SamplingParams(max_new_tokens=3, temperature=0), on_event=short))
+        assert long.result() and short.result()
+        assert order == ["short", "long"] and scheduler.stats()["largest_batch"] == 2
+        [expected] = generate(run.model, run.tokenizer, "", SamplingParams(max_new_tokens=40, temperature=0),
+                              start_ids=run.start_ids)
+        assert long.result() == [(expected.text, expected.finish_reason)]  # joining changed nothing it computed
+    finally:
+        scheduler.close()
+
+
+def test_admission_takes_one_row_per_waiting_request_in_turn(run):
+    """With two slots, a request for 4 samples does not make the 1-sample request behind it wait for all 4."""
+    order: list[str] = []
+    scheduler = Scheduler(run.model, run.tokenizer, max_batch_size=2)
+    many, one = Recorder("many", order), Recorder("one", order)
+    scheduler.submit(Job([run.start_ids], SamplingParams(max_new_tokens=6, seed=1, num_samples=4), on_event=many))
+    scheduler.submit(Job([run.start_ids], SamplingParams(max_new_tokens=6, seed=2), on_event=one))
+    scheduler.start()
+    try:
+        assert len(many.result()) == 4 and len(one.result()) == 1
+        assert order == ["one", "many"]  # first-come-first-served by row would admit many's rows 0 and 1 first
+    finally:
+        scheduler.close()
+
+
+def test_cancelling_a_running_job_frees_its_slot(run):
+    scheduler = Scheduler(SlowLM(run.model, 0.01), run.tokenizer, max_batch_size=1).start()
+    try:
+        first, second = Recorder(), Recorder()
+        job = Job([run.start_ids], SamplingParams(max_new_tokens=50, temperature=0), on_event=first)
+        scheduler.submit(job)
+        scheduler.submit(Job([run.start_ids], SamplingParams(max_new_tokens=4, temperature=0), on_event=second))
+        while scheduler.stats()["steps"] < 3:
+            time.sleep(0.001)
+        scheduler.cancel(job)
+        assert len(second.result()) == 1  # admitted once the only slot was freed
+        assert not first.done.is_set() and scheduler.stats()["cancelled_rows"] == 1
+    finally:
+        scheduler.close()
+
+
+def test_a_failing_model_fails_its_jobs_and_the_scheduler_keeps_serving(run):
+    class Flaky(torch.nn.Module):
+        """Raises on any batch holding token 13 (a stand-in for an out-of-memory in the middle of serving)."""
+
+        def __init__(self):
+            super().__init__()
+            self.inner, self.config = run.model, run.model.config
+
+        def forward(self, idx, *args, **kwargs):
+            if (idx == 13).any():
+                raise RuntimeError("device out of memory")
+            return self.inner(idx, *args, **kwargs)
+
+    scheduler = Scheduler(Flaky(), run.tokenizer).start()
+    try:
+        bad, good = Recorder(), Recorder()
+        scheduler.submit(Job([run.start_ids + [13]], SamplingParams(max_new_tokens=5), on_event=bad))
+        assert bad.done.wait(10) and "device out of memory" in bad.failed
+        scheduler.submit(Job([run.start_ids + [14]], SamplingParams(max_new_tokens=5, temperature=0), on_event=good))
+        assert len(good.result()) == 1
+    finally:
+        scheduler.close()
+
+
+def test_submit_refuses_what_cannot_fit_the_context(run):
+    scheduler = Scheduler(run.model, run.tokenizer)
+    with pytest.raises(TinyLMError, match="exceeds the model's context of 64"):
+        scheduler.submit(Job([[1] * 60], SamplingParams(max_new_tokens=5), on_event=print))
+    with pytest.raises(TinyLMError, match="outside the vocabulary"):
+        scheduler.submit(Job([[10**6]], SamplingParams(max_new_tokens=5), on_event=print))
+    with pytest.raises(TinyLMError, match="max_batch_size"):
+        Scheduler(run.model, run.tokenizer, max_batch_size=0)
+
+
+def test_prefilling_in_several_groups_changes_nothing(run, monkeypatch):
+    """With a budget of one logit, every new row is prefilled alone, then merged into the batch."""
+    together, _ = run_jobs(run, max_batch_size=32, start_first=False)
+    monkeypatch.setattr(scheduler_module, "PREFILL_LOGITS", 1)
+    split, stats = run_jobs(run, max_batch_size=32, start_first=False)
+    assert split == together and stats["largest_batch"] == 7
+
+
+def test_recurrent_and_ngram_models_are_batched_statically_with_the_library_s_results(run):
+    """An LSTM's state and an n-gram's history cannot be re-aligned: their rows run in static batches."""
+    tok = run.tokenizer
+    lstm = RecurrentLM(GPTConfig(family="lstm", vocab_size=tok.vocab_size, block_size=64, n_layer=1, d_model=32,
+                                 n_head=1, init_std=0.5)).eval()
+    for model in (lstm, counted_ngram(tok)):
+        family = type("FamilyRun", (), {"model": model, "tokenizer": tok, "start_ids": run.start_ids})
+        results = {}
+        for max_batch_size in (32, 2):
+            scheduler = Scheduler(model, tok, max_batch_size=max_batch_size)
+            assert not scheduler.continuous
+            recorders = [Recorder() for _ in PROMPTS]
+            for i, prompt in enumerate(PROMPTS):
+                scheduler.submit(Job([run.start_ids + tok.encode(prompt)], settings(i), on_event=recorders[i]))
+            scheduler.start()
+            try:
+                results[max_batch_size] = [r.result() for r in recorders]
+            finally:
+                scheduler.close()
+        assert results[32] == results[2]
+        for i, prompt in enumerate(PROMPTS):
+            expected = generate(family.model, tok, prompt, settings(i), start_ids=run.start_ids)
+            assert results[32][i] == [(c.text, c.finish_reason) for c in expected], type(model).__name__

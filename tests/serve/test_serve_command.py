@@ -1,0 +1,68 @@
+"""`tinylm serve` as a user runs it: mistakes are one line and exit status 2, never a traceback."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+
+import pytest
+
+import tinylm.serve.server as server_module
+from tinylm.cli import main
+
+
+def tinylm(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tinylm", *args], capture_output=True, text=True, timeout=120)
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess, phrase: str) -> None:
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and phrase in lines[0], result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_a_missing_run_folder(tmp_path):
+    assert_one_line_error(tinylm("serve", "--run", str(tmp_path / "missing_dir")), "does not exist")
+
+
+def test_a_port_in_use(run_dir):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = tinylm("serve", "--run", str(run_dir), "--port", str(port))
+    assert_one_line_error(result, f"port {port} on 127.0.0.1 is already in use")
+
+
+@pytest.mark.parametrize("flags, phrase", [
+    (["--port", "70000"], "expected a port number"),
+    (["--max-batch-size", "0"], "expected a positive integer"),
+    (["--batch-window-ms", "-1"], "expected a number >= 0"),
+    ([], "the following arguments are required: --run"),
+])
+def test_bad_flags(flags, phrase, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", *flags] + (["--run", "x"] if flags else []))
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and phrase in err[0]
+
+
+def test_flags_and_the_api_key_variable_reach_serve(monkeypatch):
+    calls = []
+    monkeypatch.setattr(server_module, "serve", lambda run, **options: calls.append((run, options)))
+    monkeypatch.setenv("TINYLM_API_KEY", "from-env")
+    assert main(["serve", "--run", "runs/x", "--port", "9000", "--max-batch-size", "4", "--batch-window-ms", "5"]) == 0
+    assert main(["serve", "--run", "runs/x", "--api-key", "from-flag"]) == 0
+    monkeypatch.delenv("TINYLM_API_KEY")
+    assert main(["serve", "--run", "runs/x"]) == 0
+    (run, first), (_, second), (_, third) = calls
+    assert run == "runs/x" and first["host"] == "127.0.0.1" and first["port"] == 9000
+    assert first["max_batch_size"] == 4 and first["batch_window"] == pytest.approx(0.005)
+    assert (first["api_key"], second["api_key"], third["api_key"]) == ("from-env", "from-flag", None)
+
+
+def test_the_command_serves_on_loopback_by_default(server):
+    assert server.base_url.startswith("http://127.0.0.1:")
