@@ -83,7 +83,8 @@ class GPTConfig:
 
     - ``family`` which kind of language model: "gpt" (the Transformer, everything below), "lstm"
       or "rnn" (`tinylm.model.rnn`: an embedding, ``n_layer`` recurrent layers of width
-      ``d_model``, the output head; ``dropout``, ``tie_embeddings`` and ``init_std`` as for gpt,
+      ``d_model``, the output head; ``dropout`` and ``tie_embeddings`` as for gpt, ``init_std`` for
+      an untied head only (the embedding starts larger: `tinylm.model.rnn.EMBEDDING_STD`),
       and ``bptt``: backpropagate through at most that many steps of a window, truncated
       backpropagation through time, None for the whole window), or "ngram"
       (`tinylm.model.ngram`: counts of ``order``-grams with ``smoothing``, ``add_k`` the pseudo-count

@@ -68,3 +68,11 @@ def test_fsdp_shards_the_same_training_and_its_checkpoint_resumes_in_one_process
     # the sharded run's checkpoint holds whole tensors keyed by name: one process can pick it up
     train(None, tmp_path / "two", resume=True, progress=False, log=lambda line: None)
     assert_same_training(one.run_dir, tmp_path / "two")
+
+
+def test_an_lstm_trains_under_ddp_as_in_one_process(tmp_path, corpus, data_dir):
+    settings = {**SETTINGS, "family": "lstm", "bptt": 8}
+    one = train(tiny_config(corpus, data_dir, **settings), tmp_path / "one", progress=False, log=lambda line: None)
+    done = torchrun(*cli_flags(corpus, data_dir, **settings), "--out", str(tmp_path / "two"))
+    assert "2 processes (ddp)" in done.stdout and "LSTM, 2 layers of width 32" in done.stdout
+    assert_same_training(one.run_dir, tmp_path / "two")

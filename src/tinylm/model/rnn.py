@@ -51,6 +51,8 @@ from tinylm.model.gpt import IGNORE_INDEX
 
 State = tuple[Tensor, ...]  # (h,) for an RNN, (h, c) for an LSTM; each (n_layer, B, d)
 
+EMBEDDING_STD = 0.3  # the token vectors' initial scale: large enough to move the gates (see _init_weights)
+
 
 class RecurrentState:
     """The state of every layer for a batch of sequences: what an RNN remembers of the past.
@@ -117,10 +119,13 @@ class RecurrentLM(nn.Module):
         self._init_weights()
 
     def _init_weights(self) -> None:
-        std = self.config.init_std
-        nn.init.normal_(self.E.weight, mean=0.0, std=std)
+        # The embedding is the recurrent layers' input. With the Transformer's 0.02 (init_std), the
+        # first layer's gate pre-activations x W_ih start near 0.01: the gates sit at 0.5, the cell
+        # barely moves, and training idles at the unigram loss for hundreds of steps (measured on
+        # Shakespeare, BPE 4096, 2 x 256: 6.97 nats at step 150 with 0.02, 5.79 with 0.3).
+        nn.init.normal_(self.E.weight, mean=0.0, std=EMBEDDING_STD)
         if not self.config.tie_embeddings:
-            nn.init.normal_(self.lm_head.weight, mean=0.0, std=std)
+            nn.init.normal_(self.lm_head.weight, mean=0.0, std=self.config.init_std)
         # PyTorch's recurrent init (uniform in +-1/sqrt(d)) is kept; an LSTM's forget-gate bias
         # starts at 1 so that the cell remembers by default (Jozefowicz et al., 2015)
         if self.lstm:
