@@ -1,4 +1,5 @@
-"""Pictures of a run: the loss curves, drawn with matplotlib into PNG files (no display needed).
+"""Pictures of runs, drawn with matplotlib into PNG files (no display needed): loss curves, and
+the bits per byte of several models side by side (`tinylm compare`).
 
 `plot_loss_curve` reads the rows of a run's metrics.jsonl: training lines (``kind`` "train":
 the mean training loss since the previous line) and evaluation lines (``kind`` "eval": the
@@ -42,12 +43,7 @@ def plot_loss_curve(
     ax.grid(True, alpha=0.3)
     if train or val:
         ax.legend()
-    if title:
-        ax.set_title(title, fontsize=10)
-    fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png")
-    return Path(path)
+    return _save(fig, ax, path, title)
 
 
 def plot_bits_per_byte(
@@ -74,6 +70,11 @@ def plot_bits_per_byte(
     ax.set_xlim(0, top * 1.25)
     ax.set_xlabel("bits per byte (lower is better)")
     ax.grid(True, axis="x", alpha=0.3)
+    return _save(fig, ax, path, title)
+
+
+def _save(fig, ax, path: str | os.PathLike, title: str | None) -> Path:
+    """Title the axes, lay the figure out and write it as a PNG file, atomically."""
     if title:
         ax.set_title(title, fontsize=10)
     fig.tight_layout()
