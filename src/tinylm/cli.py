@@ -375,12 +375,21 @@ def _train_config(args: argparse.Namespace):
     if args.resume and not (args.preset or args.config):
         saved = Path(args.out) / "config.toml"
         base = load_config_file(saved) if saved.exists() else load_preset("tiny")
+        theirs, wanted = base.get("model", {}).get("family", "gpt"), settings.get("model.family")
+        if saved.exists() and wanted is not None and wanted != theirs:
+            raise TinyLMError(f"{args.out} is a run of a {theirs} model, not {wanted}; resume it with its own "
+                              f"settings (drop --model), or start a {wanted} run in another --out")
     else:
         base = load_preset(args.preset or "tiny") if (args.preset or not args.config) else {}
         init_config = Path(args.init_from or "") / "config.toml"
         if args.init_from and not (args.preset or args.config) and init_config.is_file():
             # fine-tuning: the model is the one being started from; the [train] settings are tiny's
-            base = dict(base, model=load_config_file(init_config).get("model", {}))
+            theirs = load_config_file(init_config).get("model", {})
+            wanted, family = settings.get("model.family"), theirs.get("family", "gpt")
+            if wanted is not None and wanted != family:
+                raise TinyLMError(f"--init-from {args.init_from} is a {family} run; a {wanted} model cannot start "
+                                  f"from its weights: drop --model, or train the {wanted} model from scratch")
+            base = dict(base, model=theirs)
         if args.config:
             from tinylm.config import _merge
 
@@ -434,14 +443,18 @@ def cmd_eval(args: argparse.Namespace) -> int:
     print(f"{run} on {where}: loss {result.loss:.4f} nats per token, perplexity {result.perplexity:.2f}, "
           f"{result.bits_per_byte:.4f} bits per byte")
     print(f"  {result.tokens:,} tokens, {result.bytes:,.0f} bytes ({scope}), {result.seconds:.1f} s")
+    if result.unknown_tokens:
+        print(f"  {result.unknown_tokens:,} of the tokens are <unk>, standing for {result.unknown_bytes:,.0f} bytes the "
+              "tokenizer cannot spell; bits per byte charges them 8 bits each")
     return 0
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from tinylm.compare import compare_runs, format_table, plot_comparison
+    from tinylm.compare import check_plot_path, compare_runs, format_table, plot_comparison
 
     if args.corpus and args.split != "val":
         raise TinyLMError("--split picks a split of each run's shards; --corpus evaluates on a whole corpus instead")
+    check_plot_path(args.plot)
     rows = compare_runs(args.runs, split=args.split, corpus=args.corpus, max_tokens=args.tokens or 0,
                         device=args.device)
     print(format_table(rows))
@@ -633,7 +646,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "tokenized with the run's tokenizer")
     p.add_argument("--tokenizer", help="for an n-gram .npz file: the tokenizer JSON it was counted with")
     p.add_argument("--tokens", type=_positive_int, help="evaluate evenly spaced windows of about this many tokens "
-                   "(default: the whole split)")
+                   "(default: the whole split; an n-gram model always scores all of it, in seconds)")
     p.add_argument("--batch-size", type=_positive_int, help="sequences per batch (default: the run's batch_size)")
     p.add_argument("--data-dir", help="the run's shard folder, if it has moved since training")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps (default: cpu)")
@@ -744,7 +757,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """Warnings meant for the user (a sample outgrowing the context, ...) as one line, like errors."""
+    print(f"tinylm: warning: {message}", file=sys.stderr if file is None else file)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    import warnings
+
+    warnings.showwarning = _one_line_warning
     parser = build_parser()
     args = parser.parse_args(argv)
     func: Callable[[argparse.Namespace], int] = getattr(args, "func", _show_help(parser))

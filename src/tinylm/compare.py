@@ -68,7 +68,7 @@ def compare_runs(
                 raise TinyLMError(f"the data of {path} is not at {folder!r} any more; compare on a corpus with "
                                   "--corpus, or prepare the data again")
             text = split_text(ShardSet.open(folder), split)
-        result = evaluate_model(run.model, text, run.tokenizer.eos_id, block_size=run.config.model.block_size,
+        result = evaluate_model(run.model, text, run.tokenizer, block_size=run.config.model.block_size,
                                 batch_size=run.config.train.batch_size, max_tokens=max_tokens, device=device)
         rows.append(Compared(Path(path).name or str(path), run.family, _size(run.model),
                              f"{run.tokenizer.kind} |V|={run.tokenizer.vocab_size}", result))
@@ -109,6 +109,10 @@ def format_table(rows: Sequence[Compared]) -> str:
     if not same_text(rows):
         out.append("note: these models were evaluated on texts of different sizes (their validation splits "
                    "differ); use --corpus to evaluate all of them on one text")
+    unknown = [r for r in rows if r.result.unknown_tokens]
+    if unknown:
+        out.append("note: " + "; ".join(f"{r.name}: {r.result.unknown_tokens:,} <unk> tokens" for r in unknown)
+                   + ". Each byte they stand for is charged 8 bits in bits per byte (the tokenizer cannot spell it)")
     if any(r.result.prorated for r in rows):
         out.append("note: bytes are prorated where only part of the text was evaluated (--tokens)")
     return "\n".join(out)
@@ -118,15 +122,21 @@ def _number(x: float, digits: int = 4) -> str:
     return f"{x:.{digits}f}" if math.isfinite(x) else "inf"
 
 
-def plot_comparison(rows: Sequence[Compared], path: str | os.PathLike) -> Path:
-    """The bar chart of bits per byte, one bar per model in the order given (PNG)."""
-    from tinylm.explain.plots import plot_bits_per_byte
-
+def check_plot_path(path: str | os.PathLike) -> Path:
+    """The chart's path, if writing it replaces nothing but an older chart (checked before any work is done)."""
     path = Path(path)
     if path.suffix.lower() != ".png":
         raise TinyLMError(f"the chart is a PNG file; give a path ending in .png, not {path}")
     if path.is_dir() or (path.exists() and path.read_bytes()[:8] != PNG_MAGIC):
         raise TinyLMError(f"{path} exists and is not a PNG image; choose another --plot path")
+    return path
+
+
+def plot_comparison(rows: Sequence[Compared], path: str | os.PathLike) -> Path:
+    """The bar chart of bits per byte, one bar per model in the order given (PNG)."""
+    from tinylm.explain.plots import plot_bits_per_byte
+
+    path = check_plot_path(path)
     labels = [f"{r.name} ({r.family}, {r.tokenizer})" for r in rows]
     text = rows[0].result.split if rows else ""
     return plot_bits_per_byte(labels, [r.result.bits_per_byte for r in rows], path,

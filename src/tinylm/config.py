@@ -177,6 +177,9 @@ class GPTConfig:
         for name in ("init_std", "norm_eps", "rope_theta"):
             if not getattr(self, name) > 0:
                 raise TinyLMError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.bptt is not None and self.family not in ("lstm", "rnn"):
+            raise TinyLMError(f"bptt (truncated backpropagation through time) applies to the lstm and rnn families; "
+                              f"a {self.family} model has no recurrence: leave bptt unset")
         if self.family != "gpt":
             return  # heads, positions and norms are the Transformer's: a baseline does not use them
         if self.d_model % self.n_head:

@@ -11,6 +11,16 @@ Loss and perplexity depend on the tokenizer (a token of a 4096-BPE holds more te
 character), bits per byte does not: it is the code length of the original text, so models with
 different tokenizers, and n-gram or recurrent models, compare on it fairly.
 
+Unknown pieces. A character or word tokenizer with an ``<unk>`` token maps every piece it has
+never seen to that one id, so predicting ``<unk>`` does not yet code the text it stands for. To
+keep bits per byte a true code length (and models comparable), each byte behind an ``<unk>`` is
+charged 8 bits more, what a uniform code over the 256 byte values costs:
+
+    bits per byte = (N * loss / ln 2 + 8 * U) / B              (U: bytes the <unk> tokens stand for)
+
+U is exact: the pieces of these tokenizers concatenate back to the text, so U is B minus the
+bytes of the known tokens. Byte-level BPE (and ``unknown="bytes"``) has no ``<unk>``: U = 0.
+
 How the split is read: the token stream is cut into consecutive windows of ``block_size`` targets
 (the last one shorter), and each window's inputs are the tokens just before its targets, so
 every token of the split is a target exactly once. The very first token is predicted from an EOS,
@@ -66,6 +76,8 @@ class EvalResult:
     window_losses: np.ndarray = field(repr=False)
     window_tokens: np.ndarray = field(repr=False)
     seconds: float = 0.0  # how long the evaluation took
+    unknown_tokens: int = 0  # <unk> targets among them
+    unknown_bytes: float = 0.0  # the bytes those stand for, charged 8 bits each (prorated like bytes)
 
     @property
     def loss(self) -> float:
@@ -78,12 +90,27 @@ class EvalResult:
 
     @property
     def bits_per_byte(self) -> float:
-        return self.loss_sum / (self.bytes * math.log(2))
+        """(loss_sum / ln 2 + 8 x unknown_bytes) / bytes: the text's code length per byte (module docstring)."""
+        return (self.loss_sum / math.log(2) + 8 * self.unknown_bytes) / self.bytes
 
     def as_dict(self, prefix: str = "val_") -> dict[str, float | int | bool]:
         """The numbers for a metrics log line."""
         return {f"{prefix}loss": self.loss, f"{prefix}ppl": self.perplexity, f"{prefix}bpb": self.bits_per_byte,
                 f"{prefix}tokens": self.tokens, f"{prefix}prorated": self.prorated}
+
+
+def unknown_pieces(tokens: np.ndarray, n_bytes: int, tokenizer: Tokenizer | None) -> tuple[int, int]:
+    """(<unk> tokens, the UTF-8 bytes they stand for) in a token stream whose text is ``n_bytes`` long."""
+    unk = getattr(tokenizer, "unk_id", None)
+    if unk is None:
+        return 0, 0
+    tokens = np.asarray(tokens)
+    n_unk = int(np.count_nonzero(tokens == unk))
+    if n_unk == 0:
+        return 0, 0
+    lengths = np.array([0 if i == unk or tokenizer.is_special(i) else len(tokenizer.token_bytes(i))
+                        for i in range(tokenizer.vocab_size)], dtype=np.int64)
+    return n_unk, max(int(n_bytes) - int(lengths[tokens].sum()), 0)
 
 
 def window_starts(n_tokens: int, block_size: int, max_tokens: int = 0) -> np.ndarray:
@@ -122,7 +149,8 @@ def evaluate(
     if len(data) == 0:
         raise TinyLMError(f"the {split} split of {shards.path} is empty; "
                           "prepare the data with a larger validation share")
-    return evaluate_tokens(model, data, shards.meta["splits"][split]["bytes"], shards.eos_id, split=split, **kwargs)
+    return evaluate_tokens(model, data, shards.meta["splits"][split]["bytes"], shards.eos_id, split=split,
+                           tokenizer=shards.tokenizer(), **kwargs)
 
 
 @torch.no_grad()
@@ -140,6 +168,7 @@ def evaluate_tokens(
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     rank: int = 0,
     world_size: int = 1,
+    tokenizer: Tokenizer | None = None,
 ) -> EvalResult:
     """Loss, perplexity and bits per byte of ``model`` on a token stream (see the module docstring).
 
@@ -149,7 +178,8 @@ def evaluate_tokens(
     ``max_tokens`` > 0 evaluates evenly spaced windows within that budget instead of everything.
     ``autocast`` is a context manager factory for mixed precision. With ``world_size`` > 1
     (inside an initialised process group) each process takes every world_size-th batch and the
-    sums are all-reduced.
+    sums are all-reduced. ``tokenizer`` (the stream's) lets bits per byte charge ``<unk>`` tokens
+    for the bytes they stand for.
     """
     if batch_size < 1:
         raise TinyLMError(f"batch_size must be positive, got {batch_size}")
@@ -197,8 +227,11 @@ def evaluate_tokens(
     tokens = int(lengths.sum())
     prorated = tokens != n_tokens
     n_bytes = split_bytes * tokens / n_tokens if prorated else float(split_bytes)
+    n_unk, unk_bytes = unknown_pieces(data, split_bytes, tokenizer)
+    share = tokens / n_tokens
     return EvalResult(split, float(window_losses.sum()), tokens, n_bytes, prorated,
-                      starts, window_losses, lengths.astype(np.int64), time.perf_counter() - started)
+                      starts, window_losses, lengths.astype(np.int64), time.perf_counter() - started,
+                      round(n_unk * share), unk_bytes * share)
 
 
 def restrict(result: EvalResult, starts: np.ndarray, n_split_tokens: int, split_bytes: int) -> EvalResult:
@@ -209,8 +242,10 @@ def restrict(result: EvalResult, starts: np.ndarray, n_split_tokens: int, split_
     tokens = int(result.window_tokens[keep].sum())
     prorated = tokens != n_split_tokens
     n_bytes = split_bytes * tokens / n_split_tokens if prorated else float(split_bytes)
+    share = tokens / result.tokens  # the unknown pieces, prorated like the bytes
     return EvalResult(result.split, float(result.window_losses[keep].sum()), tokens, n_bytes, prorated,
-                      result.window_starts[keep], result.window_losses[keep], result.window_tokens[keep])
+                      result.window_starts[keep], result.window_losses[keep], result.window_tokens[keep],
+                      result.seconds, round(result.unknown_tokens * share), result.unknown_bytes * share)
 
 
 @dataclass
@@ -244,7 +279,7 @@ def split_text(shards: ShardSet, split: str) -> EvalText:
 def evaluate_model(
     model: torch.nn.Module,
     text: EvalText,
-    eos_id: int,
+    tokenizer: Tokenizer,
     *,
     block_size: int,
     batch_size: int = 32,
@@ -264,10 +299,11 @@ def evaluate_model(
         started = time.perf_counter()
         result = model.ngram.evaluate(text.tokens, text.bytes)
         n = result.tokens
+        n_unk, unk_bytes = unknown_pieces(text.tokens, text.bytes, tokenizer)
         return EvalResult(text.name, result.loss_sum, n, float(text.bytes), False, np.zeros(1, dtype=np.int64),
-                          np.array([result.loss_sum]), np.array([n]), time.perf_counter() - started)
-    return evaluate_tokens(model, text.tokens, text.bytes, eos_id, split=text.name, block_size=block_size,
-                           batch_size=batch_size, max_tokens=max_tokens, device=device)
+                          np.array([result.loss_sum]), np.array([n]), time.perf_counter() - started, n_unk, unk_bytes)
+    return evaluate_tokens(model, text.tokens, text.bytes, tokenizer.eos_id, split=text.name, block_size=block_size,
+                           batch_size=batch_size, max_tokens=max_tokens, device=device, tokenizer=tokenizer)
 
 
 def evaluate_run(
@@ -290,9 +326,15 @@ def evaluate_run(
     own: give ``data_dir`` (its shards carry one) or ``tokenizer`` (a tokenizer JSON file).
     """
     path = Path(run_dir)
-    if path.suffix == ".npz" or path.is_file():
+    if path.is_file() and path.suffix != ".npz":
+        raise TinyLMError(f"{path} is neither a run folder nor an n-gram model file (.npz); give the folder "
+                          "`tinylm train` wrote")
+    if path.suffix == ".npz":
         model, tok, block_size, batch, recorded = _ngram_file(path, data_dir, tokenizer)
     else:
+        if tokenizer is not None:
+            raise TinyLMError("--tokenizer is for a bare n-gram .npz file; a run folder evaluates with its own "
+                              "tokenizer")
         run = load_run(path, checkpoint=checkpoint, device=device)
         model, tok = run.model, run.tokenizer
         block_size, batch = run.config.model.block_size, run.config.train.batch_size
@@ -309,7 +351,7 @@ def evaluate_run(
             raise TinyLMError(f"the shards in {folder} were made with another tokenizer than {run_dir}'s; "
                               "give the run's own data folder, or evaluate on a corpus with --corpus")
         text = split_text(shards, split)
-    return evaluate_model(model, text, tok.eos_id, block_size=block_size, batch_size=batch_size or batch,
+    return evaluate_model(model, text, tok, block_size=block_size, batch_size=batch_size or batch,
                           max_tokens=max_tokens, device=device)
 
 

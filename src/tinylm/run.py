@@ -435,9 +435,16 @@ class Run:
 def load_run(run_dir: str | os.PathLike, checkpoint: str = "best", device: torch.device | str = "cpu") -> Run:
     """Load a trained run: its model (from checkpoint "best", falling back to "latest", or "latest"),
     tokenizer, configuration, run.json and metrics. ``checkpoint`` may also be a checkpoint folder."""
+    from tinylm.train.distributed import resolve_device  # (the training wing imports this module)
+
     run_dir = Path(run_dir)
+    if run_dir.is_file():
+        hint = (" (an n-gram model file: evaluate it with `tinylm eval --run FILE --data-dir SHARDS`)"
+                if run_dir.suffix == ".npz" else "")
+        raise TinyLMError(f"{run_dir} is a file, not a run folder{hint}; give the folder `tinylm train` wrote")
     if not run_dir.is_dir():
         raise TinyLMError(f"run folder {run_dir} does not exist; train one with `tinylm train --out {run_dir}`")
+    device = resolve_device(str(device))
     info = read_run_info(run_dir)
     run_config = build_config(load_config_file(run_dir / CONFIG_FILE))
     if run_config.model.family == "ngram":
@@ -468,5 +475,10 @@ def _load_ngram_run(run_dir: Path, config: Config, info: dict[str, Any], device:
     if ngram.vocab_size != tokenizer.vocab_size or ngram.eos_id != tokenizer.eos_id:
         raise TinyLMError(f"{run_dir / NGRAM_FILE} was not counted with {run_dir / TOKENIZER_FILE} (their "
                           "vocabularies differ); count it again with `tinylm train --model ngram --force`")
-    model = NGramLM(ngram, config.model).to(device)
+    model = NGramLM(ngram, config.model, never=generation_excluded(tokenizer)).to(device).eval()
     return Run(run_dir, config, tokenizer, model, None, info, read_metrics(run_dir))
+
+
+def generation_excluded(tokenizer: Tokenizer) -> list[int]:
+    """The ids an n-gram must never generate: every special token but EOS (padding, BOS, reserved ids)."""
+    return [i for i in range(tokenizer.vocab_size) if tokenizer.is_special(i) and i != tokenizer.eos_id]

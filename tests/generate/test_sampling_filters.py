@@ -53,6 +53,19 @@ def test_temperature_zero_is_the_argmax_and_tiny_temperatures_approach_it():
     assert temperature_probabilities(logits, 0.01)[1] > 0.999
 
 
+def test_extreme_temperatures_and_top_p_stay_distributions():
+    """A temperature of 1e-40 once overflowed u / tau to inf (NaN probabilities), and a top-p below
+    the rounding tolerance once kept no token at all; both must degrade to greedy instead."""
+    logits = torch.tensor([[2.0, 30.0, -1.0, float("-inf")]])
+    for params in (SamplingParams(temperature=1e-40), SamplingParams(top_p=1e-9),
+                   SamplingParams(temperature=1e-30, top_p=1e-12, min_p=0.999)):
+        probs = sampling_distribution(logits, params)
+        assert torch.isfinite(probs).all() and probs[0, 1] == 1.0
+        assert sample(logits, params, make_generators(0, 1)).tolist() == [1]
+    huge = torch.tensor([[3e38, 1e38, -3e38]])  # near float32's limit: the shift keeps it finite
+    assert sampling_distribution(huge, SamplingParams(temperature=0.5))[0, 0] == 1.0
+
+
 # ----- top-k --------------------------------------------------------------------------------------
 
 
@@ -176,7 +189,9 @@ def test_filters_compose_in_the_documented_order():
     logits = torch.randn(4, 50) * 3
     params = SamplingParams(temperature=0.7, top_k=20, top_p=0.8, min_p=0.05)
     by_hand = min_p_filter(top_p_filter(top_k_filter(logits / 0.7, 20), 0.8), 0.05)
-    torch.testing.assert_close(filter_logits(logits, params), by_hand, rtol=0, atol=0)
+    filtered = filter_logits(logits, params)  # shifted by each row's maximum, which changes no probability
+    assert torch.equal(torch.isinf(filtered), torch.isinf(by_hand))
+    torch.testing.assert_close(torch.softmax(filtered, -1), torch.softmax(by_hand, -1), rtol=0, atol=1e-6)
 
 
 # ----- drawing --------------------------------------------------------------------------------------

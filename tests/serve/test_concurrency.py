@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import logging
+import threading
 import time
 
 import httpx
 import openai
+import pytest
 from servekit import SlowLM, ThreadServer
 
+import tinylm.serve.scheduler as scheduler_module
 from tinylm.generate import SamplingParams, generate
 
 WORDS = "to be or not that is the question whether tis nobler in mind suffer slings arrows café 東京 🙂".split()
@@ -90,3 +94,87 @@ def test_a_client_that_disconnects_frees_its_slot(run):
         # the server is not wedged: the only slot is free and serves the next client in full
         out = httpx.post(served.base_url + "/v1/completions", json={**body, "stream": False, "max_tokens": 5}).json()
         assert out["usage"]["completion_tokens"] == 5 and out["choices"][0]["finish_reason"] == "length"
+
+
+def slow_run(run, delay: float):
+    return type("SlowRun", (), {"model": SlowLM(run.model, delay), "tokenizer": run.tokenizer,
+                                "start_ids": run.start_ids, "path": run.path})
+
+
+class ErrorLog(logging.Handler):
+    """The records uvicorn logs at ERROR (an exception escaping the app: "Exception in ASGI application")."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+def test_a_non_streaming_client_that_leaves_leaves_no_error_behind(run):
+    with ThreadServer(slow_run(run, 0.02), max_batch_size=1) as served:
+        errors = ErrorLog()
+        logging.getLogger("uvicorn.error").addHandler(errors)  # after the server set up uvicorn's logging
+        try:
+            body = {"prompt": "To be", "max_tokens": 60, "temperature": 0}
+            try:
+                httpx.post(served.base_url + "/v1/completions", json=body, timeout=0.2)
+            except httpx.ReadTimeout:
+                pass
+            assert wait_for(lambda: served.scheduler.stats()["cancelled_rows"] == 1, timeout=2.0)
+            out = httpx.post(served.base_url + "/v1/completions", json={**body, "max_tokens": 2}).json()
+            assert out["choices"][0]["finish_reason"] == "length"  # the next request is served
+        finally:
+            logging.getLogger("uvicorn.error").removeHandler(errors)
+        assert not errors.records, [r.getMessage() for r in errors.records]
+
+
+def test_a_request_that_fails_in_sampling_fails_alone(run, monkeypatch):
+    """While two ordinary requests run (one streamed), requests with extreme settings arrive: the ones the
+    sampling functions cannot handle are refused with 400, and one that fails while sampling (forced here) gets
+    its own error; the ordinary two finish with the library's completions."""
+    real_sample = scheduler_module.sample
+
+    def breaks_on_top_p_half(logits, params, generators=None):
+        if params.top_p == 0.5:
+            raise IndexError("index -1 is out of bounds for dimension 1 with size 0")
+        return real_sample(logits, params, generators)
+
+    monkeypatch.setattr(scheduler_module, "sample", breaks_on_top_p_half)
+    with ThreadServer(slow_run(run, 0.01)) as served:
+        api = openai.OpenAI(base_url=served.base_url + "/v1", api_key="-", max_retries=0, timeout=30)
+        model = api.models.list().data[0].id
+        results = {}
+
+        def whole():
+            out = api.completions.create(model=model, prompt="To be", max_tokens=30, temperature=0)
+            results["whole"] = (out.choices[0].text, out.choices[0].finish_reason)
+
+        def streamed():
+            text, finish = "", None
+            for chunk in api.completions.create(model=model, prompt="東京", max_tokens=30, seed=5, stream=True):
+                text += chunk.choices[0].text
+                finish = chunk.choices[0].finish_reason or finish
+            results["streamed"] = (text, finish)
+
+        threads = [threading.Thread(target=whole), threading.Thread(target=streamed)]
+        for t in threads:
+            t.start()
+        assert wait_for(lambda: served.scheduler.stats()["active_rows"] == 2)
+        for extreme in ({"top_p": 1e-6}, {"temperature": 1e-38}):
+            with pytest.raises(openai.BadRequestError):
+                api.completions.create(model=model, prompt="x", max_tokens=2, **extreme)
+        with pytest.raises(openai.InternalServerError) as failed:
+            api.completions.create(model=model, prompt="x", max_tokens=2, top_p=0.5)
+        assert "IndexError" in failed.value.message
+        stream = api.completions.create(model=model, prompt="x", max_tokens=2, top_p=0.5, stream=True)
+        with pytest.raises(openai.APIError, match="IndexError"):  # a stream carries the error in a chunk
+            list(stream)
+        assert served.scheduler.stats()["active_rows"] == 2  # the ordinary two are still running
+        for t in threads:
+            t.join(30)
+    for key, prompt, settings in (("whole", "To be", dict(temperature=0)), ("streamed", "東京", dict(seed=5))):
+        [expected] = generate(run.model, run.tokenizer, prompt, SamplingParams(max_new_tokens=30, **settings),
+                              start_ids=run.start_ids)
+        assert results[key] == (expected.text, expected.finish_reason), key

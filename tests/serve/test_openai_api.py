@@ -7,6 +7,8 @@ greedy and seeded completions must be the library's, token for token.
 
 from __future__ import annotations
 
+import dataclasses
+
 import base64
 import json
 import math
@@ -37,6 +39,13 @@ def test_models_list_and_retrieve(client, run_dir):
     assert client.models.retrieve(run_dir.name).id == run_dir.name
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("gpt-4")
+
+
+def test_a_trailing_slash_lists_the_models_and_head_probes_health(server, run_dir):
+    listed = httpx.get(server.base_url + "/v1/models/", follow_redirects=True)
+    assert listed.status_code == 200 and [m["id"] for m in listed.json()["data"]] == [run_dir.name]
+    probe = httpx.head(server.base_url + "/health")
+    assert probe.status_code == 200 and probe.content == b""
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
@@ -230,7 +239,9 @@ def test_health(server, run_dir):
 def test_an_ngram_run_is_served_too_and_its_zero_probabilities_stay_valid_json(run):
     """A counted trigram (maximum likelihood) gives most tokens probability 0: log p = -inf, which JSON
     cannot carry; the API writes -9999.0 for it, as OpenAI does."""
-    ngram = type("NGramRun", (), {"model": counted_ngram(run.tokenizer), "tokenizer": run.tokenizer,
+    model = counted_ngram(run.tokenizer)
+    config = SimpleNamespace(model=dataclasses.replace(model.config, block_size=64))  # the run's setting
+    ngram = type("NGramRun", (), {"model": model, "tokenizer": run.tokenizer, "config": config,
                                   "start_ids": run.start_ids, "path": "trigram"})
     with ThreadServer(ngram) as served:
         client = openai.OpenAI(base_url=served.base_url + "/v1", api_key="-", max_retries=0)
@@ -243,3 +254,9 @@ def test_an_ngram_run_is_served_too_and_its_zero_probabilities_stay_valid_json(r
         assert -9999.0 in alternatives and all(math.isfinite(v) for v in alternatives)
         chart = httpx.post(served.base_url + "/next_token", json={"prompt": "To be, or", "top": 20}).json()
         assert chart["top"][0]["probability"] > 0 and chart["top"][-1]["logit"] == -9999.0
+        # an n-gram has no window of its own; the run's block_size bounds a request, so a chat reply
+        # without max_tokens ends within it
+        assert client.models.list().data[0].model_extra["max_model_len"] == 64
+        reply = client.chat.completions.create(model="trigram", messages=[{"role": "user", "content": "Speak"}],
+                                               temperature=1.0, seed=0)
+        assert reply.usage.total_tokens <= 64

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 
@@ -196,3 +197,65 @@ def test_recurrent_and_ngram_models_are_batched_statically_with_the_library_s_re
         for i, prompt in enumerate(PROMPTS):
             expected = generate(family.model, tok, prompt, settings(i), start_ids=run.start_ids)
             assert results[32][i] == [(c.text, c.finish_reason) for c in expected], type(model).__name__
+
+
+def test_a_cancel_landing_in_the_middle_of_a_merge_fails_no_one(run, monkeypatch):
+    """The HTTP thread cancels a job while `_merge` is building the new cache (after it sized it): the merge must
+    keep the rows it sized the cache for, and the other job's three rows finish as the library's samples."""
+    ids = run.start_ids + run.tokenizer.encode("To be")
+    params = SamplingParams(max_new_tokens=12, seed=1, num_samples=3)
+    expected = [(c.text, c.finish_reason) for c in
+                generate(run.model, run.tokenizer, "To be", params, start_ids=run.start_ids)]
+    scheduler = Scheduler(run.model, run.tokenizer)
+    stay, leave = Recorder(), Recorder()
+    leaving = Job([ids], SamplingParams(max_new_tokens=12, seed=2), on_event=leave)
+    sized = scheduler_module.KVCache.for_model.__func__
+
+    def sized_then_cancelled(cls, *args, **kwargs):
+        cache = sized(cls, *args, **kwargs)
+        if sys._getframe(1).f_code.co_name == "_merge" and not leaving.cancelled:  # not the prefill's cache
+            scheduler.cancel(leaving)  # as a client's disconnect would, at the worst moment
+        return cache
+
+    monkeypatch.setattr(scheduler_module.KVCache, "for_model", classmethod(sized_then_cancelled))
+    scheduler.submit(Job([ids], params, on_event=stay))
+    scheduler.submit(leaving)
+    scheduler.start()  # both jobs are admitted together: the first merge sizes a cache for four rows
+    try:
+        assert stay.done.wait(30) and stay.failed is None, stay.failed
+        assert stay.result() == expected
+        assert leave.failed is None and not leave.texts and scheduler.stats()["cancelled_rows"] == 1
+    finally:
+        scheduler.close()
+
+
+def test_a_job_whose_sampling_fails_fails_alone(run, monkeypatch):
+    """A request whose settings break sampling (here: the second draw with top_p 0.5) gets its error; the rows
+    decoded in the same steps with other settings finish as the library's, greedy or seeded."""
+    real_sample, draws = scheduler_module.sample, []
+
+    def breaks_on_top_p_half(logits, params, generators=None):
+        if params.top_p == 0.5:
+            draws.append(1)
+            if len(draws) >= 2:  # the prefill's draw goes through; the first decoding step's does not
+                raise IndexError("index -1 is out of bounds for dimension 1 with size 0")
+        return real_sample(logits, params, generators)
+
+    monkeypatch.setattr(scheduler_module, "sample", breaks_on_top_p_half)
+    good = [SamplingParams(max_new_tokens=10, temperature=0), SamplingParams(max_new_tokens=10, seed=4, top_k=20)]
+    scheduler = Scheduler(run.model, run.tokenizer)
+    recorders = [Recorder() for _ in range(3)]
+    scheduler.submit(Job([run.start_ids], SamplingParams(max_new_tokens=10, top_p=0.5, seed=3, num_samples=2),
+                         on_event=recorders[0]))
+    for params, recorder in zip(good, recorders[1:]):
+        scheduler.submit(Job([run.start_ids], params, on_event=recorder))
+    scheduler.start()
+    try:
+        assert recorders[0].done.wait(10) and "IndexError" in recorders[0].failed
+        for params, recorder in zip(good, recorders[1:]):
+            expected = generate(run.model, run.tokenizer, "", params, start_ids=run.start_ids)
+            assert recorder.done.wait(30) and recorder.failed is None, recorder.failed
+            assert recorder.result() == [(c.text, c.finish_reason) for c in expected]
+        assert scheduler.stats()["active_rows"] == 0 and scheduler.stats()["largest_batch"] >= 3
+    finally:
+        scheduler.close()

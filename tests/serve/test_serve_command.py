@@ -66,3 +66,14 @@ def test_flags_and_the_api_key_variable_reach_serve(monkeypatch):
 
 def test_the_command_serves_on_loopback_by_default(server):
     assert server.base_url.startswith("http://127.0.0.1:")
+
+
+@pytest.mark.parametrize("key", ["", "  "])
+def test_an_empty_api_key_flag_is_refused_not_read_as_no_key(key, monkeypatch, capsys):
+    """`--api-key ""` would otherwise switch off the key set in $TINYLM_API_KEY without a word."""
+    calls = []
+    monkeypatch.setattr(server_module, "serve", lambda run, **options: calls.append(options))
+    monkeypatch.setenv("TINYLM_API_KEY", "from-env")
+    assert main(["serve", "--run", "runs/x", "--api-key", key]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--api-key is empty" in err[0] and not calls

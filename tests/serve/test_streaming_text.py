@@ -77,3 +77,32 @@ def test_chat_replies_stop_where_the_next_user_line_would_start():
         with httpx.stream("POST", served.base_url + "/v1/chat/completions", json={**body, "stream": True}) as response:
             pieces = sse_texts(response, field=lambda choice: choice["delta"].get("content"))
     assert pieces[0] == "" and "".join(p for p in pieces if p) == "Naïve café 🙂 東京!"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_logprobs_start_where_the_reply_does(stream):
+    """The reply's leading whitespace is dropped from its text, and its whitespace-only tokens from its logprobs:
+    the logprobs' tokens, joined, are the reply (here every byte is a token: " ", "\\t", "\\n", " ", "H", ...)."""
+    says = " \t\n Hi, café!"
+    messages = [{"role": "user", "content": "Say something"}]
+    prompt_len = len(START) + len(TOK.encode(chat_prompt(messages)))
+    run = SimpleNamespace(model=ScriptedLM(TOK.encode(says) + [TOK.eos_id], TOK.vocab_size, prompt_len),
+                          tokenizer=TOK, start_ids=START, path="scripted")
+    body = {"messages": messages, "temperature": 0, "logprobs": True, "stream": stream}
+    with ThreadServer(run) as served:
+        if stream:
+            with httpx.stream("POST", served.base_url + "/v1/chat/completions", json=body) as response:
+                chunks = [json.loads(line[6:])["choices"][0] for line in response.iter_lines()
+                          if line.startswith("data: {")]
+            content = "".join(c["delta"].get("content") or "" for c in chunks)
+            entries = [e for c in chunks if c["logprobs"] for e in c["logprobs"]["content"]]
+            usage = None
+        else:
+            out = httpx.post(served.base_url + "/v1/chat/completions", json=body).json()
+            content = out["choices"][0]["message"]["content"]
+            entries = out["choices"][0]["logprobs"]["content"]
+            usage = out["usage"]["completion_tokens"]
+    assert content == "Hi, café!"
+    assert bytes(b for e in entries for b in e["bytes"]).decode() == content
+    if usage is not None:
+        assert usage == len(TOK.encode(says)) + 1  # the dropped tokens and the end of text still count

@@ -166,3 +166,82 @@ def test_compare_refuses_to_overwrite_what_is_not_a_chart(tmp_path, runs):
     assert precious.read_text() == "my notes"
     proc = run_cli("compare", str(tmp_path / "missing"))
     assert proc.returncode == 2 and "does not exist" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_unknown_characters_are_charged_for_their_bytes(tmp_path, runs, data_dir):
+    tok = load_run(runs["ngram"]).tokenizer
+    text = tmp_path / "new.txt"
+    text.write_text("the king rode out: Zebras, Quixotic jazz, caf\u00e9 \u2603\n", encoding="utf-8")
+    content = text.read_text(encoding="utf-8")
+    unknown = [ch for ch in content if tok.encode(ch) == [tok.unk_id]]
+    assert {"Z", "\u00e9", "\u2603"} <= set(unknown)  # characters the plays never use
+    unknown_bytes = sum(len(ch.encode("utf-8")) for ch in unknown)
+    for family in ("ngram", "lstm"):
+        proc = run_cli("eval", "--run", str(runs[family]), "--corpus", str(text))
+        assert proc.returncode == 0, proc.stderr
+        loss, _, bpb = eval_numbers(proc.stdout)
+        tokens = len(content) + 1  # one token per character, then EOS
+        n_bytes = len(content.encode("utf-8"))
+        assert f"{len(unknown)} of the tokens are <unk>, standing for {unknown_bytes} bytes" in proc.stdout
+        by_hand = (loss * tokens / math.log(2) + 8 * unknown_bytes) / n_bytes
+        assert bpb == pytest.approx(by_hand, abs=2e-4)
+
+
+def test_an_ngram_samples_from_its_whole_context_whatever_the_block_size(tmp_path, corpus, data_dir):
+    out = tmp_path / "ng"
+    proc = run_cli("train", "--model", "ngram", "--order", "6", *cli_flags(corpus, data_dir, block_size=4),
+                   "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    proc = run_cli("sample", "--run", str(out), "--prompt", "My lord", "--temperature", "0", "--max-new-tokens", "60")
+    assert proc.returncode == 0 and "warning" not in proc.stderr, proc.stderr
+    run = load_run(out)
+    prompt = run.start_ids + run.tokenizer.encode("My lord")
+    expected = run.tokenizer.decode(run.model.ngram.sample(prompt, 60, temperature=0))
+    assert "My lord" + expected in proc.stdout
+
+
+def test_an_ngram_never_generates_padding_or_markers(runs):
+    run = load_run(runs["ngram"])
+    tok = run.tokenizer
+    assert {tok.bos_id, tok.pad_id} <= set(run.model.never) and tok.eos_id not in run.model.never
+    logits, _ = run.model(torch.tensor([run.start_ids + tok.encode("The")]))
+    assert torch.isinf(logits[0, -1, [tok.bos_id, tok.pad_id]]).all()
+    assert not run.model.training
+
+
+def test_a_mistake_with_force_leaves_the_old_run_in_place(tmp_path, runs, corpus, data_dir):
+    import shutil
+
+    for family in ("ngram", "lstm"):
+        victim = tmp_path / f"victim-{family}"
+        shutil.copytree(runs[family], victim)
+        before = sorted(p.name for p in victim.rglob("*"))
+        proc = run_cli("train", "--model", family, *cli_flags(tmp_path / "no-such-corpus", tmp_path / "d"),
+                       "--out", str(victim), "--force")
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr
+        assert sorted(p.name for p in victim.rglob("*")) == before
+
+
+def test_family_mismatches_are_one_clear_line(tmp_path, runs, corpus, data_dir):
+    cases = [
+        (("train", "--model", "ngram", *cli_flags(corpus, data_dir), "--out", str(runs["lstm"]), "--resume"),
+         "is a run of a lstm model, not ngram"),
+        (("train", "--model", "lstm", *cli_flags(corpus, data_dir), "--out", str(runs["ngram"]), "--resume"),
+         "is a run of a ngram model, not lstm"),
+        (("train", "--model", "gpt", "--init-from", str(runs["lstm"]), "--out", str(tmp_path / "a")),
+         "is a lstm run; a gpt model cannot start from its weights"),
+        (("train", "--init-from", str(runs["ngram"]), *cli_flags(corpus, data_dir), "--out", str(tmp_path / "b")),
+         "counts, not weights"),
+        (("train", "--bptt", "8", *cli_flags(corpus, data_dir), "--out", str(tmp_path / "c")),
+         "bptt (truncated backpropagation through time) applies to the lstm and rnn families"),
+        (("eval", "--run", str(runs["lstm"] / "config.toml")), "neither a run folder nor an n-gram model file"),
+        (("eval", "--run", str(runs["lstm"]), "--tokenizer", str(runs["lstm"] / "tokenizer.json")),
+         "--tokenizer is for a bare n-gram .npz file"),
+        (("compare", str(runs["ngram"] / "ngram.npz")), "is a file, not a run folder (an n-gram model file"),
+        (("compare", str(tmp_path / "missing-run"), "--plot", str(runs["lstm"] / "run.json")), "give a path ending in .png"),
+    ]
+    for args, message in cases:
+        proc = run_cli(*args)
+        assert proc.returncode == 2, (args, proc.stdout, proc.stderr)
+        assert message in proc.stderr and "Traceback" not in proc.stderr, (message, proc.stderr)
+        assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr

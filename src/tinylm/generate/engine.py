@@ -130,7 +130,7 @@ def window_keep(params: SamplingParams, block_size: int) -> int:
 def warn_window(block_size: int, keep: int) -> None:
     warnings.warn(
         f"prompt plus generation exceed the model's context of {block_size} tokens: keeping the most recent "
-        f"{keep} tokens and recomputing them with positions from 0 (older text is no longer seen)",
+        f"{keep} tokens and reading them afresh (older text is no longer seen)",
         stacklevel=3,
     )
 

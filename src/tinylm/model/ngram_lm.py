@@ -9,8 +9,11 @@ history (`TokenHistory`), of which only the last n-1 tokens are ever read.
 
 Two differences from the raw distributions, both for generating text:
 
-- BOS gets log-probability -inf: it is padding at the start of a document, never text.
-  (Smoothing gives it a sliver of the uniform share; scoring with `NGramModel.score` keeps it.)
+- BOS gets log-probability -inf, and so do the ids in ``never`` (a run passes every special
+  token but EOS: PAD, reserved ids): they are padding and markers, never text. (Smoothing gives
+  them a sliver of the uniform share; scoring with `NGramModel.score` keeps it.)
+- There is no context window: the model reads only the last n-1 tokens, so its ``block_size``
+  is unbounded (`NGRAM_CONTEXT`), and the engine never cuts a long text and restarts it.
 - A token the model gives probability 0 (pure maximum likelihood) has logit -inf, and a
   sampler never draws it.
 
@@ -20,6 +23,9 @@ vectorised passes, with the context restarting after each EOS exactly as in coun
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -28,6 +34,9 @@ from torch import Tensor, nn
 from tinylm.config import GPTConfig
 from tinylm.model.gpt import IGNORE_INDEX
 from tinylm.model.ngram import NGramModel
+
+
+NGRAM_CONTEXT = 1 << 30  # the "context window" of an n-gram for the engine: never reached
 
 
 class TokenHistory:
@@ -64,10 +73,11 @@ class TokenHistory:
 class NGramLM(nn.Module):
     """``NGramModel`` as a module with `GPT`'s forward signature: log-probabilities as logits."""
 
-    def __init__(self, ngram: NGramModel, config: GPTConfig) -> None:
+    def __init__(self, ngram: NGramModel, config: GPTConfig, never: Sequence[int] = ()) -> None:
         super().__init__()
         self.ngram = ngram
-        self.config = config
+        self.config = dataclasses.replace(config, block_size=NGRAM_CONTEXT)
+        self.never = sorted({ngram.bos_id, *never})
         # no trainable weights; an empty buffer-like parameter tells callers the device and dtype
         self.anchor = nn.Parameter(torch.zeros(0), requires_grad=False)
 
@@ -97,7 +107,7 @@ class NGramLM(nn.Module):
                     history[b].append(tokens[b][t])
                     context = history[b][len(history[b]) - n_ctx:] if n_ctx else []
                     logp[b, t] = np.log(self.ngram.next_token_distribution(context))
-        logp[:, :, self.ngram.bos_id] = -np.inf
+        logp[:, :, self.never] = -np.inf
         if kv_cache is not None:
             kv_cache.advance(T)
         logits = torch.from_numpy(logp).to(self.anchor.device)

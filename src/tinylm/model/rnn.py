@@ -262,6 +262,9 @@ def count_recurrent_params(config: GPTConfig) -> int:
 def describe(config: GPTConfig) -> str:
     """One line for the start of a run: the recurrent model's shape and size."""
     kind = "LSTM" if config.family == "lstm" else "RNN (tanh)"
-    bptt = f", truncated BPTT over {config.bptt} steps" if config.bptt else ""
+    if config.bptt is None or config.bptt >= config.block_size:
+        bptt = ", backpropagation through the whole window"
+    else:
+        bptt = f", truncated BPTT over {config.bptt} steps"
     return (f"{kind}, {config.n_layer} layers of width {config.d_model}, windows of {config.block_size}{bptt}: "
             f"{count_recurrent_params(config):,} parameters")

@@ -3,11 +3,12 @@
 `create_app(run)` returns a FastAPI (ASGI) app; `tinylm.serve.server.serve` runs it with uvicorn.
 
 =========================  =========================================================================
-``GET  /v1/models``        the one model this server serves (and ``GET /v1/models/{id}``)
+``GET  /v1/models``        the one model this server serves (and ``GET /v1/models/{id}``; ``/v1/models/``
+                           is the list too)
 ``POST /v1/completions``   continue a prompt: text, texts, token ids; ``n``, ``stop``, ``seed``,
                            ``logprobs``, ``echo``, ``stream``, plus ``top_k`` and ``min_p``
 ``POST /v1/chat/completions``  messages through the plain-text chat template (`tinylm.serve.chat`)
-``GET  /health``           liveness, and the scheduler's counters
+``GET  /health``           liveness, and the scheduler's counters (``HEAD /health``: the status alone)
 ``POST /tokenize``         text (or chat messages) -> token ids; ``POST /detokenize``: ids -> text
 ``POST /next_token``       the next-token distribution after a text (the playground's chart)
 ``GET  /``                 the playground: a prompt box, sliders, the streamed completion, the chart
@@ -17,7 +18,9 @@ Every generation goes through one `Scheduler`, which batches the requests in fli
 streaming response is server-sent events, one ``data: {json}`` chunk per piece of text (whole
 characters only: the text streams of `tinylm.generate.stream` hold back partial UTF-8 and
 possible stop strings), then ``data: [DONE]``. When a client disconnects, its job is cancelled
-and its rows leave the batch at the next step, streaming or not.
+and its rows leave the batch at the next step, streaming or not. A job that fails fails alone: its
+client gets the error (a 400 or 500 response, or an error chunk in its stream), the requests
+batched with it go on.
 
 Bad requests are answered with OpenAI error JSON and a 4xx status, never a 500 (see
 `tinylm.serve.protocol`); a body larger than ``max_body_bytes`` gets 413 before it is read in
@@ -48,7 +51,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from tinylm.errors import TinyLMError
 from tinylm.generate.inspect import next_token_logits
 from tinylm.serve import protocol
-from tinylm.serve.chat import reply_text
+from tinylm.serve.chat import is_blank_token, reply_text
 from tinylm.serve.protocol import (
     APIError,
     ChatRequest,
@@ -87,6 +90,19 @@ class ServedModel:
                 "max_model_len": self.block_size}
 
 
+def served_context(run: Any) -> int:
+    """The most tokens a request may hold (prompt plus max_tokens): the model's context window.
+
+    An n-gram model has no window of its own (it reads its last n-1 tokens), so the run's
+    configured ``block_size`` bounds its requests instead, which also keeps a chat reply without
+    ``max_tokens`` from running on without end.
+    """
+    config = getattr(run, "config", None)
+    if config is not None and config.model.family == "ngram":
+        return config.model.block_size
+    return run.model.config.block_size
+
+
 def create_app(run: Any, *, model_name: str | None = None, api_key: str | None = None, max_batch_size: int = 32,
                batch_window: float = 0.002, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
     """The app serving ``run`` (a `tinylm.run.Run`, or any object with model, tokenizer, start_ids).
@@ -94,9 +110,11 @@ def create_app(run: Any, *, model_name: str | None = None, api_key: str | None =
     ``model_name`` is the id clients ask for (default: the run folder's name); ``api_key`` makes
     the API require it; ``max_batch_size`` and ``batch_window`` go to the `Scheduler`.
     """
+    if api_key is not None and not api_key.strip():
+        raise TinyLMError("the API key is empty: give the key clients must send, or None for no key")
     path = getattr(run, "path", None)
     served = ServedModel(name=model_name or (Path(path).name if path else "tinylm"), model=run.model,
-                   tokenizer=run.tokenizer, start_ids=list(run.start_ids), block_size=run.model.config.block_size)
+                   tokenizer=run.tokenizer, start_ids=list(run.start_ids), block_size=served_context(run))
     scheduler = Scheduler(run.model, run.tokenizer, max_batch_size=max_batch_size, batch_window=batch_window)
 
     @asynccontextmanager
@@ -115,7 +133,7 @@ def create_app(run: Any, *, model_name: str | None = None, api_key: str | None =
     if api_key:
         app.add_middleware(_APIKeyGate, key=api_key)  # added last: runs first
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers' and monitors' liveness probe
     async def health() -> dict[str, Any]:
         return {"status": "ok", "model": served.name, "scheduler": scheduler.stats()}
 
@@ -125,6 +143,8 @@ def create_app(run: Any, *, model_name: str | None = None, api_key: str | None =
 
     @app.get("/v1/models/{model_id:path}")
     async def retrieve_model(model_id: str) -> dict[str, Any]:
+        if not model_id:  # GET /v1/models/ (a trailing slash) is the list, not a model named ""
+            return await list_models()
         served.check(model_id)
         return served.card()
 
@@ -231,7 +251,7 @@ class _JobStream:
                 if isinstance(event, JobDone):
                     return
                 if isinstance(event, JobFailed):
-                    raise APIError(500, f"generation failed: {event.message}")
+                    raise APIError(event.status, f"generation failed: {event.message}")
                 yield event
 
 
@@ -243,6 +263,7 @@ class _Choice:
     unsent_text: str = ""  # streaming: text not in a chunk yet
     finish_reason: str | None = None
     started: bool = False  # streaming: a chunk was sent (chat: the reply's first visible text)
+    visible: bool = False  # chat: a token with a visible character was generated (see `_ChatCompletions.shows`)
 
 
 class _Result:
@@ -272,11 +293,15 @@ class _Result:
         choice.unsent_text += event.text
         if event.token is not None:
             self.completion_tokens += 1  # a stop token was generated too: it counts, as OpenAI counts it
-            if not event.is_stop_token:
+            if not event.is_stop_token and self.shows(choice, event.token):
                 choice.tokens.append(event.token)
                 choice.unsent.append(event.token)
         choice.finish_reason = event.finish_reason
         return choice
+
+    def shows(self, choice: _Choice, token: TokenLogprob) -> bool:
+        """Whether a generated token goes into the choice's logprobs."""
+        return True
 
     def envelope(self, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.served.name,
@@ -349,6 +374,14 @@ class _ChatCompletions(_Result):
     chunk_kind = "chat.completion.chunk"
     id_prefix = "chatcmpl"
 
+    def shows(self, choice: _Choice, token: TokenLogprob) -> bool:
+        """The reply's text starts at its first visible character (`reply_text`), and so do its logprobs: the
+        whitespace-only tokens before it are left out (counted in the usage all the same). The first token
+        kept is shown whole, so its text may begin with the whitespace the reply's text drops (" Hello")."""
+        if not choice.visible:
+            choice.visible = not is_blank_token(self.tokenizer.token_bytes(token.id))
+        return choice.visible
+
     def _logprobs(self, tokens: list[TokenLogprob]) -> dict[str, list] | None:
         return protocol.chat_logprobs(self.tokenizer, tokens) if self.logprobs else None
 
@@ -390,10 +423,13 @@ async def _respond(request: Request, stream: _JobStream, job: Job, result: _Resu
         await asyncio.wait({collecting, gone}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         gone.cancel()
-        if not collecting.done():  # the client left: free its rows for the others
+        left = not collecting.done()
+        if left:  # the client left (or this handler was cancelled): free its rows for the others
             stream.scheduler.cancel(job)
             collecting.cancel()
-    if collecting.cancelled():
+    if left:
+        # a cancelled task is only cancelled once it has run again: wait for that (its CancelledError stays in it)
+        await asyncio.wait({collecting})
         return Response(status_code=499)  # nobody is listening; the status only shows in the access log
     collecting.result()  # raises the job's error, if any
     return JSONResponse(result.response())
@@ -406,8 +442,11 @@ async def _collect(stream: _JobStream, result: _Result) -> None:
 
 async def _client_gone(request: Request) -> None:
     """Returns when the client disconnects (the body is already read, so the next message is the disconnect)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
+    try:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+    except Exception:  # the connection broke while waiting: nobody is listening either
+        return
 
 
 def _sse(data: dict[str, Any] | str) -> str:

@@ -17,7 +17,9 @@ message per line, and the model is asked to continue the assistant's line::
 - The prompt ends with ``Assistant:`` and no space. Byte-level BPE tokenizers attach a space to
   the word after it (" Hello" is one token), so a trailing space would leave the model a
   token boundary it rarely saw in training; instead the model writes the space itself and the
-  reply's leading whitespace is dropped (`reply_text`).
+  reply's leading whitespace is dropped (`reply_text`). Its ``logprobs`` start where the reply
+  does: the whitespace-only tokens before the first visible character are left out
+  (`is_blank_token`), and the first token kept is listed whole (" Hello", space included).
 - Generation stops at ``\\nUser:`` or ``\\nSystem:`` (`STOP`), the start of a line the assistant
   should not write, besides the request's own stop strings and the end-of-text token.
 
@@ -70,3 +72,14 @@ def chat_prompt(messages: Sequence[Mapping[str, Any]]) -> str:
 def reply_text(completion: str) -> str:
     """The assistant's message from the model's continuation: without the whitespace after ``Assistant:``."""
     return completion.lstrip()
+
+
+def is_blank_token(data: bytes) -> bool:
+    """Whether a token's bytes are whitespace alone (what `reply_text` drops at the start of a reply).
+
+    A token that is part of a character (bytes that do not decode) is not blank: it begins a visible one.
+    """
+    try:
+        return data.decode("utf-8").strip() == ""
+    except UnicodeDecodeError:
+        return False

@@ -12,6 +12,13 @@ status codes the official clients map to their exception classes (400 `BadReques
 
 The extensions beyond the OpenAI API: ``top_k`` and ``min_p`` on both completion endpoints
 (as vLLM accepts them), and ``logprobs`` up to 20 on `/v1/completions` (OpenAI stops at 5).
+
+The sampling ranges are OpenAI's, narrowed where a value would only be rounding noise:
+``temperature`` is 0 (greedy decoding) or from `MIN_TEMPERATURE` (0.001) to 2; below 0.001
+sampling is greedy in all but name, and dividing logits by a vanishing temperature overflows
+float32. ``top_p`` is from `MIN_TOP_P` (0.001) to 1; a smaller one keeps the most likely token
+alone (temperature 0 says that). ``stream_options`` is allowed only with ``stream: true``, as
+OpenAI answers.
 """
 
 from __future__ import annotations
@@ -22,7 +29,8 @@ import uuid
 from collections.abc import Sequence
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic_core import PydanticCustomError
 
 from tinylm.errors import TinyLMError
 from tinylm.generate.sampling import SamplingParams
@@ -34,6 +42,9 @@ from tinylm.tokenizers.base import Tokenizer
 MAX_CHOICES = 128  # prompts x n in one request
 MAX_STOP = 16
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # the OpenAI default for /v1/completions
+MAX_TEMPERATURE = 2.0  # OpenAI's range is 0..2
+MIN_TEMPERATURE = 1e-3  # besides 0 (greedy): a smaller one is greedy decoding with float32 overflow
+MIN_TOP_P = 1e-3  # a smaller top_p keeps the most likely token alone
 
 
 class APIError(Exception):
@@ -67,8 +78,8 @@ class _Sampling(_Strict):
     """The settings both completion endpoints share. None everywhere means "the default"."""
 
     model: str | None = None
-    temperature: float | None = Field(None, ge=0, allow_inf_nan=False)
-    top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
+    temperature: float | None = Field(None, ge=0, le=MAX_TEMPERATURE, allow_inf_nan=False)
+    top_p: float | None = Field(None, ge=MIN_TOP_P, le=1, allow_inf_nan=False)
     top_k: int | None = Field(None, ge=-1)  # extension; 0 and -1 (vLLM's spelling) mean off
     min_p: float | None = Field(None, ge=0, le=1, allow_inf_nan=False)  # extension
     n: int | None = Field(None, ge=1, le=MAX_CHOICES)
@@ -82,7 +93,18 @@ class _Sampling(_Strict):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
 
+    @field_validator("temperature")
+    @classmethod
+    def _temperature_not_vanishing(cls, value: float | None) -> float | None:
+        if value is not None and 0 < value < MIN_TEMPERATURE:
+            raise PydanticCustomError("temperature_range", "must be 0 (greedy decoding) or at least {minimum}",
+                                      {"minimum": MIN_TEMPERATURE})
+        return value
+
     def check_unsupported(self) -> None:
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "The 'stream_options' parameter is only allowed when 'stream' is enabled.",
+                           param="stream_options")
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name) not in (None, 0):
                 raise APIError(400, f"{name} is not supported by tinylm; leave it out or set it to 0", param=name)

@@ -46,7 +46,16 @@ start with the next batch. Admission is fair in the same way, and each batch is 
 enough that its longest prompt plus its largest ``max_new_tokens`` fits the context.
 
 **Cancelling.** `cancel` marks a request; its rows leave the batch before the next step, which
-frees their slots for waiting requests. The HTTP layer calls it when a client disconnects.
+frees their slots for waiting requests. The HTTP layer calls it when a client disconnects, from
+its own thread, at any moment: so the scheduler looks at which rows are leaving (finished,
+failed, cancelled) once per rebuild (`_leaving`), and sizes the new cache and copies the rows
+from that one look; a cancel landing in the middle waits for the next step.
+
+**Failures.** A failure in sampling (a request whose settings the sampling functions cannot
+handle) fails the jobs of that sampling group alone, with `JobFailed` (status 400 when the
+library refused the settings, 500 otherwise); the other rows of the step go on. A failure
+anywhere else in a step (the model itself, an out-of-memory) fails the jobs in the batch,
+and the scheduler keeps serving the others waiting.
 
 Events go back to the caller through ``Job.on_event``, called from the scheduler's thread with
 the events of one step (the HTTP layer hands them to its event loop).
@@ -114,9 +123,11 @@ class PromptEvent:
 
 @dataclass(frozen=True)
 class JobFailed:
-    """The model failed on this job (a bug, or the device ran out of memory): the message to report."""
+    """The job failed (a bug, the device ran out of memory, settings sampling could not handle): the message to
+    report, and the HTTP status that fits (400: the library refused the request's settings; 500: anything else)."""
 
     message: str
+    status: int = 500
 
 
 class JobDone:
@@ -148,8 +159,9 @@ class Job:
         self.prompt_logprobs = prompt_logprobs
         self.echo_from = echo_from
         self.on_event = on_event
-        self.cancelled = False
+        self.cancelled = False  # set by `Scheduler.cancel`, from any thread
         self.failed = False
+        self.failure: JobFailed | None = None  # a failure in this step, not yet sent (see `Scheduler._fail_job`)
         self.rows_left = len(self.prompts) * self.n
         # one generator per row, as `Engine` makes them: same seed, same tokens as the library
         self.generators = None if params.greedy else make_generators(params.seed, self.rows_left)
@@ -378,13 +390,23 @@ class Scheduler:
         """The batch without its finished and cancelled rows."""
         return self._merge([batch]) if self.continuous else self._shrink(batch)
 
-    def _count_cancelled(self, rows: Sequence[_Row]) -> None:
-        self.cancelled_rows += sum(r.job.cancelled and r.finish_reason is None for r in rows)
+    def _leaving(self, rows: Sequence[_Row]) -> list[bool]:
+        """Which of ``rows`` leave the batch now (finished, failed or cancelled), from one look at each row.
+
+        `cancel` runs on the HTTP layer's thread and may set ``job.cancelled`` at any moment:
+        two looks at a row (one to size the new cache, one to copy its rows) could disagree,
+        so every rebuild decides from this single snapshot. Counts the cancelled rows leaving.
+        """
+        leaving = []
+        for r in rows:
+            cancelled = r.job.cancelled  # read once
+            leaving.append(r.finish_reason is not None or cancelled or r.job.failed)
+            self.cancelled_rows += cancelled and r.finish_reason is None
+        return leaving
 
     def _shrink(self, batch: _Batch) -> _Batch | None:
         """A static batch without its done rows: the cache keeps the others' rows (``reorder``), columns and all."""
-        keep = [i for i, r in enumerate(batch.rows) if not r.done]
-        self._count_cancelled(batch.rows)
+        keep = [i for i, gone in enumerate(self._leaving(batch.rows)) if not gone]
         if not keep:
             return None
         if len(keep) < len(batch.rows):
@@ -451,20 +473,38 @@ class Scheduler:
         logits = logits.float()
         if self.vocab_size < logits.size(-1):
             logits[:, self.vocab_size:] = float("-inf")  # ids the tokenizer cannot decode (a padded vocabulary)
-        tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)  # (B,)
+        tokens = torch.zeros(len(rows), dtype=torch.long, device=logits.device)  # (B,)
         groups: dict[tuple, list[int]] = defaultdict(list)
         for b, row in enumerate(rows):
             groups[row.job.sampling_key].append(b)
         for members in groups.values():
             params = rows[members[0]].job.params
             generators = None if params.greedy else [rows[b].generator for b in members]
-            tokens[members] = sample(logits[members], params, generators)
+            try:
+                tokens[members] = sample(logits[members], params, generators)
+            except Exception as e:  # these settings broke sampling: fail this group's jobs alone, the others go on
+                status = 400 if isinstance(e, TinyLMError) else 500
+                for job in {rows[b].job for b in members}:
+                    self._fail_job(job, f"sampling with this request's settings failed: {type(e).__name__}: {e}",
+                                   status, outbox)
         logprobs = token_logprobs(logits, tokens).tolist()  # (B,): the model's own log p of each token
         tops = self._top_logprobs(rows, logits)
         for b, (row, token) in enumerate(zip(rows, tokens.tolist())):
+            if row.job.failed:  # failed in this step (a failed job's rows never outlive the step)
+                continue
             offset = len(row.stream.text) + len(row.stream.pending)  # characters decoded before this token
             info = TokenLogprob(token, logprobs[b], offset, tops.get(b, ()))
             outbox[row.job].append(self._accept(row, info))
+
+    def _fail_job(self, job: Job, message: str, status: int, outbox: dict[Job, list]) -> None:
+        """Fail one job in the middle of a step: its rows leave at the end of the step, its waiting rows never
+        start, and its failure replaces whatever events it had in this step (`_deliver`)."""
+        with self._cond:
+            job.failed = True
+            job.failure = JobFailed(message, status)
+            if job in self._waiting:
+                self._waiting.remove(job)
+        outbox.setdefault(job, [])  # so that `_deliver` sees the job
 
     def _accept(self, row: _Row, info: TokenLogprob) -> ChoiceEvent:
         """Append a row's token; decide whether the row is done; the text it releases.
@@ -531,19 +571,17 @@ class Scheduler:
         Since every row fits the context (prompt + max_new_tokens <= block_size), so does L plus
         the room: the longest row alone needs that much.
         """
-        rows = [r for b in batches for r in b.rows if not r.done]
-        self._count_cancelled([r for b in batches for r in b.rows])
+        # one look at which rows leave (see `_leaving`): a cancel arriving from now on waits for the next step
+        keeps = [[i for i, gone in enumerate(self._leaving(b.rows)) if not gone] for b in batches]
+        rows = [b.rows[i] for b, keep in zip(batches, keeps) for i in keep]
         if not rows:
             return None
         L = max(r.fed for r in rows)
         capacity = L + min(r.remaining for r in rows)
         cache = KVCache.for_model(self.model, len(rows), capacity)
         mask = torch.zeros(len(rows), capacity, dtype=torch.bool, device=self.device)
-        parts = []  # (batch, rows kept, columns taken from its end)
-        for b in batches:
-            keep = [i for i, r in enumerate(b.rows) if not r.done]
-            if keep:
-                parts.append((b, torch.tensor(keep, device=self.device), min(b.length, L)))
+        parts = [(b, torch.tensor(keep, device=self.device), min(b.length, L))  # (batch, rows kept, columns taken)
+                 for b, keep in zip(batches, keeps) if keep]
         start = 0
         for b, keep, width in parts:
             mask[start:start + len(keep), L - width:L] = b.mask[keep, b.length - width:b.length]
@@ -556,11 +594,19 @@ class Scheduler:
                 v = source.v[keep, :, b.length - width:b.length]
                 ks.append(torch.nn.functional.pad(k, (0, 0, L - width, 0)))  # pad columns on the left
                 vs.append(torch.nn.functional.pad(v, (0, 0, L - width, 0)))
-            target.update(torch.cat(ks), torch.cat(vs))  # (B, n_kv, L, hs)
+            k, v = torch.cat(ks), torch.cat(vs)  # (B, n_kv, L, hs)
+            if k.size(0) != len(rows):  # `update` would broadcast one row over all of them without a word
+                raise RuntimeError(f"merging {len(rows)} rows gathered keys for {k.size(0)}")
+            target.update(k, v)
         return _Batch(rows, cache, mask, L, padded=not bool(mask[:, :L].all()))
 
     def _deliver(self, outbox: dict[Job, list]) -> None:
         for job, events in outbox.items():
+            if job.failed:  # failed in this step: its failure alone, once
+                failure, job.failure = job.failure, None
+                if failure is not None and not job.cancelled:
+                    self._send(job, [failure])
+                continue
             for event in events:
                 if isinstance(event, ChoiceEvent) and event.finish_reason is not None:
                     job.rows_left -= 1
@@ -583,6 +629,7 @@ class Scheduler:
         with self._cond:
             for job in {r.job for r in rows}:
                 job.failed = True
+                job.failure = None  # sent here; the step's outbox is dropped
                 if job in self._waiting:
                     self._waiting.remove(job)
         for job in {r.job for r in rows}:

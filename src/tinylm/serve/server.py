@@ -5,6 +5,10 @@ host that cannot be listened on is one clear `TinyLMError` (the CLI prints one l
 with status 2) rather than a log message from inside the server. The default host is the
 loopback address: the server is reachable from this machine only unless ``--host 0.0.0.0``
 says otherwise (and then ``--api-key`` is worth setting).
+
+The API key comes from ``--api-key``, else from ``$TINYLM_API_KEY`` (unset or empty: no key).
+An empty ``--api-key ""`` is refused rather than read as "no key": it would silently switch
+off a key set in the environment.
 """
 
 from __future__ import annotations
@@ -79,6 +83,9 @@ def cmd_serve(args: Any) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.api_key is not None and not args.api_key.strip():
+        raise TinyLMError(f"--api-key is empty: give the key clients must send, or leave the flag out "
+                          f"(then ${API_KEY_ENV} is used if set)")
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
     serve(args.run, host=args.host, port=args.port, api_key=api_key, model_name=args.model_name,
           max_batch_size=args.max_batch_size, batch_window=args.batch_window_ms / 1000,

@@ -396,6 +396,11 @@ def train(
     if resume and init_from is not None:
         raise TinyLMError("--resume continues a run from its own checkpoint; --init-from starts a new one: choose one")
     out = Path(out_dir)
+    if resume and config is not None and (out / CONFIG_FILE).is_file():
+        theirs = _family(None, out)
+        if theirs != config.model.family:
+            raise TinyLMError(f"{out} is a run of a {theirs} model, not {config.model.family}; resume it with its "
+                              f"own settings (drop --model), or start a {config.model.family} run in another --out")
     if _family(config, out) == "ngram":
         from tinylm.train.ngram import count_ngram  # counting, not gradient descent
 
@@ -439,7 +444,11 @@ def _family(config: Config | None, out: Path) -> str:
 
 
 def check_new_run_folder(out: Path, force: bool) -> None:
-    """A new run may go in ``out``: it is missing or empty, or ``force`` deletes the old run there."""
+    """A new run may go in ``out``: it is missing or empty, or ``force`` allows replacing the old run there.
+
+    Nothing is deleted here: `clear_run_folder` does that once the data and the model are ready,
+    so a mistake found on the way (a missing corpus, a bad setting) leaves the old run intact.
+    """
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         if not force:
             raise TinyLMError(f"{out} already exists; pass --resume to continue that run, --force to start it "
@@ -447,7 +456,23 @@ def check_new_run_folder(out: Path, force: bool) -> None:
         if not out.is_dir() or not ((out / RUN_FILE).exists() or (out / CONFIG_FILE).exists()):
             raise TinyLMError(f"{out} is not a tinylm run folder; --force deletes only run folders, so choose "
                               "another --out")
-        shutil.rmtree(out)
+
+
+def clear_run_folder(out: Path, keep: Path | None = None) -> None:
+    """Delete the old run in ``out`` (checked by `check_new_run_folder`), just before the new one is written.
+
+    ``keep``: the data folder, spared if it lies inside ``out`` (the new run reads it).
+    """
+    if not out.is_dir():
+        return
+    keep = keep.resolve() if keep is not None else None
+    for entry in out.iterdir():
+        if keep is not None and (entry.resolve() == keep or entry.resolve() in keep.parents):
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
 
 
 def data_info(shards: ShardSet) -> dict[str, Any]:
@@ -537,6 +562,9 @@ class _Trainer:
         if self.init_from is None:
             return None
         path = Path(self.init_from)
+        if (path / CONFIG_FILE).is_file() and _family(None, path) == "ngram":
+            raise TinyLMError(f"{path} is an n-gram run: it has counts, not weights a network can start from; "
+                              "give --init-from a run of the same family")
         if (path / RUN_FILE).exists():  # a run folder: its best checkpoint, or its latest
             best = checkpoint_path(path, "best")
             path = best if (best / "state.json").exists() else checkpoint_path(path, "latest")
@@ -648,11 +676,13 @@ class _Trainer:
 
     def _write_run_files(self) -> None:
         out = self.out
+        if self.ckpt is None and self.force:
+            clear_run_folder(out, keep=self.shards.path)
         out.mkdir(parents=True, exist_ok=True)
         atomic_write_text(out / CONFIG_FILE, dump_toml(self.config.to_dict()))
         self.tokenizer.save(out / TOKENIZER_FILE)
-        write_run_info(out, {"status": "running", "step": self.step, "total_steps": self.total,
-                             "data": data_info(self.shards)})
+        write_run_info(out, {"status": "running", "family": self.config.model.family, "step": self.step,
+                             "total_steps": self.total, "data": data_info(self.shards)})
         # lines logged after the checkpoint we resume from describe steps that will be done again
         rows = read_metrics(out / METRICS_FILE)
         write_metrics(out / METRICS_FILE, [r for r in rows if r.get("step", 0) <= self.step])

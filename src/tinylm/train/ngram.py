@@ -24,11 +24,12 @@ from pathlib import Path
 from tinylm.atomic import atomic_write_text
 from tinylm.config import Config, dump_toml
 from tinylm.errors import TinyLMError
+from tinylm.evaluate import evaluate_model, split_text
 from tinylm.generate.engine import Engine
 from tinylm.generate.sampling import SamplingParams
 from tinylm.model import NGramLM, NGramModel
 from tinylm.run import CONFIG_FILE, METRICS_FILE, NGRAM_FILE, TOKENIZER_FILE, start_ids, write_metrics, write_run_info
-from tinylm.train.loop import RunResult, check_new_run_folder, data_info, prepare_data
+from tinylm.train.loop import RunResult, check_new_run_folder, clear_run_folder, data_info, prepare_data
 
 
 def count_ngram(
@@ -60,17 +61,19 @@ def count_ngram(
     log(f"counted {ngram.train_tokens:,} tokens in {counted:.1f} s: "
         f"{', '.join(f'{len(k):,}' for k in ngram.keys)} distinct n-grams of orders 1..{mc.order}, "
         f"{ngram.nbytes / 2**20:,.0f} MB")
-    val = ngram.evaluate_shards(shards, "val")
+    # scored as `tinylm eval` scores it (an <unk> token's bytes charged too)
+    val = evaluate_model(NGramLM(ngram, mc), split_text(shards, "val"), tokenizer, block_size=mc.block_size)
     elapsed = time.perf_counter() - started
 
+    if force:
+        clear_run_folder(out, keep=shards.path)  # only now: a mistake found while counting left the old run as it was
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out / CONFIG_FILE, dump_toml(config.to_dict()))
     tokenizer.save(out / TOKENIZER_FILE)
     ngram.save(out / NGRAM_FILE)
     final = {"loss": val.loss, "perplexity": val.perplexity, "bits_per_byte": val.bits_per_byte,
              "tokens": val.tokens, "prorated": False}
-    write_metrics(out / METRICS_FILE, [{"kind": "final", "step": 0, **val.as_dict(), "val_prorated": False,
-                                        "elapsed": elapsed}])
+    write_metrics(out / METRICS_FILE, [{"kind": "final", "step": 0, **val.as_dict(), "elapsed": elapsed}])
     sample = _sample(ngram, config, tokenizer)
     write_run_info(out, {"status": "complete", "step": 0, "total_steps": 0, "family": "ngram",
                          "data": data_info(shards), "train_tokens": ngram.train_tokens, "final": final,
