@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tinylm.config import GPTConfig
+from tinylm.model.cursor import CacheCursor
 from tinylm.model.gpt import IGNORE_INDEX
 from tinylm.model.ngram import NGramModel
 
@@ -39,35 +40,26 @@ from tinylm.model.ngram import NGramModel
 NGRAM_CONTEXT = 1 << 30  # the "context window" of an n-gram for the engine: never reached
 
 
-class TokenHistory:
+class TokenHistory(CacheCursor):
     """The n-gram's "KV cache": the tokens each row has read (the engine's cache interface)."""
 
     def __init__(self, batch: int, max_len: int) -> None:
+        super().__init__(max_len)
         self.rows: list[list[int]] = [[] for _ in range(batch)]
-        self._max_len = max_len
-        self._length = 0
-
-    @property
-    def length(self) -> int:
-        return self._length
-
-    @property
-    def max_len(self) -> int:
-        return self._max_len
 
     @property
     def nbytes(self) -> int:
         return 0
 
     def advance(self, steps: int) -> None:
-        self._length += steps
+        self._advance(steps)
 
     def reorder(self, rows: Tensor) -> None:
         self.rows = [list(self.rows[int(r)]) for r in rows.tolist()]
 
     def reset(self) -> None:
         self.rows = [[] for _ in self.rows]
-        self._length = 0
+        self._rewind()
 
 
 class NGramLM(nn.Module):

@@ -47,6 +47,7 @@ from torch import Tensor, nn
 
 from tinylm.config import GPTConfig
 from tinylm.errors import TinyLMError
+from tinylm.model.cursor import CacheCursor
 from tinylm.model.gpt import IGNORE_INDEX
 
 State = tuple[Tensor, ...]  # (h,) for an RNN, (h, c) for an LSTM; each (n_layer, B, d)
@@ -54,7 +55,7 @@ State = tuple[Tensor, ...]  # (h,) for an RNN, (h, c) for an LSTM; each (n_layer
 EMBEDDING_STD = 0.3  # the token vectors' initial scale: large enough to move the gates (see _init_weights)
 
 
-class RecurrentState:
+class RecurrentState(CacheCursor):
     """The state of every layer for a batch of sequences: what an RNN remembers of the past.
 
     It plays the KV cache's part in generation: ``length`` counts the positions read so far,
@@ -63,17 +64,8 @@ class RecurrentState:
     """
 
     def __init__(self, tensors: State, max_len: int) -> None:
+        super().__init__(max_len)
         self.tensors = tensors
-        self._max_len = max_len
-        self._length = 0
-
-    @property
-    def length(self) -> int:
-        return self._length
-
-    @property
-    def max_len(self) -> int:
-        return self._max_len
 
     @property
     def nbytes(self) -> int:
@@ -82,7 +74,7 @@ class RecurrentState:
     def advance(self, tensors: State, steps: int) -> None:
         """Store the state after ``steps`` more positions."""
         self.tensors = tensors
-        self._length += steps
+        self._advance(steps)
 
     def reorder(self, rows: Tensor) -> None:
         """Row b becomes old row rows[b] (beam search; several samples of one prompt)."""
@@ -91,7 +83,7 @@ class RecurrentState:
     def reset(self) -> None:
         """Back to the empty past: every state zero."""
         self.tensors = tuple(torch.zeros_like(t) for t in self.tensors)
-        self._length = 0
+        self._rewind()
 
 
 class RecurrentLM(nn.Module):
