@@ -293,9 +293,10 @@ _SETTING_PREFIX = "setting:"  # argparse dest of a [model]/[train] setting: "set
 _MODEL_HELP = {
     "family": "which model: the Transformer (gpt), an lstm or rnn, or a counted ngram model (also --model)",
     "vocab_size": "|V|; training sets it from the tokenizer",
-    "block_size": "context length T: the most tokens the model sees at once",
-    "n_layer": "number of Transformer blocks",
-    "d_model": "width d of every position's vector",
+    "block_size": "context length T: the most tokens the model sees at once (lstm/rnn: the training windows; "
+                  "ngram: the longest request tinylm serve takes)",
+    "n_layer": "number of Transformer blocks (lstm/rnn: recurrent layers)",
+    "d_model": "width d of every position's vector (lstm/rnn: the state's width)",
     "n_head": "query heads (each of size d_model / n_head)",
     "n_kv_head": "key/value heads for grouped-query attention (unset: as many as n_head; 1: multi-query)",
     "mlp": "the MLP: GELU (GPT-2) or SwiGLU (Llama)",
@@ -314,7 +315,7 @@ _MODEL_HELP = {
     "bptt": "lstm/rnn: backpropagate through at most this many steps (truncated BPTT; unset: the whole window)",
     "order": "ngram: the n of n-gram (the context is n - 1 tokens)",
     "smoothing": "ngram: Kneser-Ney (kn), add-k, unsmoothed counts (mle), or nltk's KN (kn-nltk)",
-    "add_k": "ngram: add-k's pseudo-count",
+    "add_k": "ngram: the pseudo-count of --smoothing add-k",
 }
 
 
@@ -367,7 +368,7 @@ def _settings(args: argparse.Namespace) -> dict[str, object]:
 
 def _train_config(args: argparse.Namespace):
     """The configuration the flags describe; None on --resume with nothing changed (the run's own)."""
-    from tinylm.config import apply_overrides, build_config, load_config_file, load_preset
+    from tinylm.config import FAMILY_NAMES, apply_overrides, build_config, load_config_file, load_preset
 
     settings = _settings(args)
     if args.resume and not (args.preset or args.config or settings):
@@ -377,8 +378,8 @@ def _train_config(args: argparse.Namespace):
         base = load_config_file(saved) if saved.exists() else load_preset("tiny")
         theirs, wanted = base.get("model", {}).get("family", "gpt"), settings.get("model.family")
         if saved.exists() and wanted is not None and wanted != theirs:
-            raise TinyLMError(f"{args.out} is a run of a {theirs} model, not {wanted}; resume it with its own "
-                              f"settings (drop --model), or start a {wanted} run in another --out")
+            raise TinyLMError(f"{args.out} is a run of {FAMILY_NAMES[theirs]} model, not {FAMILY_NAMES[wanted]} one; "
+                              f"resume it with its own settings (drop --model), or start the new run in another --out")
     else:
         base = load_preset(args.preset or "tiny") if (args.preset or not args.config) else {}
         init_config = Path(args.init_from or "") / "config.toml"
@@ -387,8 +388,9 @@ def _train_config(args: argparse.Namespace):
             theirs = load_config_file(init_config).get("model", {})
             wanted, family = settings.get("model.family"), theirs.get("family", "gpt")
             if wanted is not None and wanted != family:
-                raise TinyLMError(f"--init-from {args.init_from} is a {family} run; a {wanted} model cannot start "
-                                  f"from its weights: drop --model, or train the {wanted} model from scratch")
+                raise TinyLMError(f"--init-from {args.init_from} is a run of {FAMILY_NAMES[family]} model; "
+                                  f"{FAMILY_NAMES[wanted]} model cannot start from its weights: drop --model, or "
+                                  "train the new model from scratch")
             base = dict(base, model=theirs)
         if args.config:
             from tinylm.config import _merge
@@ -413,15 +415,60 @@ def _default_run_dir(args: argparse.Namespace) -> Path:
     return Path("runs") / f"{recipe}-{Path(corpus.rstrip('/')).stem or 'corpus'}"
 
 
+# Which settings each family reads; a flag given for another family is ignored, with a warning.
+_TRANSFORMER_ONLY = {"n_head", "n_kv_head", "mlp", "d_ff", "norm", "norm_position", "norm_eps", "positions",
+                     "rope_theta", "bias", "attention", "tile_size"}
+_NGRAM_ONLY = {"order", "smoothing", "add_k"}
+_COUNTING_READS = {"model.family", "model.vocab_size", "model.block_size", "model.order", "model.smoothing",
+                   "model.add_k", "train.corpus", "train.glob", "train.text_field", "train.tokenizer",
+                   "train.tokenizer_kind", "train.tokenizer_vocab_size", "train.tokenizer_pattern", "train.data_dir",
+                   "train.val_fraction", "train.seed", "train.sample_tokens", "train.sample_temperature",
+                   "train.sample_top_k", "train.device"}
+
+
+def _unused_settings(config, settings: dict[str, object], stop_after: int | None) -> list[str]:
+    """The flags given on the command line that ``config.model.family`` has no use for."""
+    family = config.model.family
+    unused = []
+    for key in settings:
+        section, name = key.split(".", 1)
+        if family == "ngram":
+            skip = key not in _COUNTING_READS
+        elif section == "model":
+            skip = name in _NGRAM_ONLY or (family != "gpt" and name in _TRANSFORMER_ONLY)
+        else:
+            skip = False
+        if skip:
+            unused.append("--" + name.replace("_", "-"))
+    if family == "ngram" and "model.add_k" in settings and config.model.smoothing != "add-k":
+        unused.append("--add-k")
+    if family == "ngram" and stop_after is not None:
+        unused.append("--stop-after")
+    return sorted(set(unused))
+
+
 def cmd_train(args: argparse.Namespace) -> int:
+    from tinylm.config import FAMILY_NAMES
     from tinylm.train import train
 
     if args.out is None:
         args.out = str(_default_run_dir(args))
     config = _train_config(args)
+    unused = _unused_settings(config, _settings(args), args.stop_after) if config is not None else []
+    pending = []
+    if unused:
+        pending.append(f"tinylm: warning: {', '.join(unused)} {'does' if len(unused) == 1 else 'do'} not apply to "
+                       f"{FAMILY_NAMES[config.model.family]} model and {'is' if len(unused) == 1 else 'are'} ignored")
+
+    def log(line: str) -> None:
+        # the warning goes out with the run's first line: a run refused before it starts shows its error alone
+        while pending:
+            print(pending.pop(0), file=sys.stderr, flush=True)
+        print(line, flush=True)
+
     resume = False if args.resume is None else args.resume
     train(config, args.out, resume=resume, force=args.force, init_from=args.init_from,
-          stop_after=args.stop_after, progress=None if args.progress else False)
+          stop_after=args.stop_after, progress=None if args.progress else False, log=log)
     return 0
 
 
@@ -607,7 +654,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "train", help="train a model: tokenizer, data, training, checkpoints, metrics, a sample",
         allow_abbrev=False,
-        description="Train a GPT-style model by next-token cross-entropy. Settings come from a preset "
+        description="Train a GPT-style Transformer by next-token cross-entropy (or, with --model, an LSTM or RNN "
+        "by the same loop, or an n-gram model by counting). Settings come from a preset "
         "(default: tiny), then a TOML file (--config), then the setting flags below; the resolved "
         "configuration is saved with the run. With no arguments: the tiny model on Shakespeare for the "
         "preset's token budget, into runs/tiny-shakespeare. Under `torchrun --nproc-per-node N -m tinylm "

@@ -114,7 +114,8 @@ def format_table(rows: Sequence[Compared]) -> str:
         out.append("note: " + "; ".join(f"{r.name}: {r.result.unknown_tokens:,} <unk> tokens" for r in unknown)
                    + ". Each byte they stand for is charged 8 bits in bits per byte (the tokenizer cannot spell it)")
     if any(r.result.prorated for r in rows):
-        out.append("note: bytes are prorated where only part of the text was evaluated (--tokens)")
+        out.append("note: rows with prorated bytes were scored on evenly spaced windows of the text (--tokens), "
+                   "the others on all of it: the same measure on different samples of the text")
     return "\n".join(out)
 
 
@@ -133,10 +134,11 @@ def check_plot_path(path: str | os.PathLike) -> Path:
 
 
 def plot_comparison(rows: Sequence[Compared], path: str | os.PathLike) -> Path:
-    """The bar chart of bits per byte, one bar per model in the order given (PNG)."""
+    """The bar chart of bits per byte, one bar per model, best on top as in the table (PNG)."""
     from tinylm.explain.plots import plot_bits_per_byte
 
     path = check_plot_path(path)
+    rows = sorted(rows, key=lambda r: r.result.bits_per_byte)  # the table's order: best on top
     labels = [f"{r.name} ({r.family}, {r.tokenizer})" for r in rows]
     text = rows[0].result.split if rows else ""
     return plot_bits_per_byte(labels, [r.result.bits_per_byte for r in rows], path,

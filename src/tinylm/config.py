@@ -67,6 +67,8 @@ DecayKind = Literal["cosine", "linear", "constant"]
 DtypeKind = Literal["auto", "float32", "bfloat16"]
 ParallelKind = Literal["ddp", "fsdp"]
 ModelFamily = Literal["gpt", "lstm", "rnn", "ngram"]
+# how messages name a family, article included ("an LSTM model", "a Transformer (gpt) model")
+FAMILY_NAMES = {"gpt": "a Transformer (gpt)", "lstm": "an LSTM", "rnn": "an RNN", "ngram": "an n-gram"}
 SmoothingKind = Literal["kn", "add-k", "mle", "kn-nltk"]
 
 # SwiGLU's hidden width when not given: 8/3 d (so its three matrices hold as many weights as
@@ -179,7 +181,7 @@ class GPTConfig:
                 raise TinyLMError(f"{name} must be positive, got {getattr(self, name)}")
         if self.bptt is not None and self.family not in ("lstm", "rnn"):
             raise TinyLMError(f"bptt (truncated backpropagation through time) applies to the lstm and rnn families; "
-                              f"a {self.family} model has no recurrence: leave bptt unset")
+                              f"{FAMILY_NAMES[self.family]} model has no recurrence: leave bptt unset")
         if self.family != "gpt":
             return  # heads, positions and norms are the Transformer's: a baseline does not use them
         if self.d_model % self.n_head:

@@ -472,7 +472,8 @@ def _load_ngram_run(run_dir: Path, config: Config, info: dict[str, Any], device:
     """An n-gram run: its counts file behind the neural models' interface (`NGramLM`)."""
     tokenizer = load_tokenizer(run_dir / TOKENIZER_FILE)
     ngram = NGramModel.load(run_dir / NGRAM_FILE)
-    if ngram.vocab_size != tokenizer.vocab_size or ngram.eos_id != tokenizer.eos_id:
+    if ngram.tokenizer_fingerprint not in (None, tokenizer.fingerprint()) or \
+            ngram.vocab_size != tokenizer.vocab_size or ngram.eos_id != tokenizer.eos_id:
         raise TinyLMError(f"{run_dir / NGRAM_FILE} was not counted with {run_dir / TOKENIZER_FILE} (their "
                           "vocabularies differ); count it again with `tinylm train --model ngram --force`")
     model = NGramLM(ngram, config.model, never=generation_excluded(tokenizer)).to(device).eval()
@@ -480,5 +481,8 @@ def _load_ngram_run(run_dir: Path, config: Config, info: dict[str, Any], device:
 
 
 def generation_excluded(tokenizer: Tokenizer) -> list[int]:
-    """The ids an n-gram must never generate: every special token but EOS (padding, BOS, reserved ids)."""
-    return [i for i in range(tokenizer.vocab_size) if tokenizer.is_special(i) and i != tokenizer.eos_id]
+    """The ids an n-gram must never generate: every special token but EOS (padding, BOS, reserved ids)
+    and ``<unk>``, which stands for text the tokenizer cannot spell (smoothing gives them all a share)."""
+    unk = getattr(tokenizer, "unk_id", None)
+    return [i for i in range(tokenizer.vocab_size)
+            if (tokenizer.is_special(i) and i != tokenizer.eos_id) or i == unk]

@@ -109,18 +109,27 @@ class CommandServer:
 
 
 class ThreadServer:
-    """`create_app(run, **options)` served by uvicorn on a free localhost port, in a background thread."""
+    """`create_app(run, **options)` served by uvicorn on a free localhost port, in a background thread.
 
-    def __init__(self, run: Any, **options: Any) -> None:
+    With ``graceful_timeout``, the server is the one `tinylm serve` runs (`graceful_server`), which ends the
+    generations still running before that timeout of a shutdown (`close`) runs out.
+    """
+
+    def __init__(self, run: Any, graceful_timeout: float | None = None, **options: Any) -> None:
         import uvicorn
 
         from tinylm.serve.app import create_app
+        from tinylm.serve.server import graceful_server
 
         self.app = create_app(run, **options)
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         self.base_url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning"))
+        if graceful_timeout is None:
+            self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning"))
+        else:
+            config = uvicorn.Config(self.app, log_level="warning", timeout_graceful_shutdown=graceful_timeout)
+            self.server = graceful_server(config, self.app.state.scheduler.end_all)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()
         wait_healthy(self.base_url)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import threading
 import time
@@ -178,3 +179,42 @@ def test_a_request_that_fails_in_sampling_fails_alone(run, monkeypatch):
         [expected] = generate(run.model, run.tokenizer, prompt, SamplingParams(max_new_tokens=30, **settings),
                               start_ids=run.start_ids)
         assert results[key] == (expected.text, expected.finish_reason), key
+
+
+def test_a_shutdown_answers_the_requests_still_running_and_logs_no_error(run):
+    """Requests still running when the server stops (Ctrl+C, SIGTERM) past the graceful timeout: the one waiting
+    for a whole response gets a 503 in OpenAI's error JSON, the stream gets the error as a chunk and [DONE];
+    uvicorn cancels nothing, so nothing is logged at ERROR (a traceback, "Cancel 2 running task(s)")."""
+    served = ThreadServer(slow_run(run, 0.05), graceful_timeout=0.4)  # 50 ms a step: 55 tokens take 3 s
+    errors = ErrorLog()
+    logging.getLogger("uvicorn.error").addHandler(errors)
+    body = {"prompt": "To be", "max_tokens": 55, "temperature": 0}
+    results = {}
+
+    def whole():
+        results["whole"] = httpx.post(served.base_url + "/v1/completions", json=body, timeout=30)
+
+    def streamed():
+        with httpx.stream("POST", served.base_url + "/v1/completions", json={**body, "stream": True},
+                          timeout=30) as response:
+            results["streamed"] = [line for line in response.iter_lines() if line]
+
+    threads = [threading.Thread(target=whole), threading.Thread(target=streamed)]
+    try:
+        for t in threads:
+            t.start()
+        assert wait_for(lambda: served.scheduler.stats()["active_rows"] == 2)
+        started = time.monotonic()
+        served.close()  # what Ctrl+C does: should_exit; the server waits for the requests, then stops
+        for t in threads:
+            t.join(10)
+        assert time.monotonic() - started < 2.0
+    finally:
+        logging.getLogger("uvicorn.error").removeHandler(errors)
+    answer = results["whole"]
+    assert answer.status_code == 503 and answer.json()["error"]["message"] == "the server is shutting down"
+    lines = results["streamed"]
+    assert lines[-1] == "data: [DONE]"
+    assert json.loads(lines[-2].removeprefix("data: "))["error"]["message"] == "the server is shutting down"
+    assert all(json.loads(line[6:])["choices"] for line in lines[:-2])  # text chunks before it
+    assert not errors.records, [r.getMessage() for r in errors.records]

@@ -121,8 +121,36 @@ def test_an_api_key_gates_the_api_but_not_the_page(run):
         malformed = httpx.post(api + "/completions", content=b"{", headers={"content-type": "application/json"})
         assert malformed.status_code == 401  # the key is checked before anything else is looked at
         assert httpx.post(served.base_url + "/tokenize", json={"prompt": "x"}).status_code == 401
+        # the scheme's name is case-insensitive (RFC 7235)
+        for header in ("bearer s3cret", "BEARER s3cret", "Bearer  s3cret"):
+            assert httpx.get(api + "/models", headers={"Authorization": header}).status_code == 200, header
+        for header in ("Basic s3cret", "s3cret", "Bearer s3cret2", "Bearers3cret"):
+            assert httpx.get(api + "/models", headers={"Authorization": header}).status_code == 401, header
         good = openai.OpenAI(base_url=api, api_key="s3cret", max_retries=0)
         assert good.completions.create(model=good.models.list().data[0].id, prompt="x", max_tokens=2).choices
         assert httpx.get(served.base_url + "/health").status_code == 200
         page = httpx.get(served.base_url + "/")
         assert page.status_code == 200 and "tinylm playground" in page.text
+
+
+def test_a_body_sent_with_another_content_type_is_told_so(server):
+    """curl -d sends application/x-www-form-urlencoded, and a body without a Content-Type is not read as JSON either
+    (FastAPI's strict content type): 400, as OpenAI answers, with an error that says why."""
+    body = b'{"prompt": "To be", "max_tokens": 2}'
+    for kind in ("application/x-www-form-urlencoded", "text/plain", None):
+        headers = {"content-type": kind} if kind else {}
+        response = httpx.post(server.base_url + COMPLETIONS, content=body, headers=headers)
+        assert response.status_code == 400, response.text
+        message = response.json()["error"]["message"]
+        assert "Content-Type: application/json" in message and (kind or "is missing") in message, message
+    charset = {"content-type": "application/json; charset=utf-8"}
+    assert httpx.post(server.base_url + COMPLETIONS, content=body, headers=charset).status_code == 200
+
+
+def test_neutral_values_and_head_requests_are_accepted(server, client, run_dir):
+    out = client.completions.create(model=run_dir.name, prompt="x", max_tokens=2, logit_bias={"5": 0, "7": 0.0})
+    assert out.choices[0].finish_reason
+    for path in ("/", "/v1/models", f"/v1/models/{run_dir.name}", "/health"):
+        head, get = httpx.head(server.base_url + path), httpx.get(server.base_url + path)
+        assert head.status_code == get.status_code == 200 and head.content == b"", path
+        assert head.headers["content-type"] == get.headers["content-type"], path

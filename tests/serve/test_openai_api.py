@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import asyncio
 import base64
 import json
 import math
@@ -260,3 +261,60 @@ def test_an_ngram_run_is_served_too_and_its_zero_probabilities_stay_valid_json(r
         reply = client.chat.completions.create(model="trigram", messages=[{"role": "user", "content": "Speak"}],
                                                temperature=1.0, seed=0)
         assert reply.usage.total_tokens <= 64
+
+
+def test_stream_lines_split_nowhere_inside_a_chunk(server):
+    """A text holding U+2028, U+2029 or U+0085 (line breaks to Python's str.splitlines, and so to httpx's
+    iter_lines): the chunks' JSON carries them escaped, so every line read is a whole ``data:`` line."""
+    prompt = "a\u2028b\u2029c\u0085d"
+    body = {"prompt": prompt, "max_tokens": 3, "echo": True, "stream": True, "temperature": 0}
+    with httpx.stream("POST", server.base_url + "/v1/completions", json=body, timeout=30) as response:
+        lines = [line for line in response.iter_lines() if line]
+    assert all(line.startswith("data: ") for line in lines), lines
+    assert lines[-1] == "data: [DONE]"
+    text = "".join(json.loads(line[6:])["choices"][0]["text"] for line in lines[:-1])
+    assert text.startswith(prompt)
+
+
+class LoopWatchingTokenizer:
+    """The run's tokenizer, noting every encode or decode that runs on an event loop's thread."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.on_loop: list[str] = []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def _note(self, what: str) -> None:
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # a worker thread (or the scheduler's): fine
+            return
+        self.on_loop.append(what)
+
+    def encode(self, text, *args, **kwargs):
+        self._note("encode")
+        return self.inner.encode(text, *args, **kwargs)
+
+    def decode(self, ids, *args, **kwargs):
+        self._note("decode")
+        return self.inner.decode(ids, *args, **kwargs)
+
+
+def test_tokenizing_never_runs_on_the_event_loop(run):
+    """A long prompt takes a while to tokenize (0.6 s for 630 KB): on the event loop it would stall every stream
+    the server is sending meanwhile. Every endpoint tokenizes and detokenizes in a worker thread."""
+    tokenizer = LoopWatchingTokenizer(run.tokenizer)
+    watched = SimpleNamespace(model=run.model, tokenizer=tokenizer, start_ids=run.start_ids, path="watched")
+    with ThreadServer(watched) as served:
+        url = served.base_url
+        messages = [{"role": "user", "content": "Hi"}]
+        assert httpx.post(url + "/tokenize", json={"prompt": "To be"}).status_code == 200
+        assert httpx.post(url + "/tokenize", json={"messages": messages}).status_code == 200
+        assert httpx.post(url + "/detokenize", json={"tokens": [70, 71]}).status_code == 200
+        assert httpx.post(url + "/next_token", json={"prompt": "To be"}).status_code == 200
+        body = {"prompt": "To be", "max_tokens": 2, "echo": True}
+        assert httpx.post(url + "/v1/completions", json=body).status_code == 200
+        assert httpx.post(url + "/v1/chat/completions", json={"messages": messages, "max_tokens": 2}).status_code == 200
+    assert tokenizer.on_loop == []

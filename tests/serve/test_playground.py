@@ -16,6 +16,7 @@ import shutil
 
 import httpx
 import pytest
+from servekit import ThreadServer
 
 from tinylm.generate import SamplingParams, generate
 from tinylm.generate.inspect import next_token_logits
@@ -129,4 +130,38 @@ def test_the_page_and_its_script_are_served_from_the_package(server):
     script = httpx.get(server.base_url + "/static/playground.js")
     assert page.status_code == script.status_code == 200
     assert '<script src="/static/playground.js">' in page.text and "samplingDistribution" in script.text
+    assert '<link rel="icon" href="data:' in page.text  # inline: browsers ask for no /favicon.ico (a 404)
     assert script.headers["content-type"].startswith(("application/javascript", "text/javascript"))
+
+
+def test_the_page_recovers_from_a_wrong_key_and_checks_max_tokens(browser, run):
+    """Opened without the key the server asks for, the page shows the 401; once the key is entered, the model loads
+    and the old error goes. A max-tokens box of 0 is refused with a message (not silently made 64). No request
+    of the page gets a 404 (the icon is inline)."""
+    with ThreadServer(run, api_key="s3cret") as served:
+        page = browser.new_page()
+        missing: list[str] = []
+        page.on("response", lambda r: missing.append(r.url) if r.status == 404 else None)
+        page.goto(served.base_url + "/")
+        page.wait_for_selector("#status[data-state='error']")
+        assert "API key" in page.text_content("#status")
+        page.click("details summary")
+        page.fill("#api-key", "s3cret")
+        page.press("#api-key", "Tab")  # the key is taken when the box changes
+        page.wait_for_function("document.querySelector('#model-name').textContent.startsWith('tiny-run')")
+        page.wait_for_function("document.querySelector('#chart .bar-row')")
+        assert page.get_attribute("#status", "data-state") != "error" and page.text_content("#status") == ""
+
+        before = page.input_value("#prompt")
+        page.fill("#max-tokens", "0")
+        page.click("#generate")
+        page.wait_for_selector("#status[data-state='error']")
+        assert "max tokens" in page.text_content("#status")
+        assert page.get_attribute("#max-tokens", "aria-invalid") == "true" and page.input_value("#prompt") == before
+        page.fill("#max-tokens", "2")
+        page.wait_for_function("document.querySelector('#status').dataset.state !== 'error'")
+        page.click("#generate")
+        page.wait_for_selector("#status[data-state='done']", timeout=30_000)
+        assert page.input_value("#prompt") != before
+        page.close()
+    assert missing == []

@@ -8,7 +8,7 @@ import time
 
 import pytest
 import torch
-from servekit import SlowLM, counted_ngram
+from servekit import ScriptedLM, SlowLM, counted_ngram
 
 import tinylm.serve.scheduler as scheduler_module
 from tinylm.config import GPTConfig
@@ -257,5 +257,119 @@ def test_a_job_whose_sampling_fails_fails_alone(run, monkeypatch):
             assert recorder.done.wait(30) and recorder.failed is None, recorder.failed
             assert recorder.result() == [(c.text, c.finish_reason) for c in expected]
         assert scheduler.stats()["active_rows"] == 0 and scheduler.stats()["largest_batch"] >= 3
+    finally:
+        scheduler.close()
+
+
+def test_generators_are_made_on_the_model_s_device(run, monkeypatch):
+    """Sampling draws where the probabilities are: a CPU generator cannot draw from CUDA tensors (every sampled
+    request would fail on a GPU). No GPU here: the device the generators are asked for is checked instead."""
+    real, devices = scheduler_module.make_generators, []
+
+    def recording(seed, n, device=None):
+        devices.append(device)
+        return real(seed, n, "cpu" if device is None else device)
+
+    monkeypatch.setattr(scheduler_module, "make_generators", recording)
+    scheduler = Scheduler(run.model, run.tokenizer).start()
+    try:
+        sampled, greedy = Recorder(), Recorder()
+        params = SamplingParams(max_new_tokens=3, seed=1, num_samples=2)
+        scheduler.submit(Job([run.start_ids], params, on_event=sampled))
+        scheduler.submit(Job([run.start_ids], SamplingParams(max_new_tokens=3, temperature=0), on_event=greedy))
+        assert len(sampled.result()) == 2 and len(greedy.result()) == 1
+    finally:
+        scheduler.close()
+    assert devices == [next(run.model.parameters()).device]  # once, for the sampled job; greedy needs none
+
+
+def test_static_batches_keep_their_prefill_logits_under_the_bound(run, monkeypatch):
+    """An LSTM's rows are prefilled together in one static batch: admission stops before their logits
+    (rows x longest prompt x V) would pass `PREFILL_LOGITS`, and the results are still the library's."""
+    tok = run.tokenizer
+    lstm = RecurrentLM(GPTConfig(family="lstm", vocab_size=tok.vocab_size, block_size=64, n_layer=1, d_model=32,
+                                 n_head=1, init_std=0.5)).eval()
+    prompts = [run.start_ids + tok.encode(p) for p in PROMPTS]
+    bound = 2 * max(map(len, prompts)) * lstm.config.vocab_size  # room for two rows of the longest prompt
+    monkeypatch.setattr(scheduler_module, "PREFILL_LOGITS", bound)
+    sizes, forward = [], lstm.forward
+
+    def measured(*args, **kwargs):
+        logits, loss = forward(*args, **kwargs)
+        sizes.append(logits.numel())
+        return logits, loss
+
+    monkeypatch.setattr(lstm, "forward", measured)
+    scheduler = Scheduler(lstm, tok, max_batch_size=32)
+    recorders = [Recorder() for _ in PROMPTS]
+    for i, ids in enumerate(prompts):
+        scheduler.submit(Job([ids], settings(i), on_event=recorders[i]))
+    scheduler.start()
+    try:
+        results = [r.result() for r in recorders]
+    finally:
+        scheduler.close()
+    assert max(sizes) <= bound and 1 < scheduler.stats()["largest_batch"] < 7  # 7 rows in all
+    for i, prompt in enumerate(PROMPTS):
+        expected = generate(lstm, tok, prompt, settings(i), start_ids=run.start_ids)
+        assert results[i] == [(c.text, c.finish_reason) for c in expected]
+
+
+class TokenRecorder(Recorder):
+    """Also keeps the tokens each choice's events list, and the count of tokens generated."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tokens: list[int] = []
+        self.generated = 0
+
+    def __call__(self, events: list) -> None:
+        for e in events:
+            if isinstance(e, ChoiceEvent):
+                self.tokens += [t.id for t in e.tokens]
+                self.generated += e.generated
+        super().__call__(events)
+
+
+@pytest.mark.parametrize("says, stop, text, listed, generated", [
+    # the tokens of "To be, or not": T, o, " be", ",", " o", r, " no", t
+    ("To be, or not", "e, o", "To b", 3, 5),  # " be" straddles the cut: listed whole; "," and " o" only make the stop
+    ("To be, or not", ", o", "To be", 3, 5),  # the cut falls between two tokens
+    ("To be, or not", "To", "", 0, 2),
+    ("To be, or not", "zzz", "To be, or not", 8, 9),  # no stop string: every token but the end of text
+    # N, "a" + the first byte of ï, its second byte, v, e: the token completing ï begins at the cut
+    ("Naïve", "ïve", "Na", 2, 5),
+    ("Naïve", "ve", "Naï", 3, 5),  # the token that completes ï is listed with it
+])
+def test_the_tokens_listed_are_the_ones_whose_text_is_returned(run, says, stop, text, listed, generated):
+    tok = run.tokenizer
+    script = tok.encode(says)
+    assert len(script) == {"To be, or not": 8, "Naïve": 5}[says]  # the splits the comments above describe
+    model = ScriptedLM(script + [tok.eos_id], tok.vocab_size, prompt_len=len(run.start_ids))
+    scheduler = Scheduler(model, tok).start()
+    try:
+        recorder = TokenRecorder()
+        scheduler.submit(Job([run.start_ids], SamplingParams(max_new_tokens=20, temperature=0, stop=(stop,)),
+                             on_event=recorder))
+        assert recorder.result() == [(text, "stop")]
+    finally:
+        scheduler.close()
+    assert recorder.tokens == script[:listed] and recorder.generated == generated
+
+
+def test_end_all_fails_running_and_waiting_jobs_with_503_and_refuses_new_ones(run):
+    scheduler = Scheduler(SlowLM(run.model, 0.01), run.tokenizer, max_batch_size=1).start()
+    try:
+        running, waiting = Recorder(), Recorder()
+        scheduler.submit(Job([run.start_ids], SamplingParams(max_new_tokens=50, temperature=0), on_event=running))
+        scheduler.submit(Job([run.start_ids], SamplingParams(max_new_tokens=50, temperature=0), on_event=waiting))
+        while scheduler.stats()["steps"] < 2:
+            time.sleep(0.001)
+        scheduler.end_all()
+        for recorder in (running, waiting):
+            assert recorder.done.wait(5) and recorder.failed == "the server is shutting down"
+        with pytest.raises(TinyLMError, match="shutting down"):
+            scheduler.submit(Job([run.start_ids], SamplingParams(max_new_tokens=5), on_event=print))
+        assert scheduler.stats()["active_rows"] == scheduler.stats()["waiting_rows"] == 0
     finally:
         scheduler.close()

@@ -77,3 +77,20 @@ def test_an_empty_api_key_flag_is_refused_not_read_as_no_key(key, monkeypatch, c
     assert main(["serve", "--run", "runs/x", "--api-key", key]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--api-key is empty" in err[0] and not calls
+
+
+def test_a_blank_api_key_variable_and_an_empty_model_name_are_refused(monkeypatch, capsys):
+    """Spaces in $TINYLM_API_KEY are no key a client could send; the error names the variable, not Python's None."""
+    calls = []
+    monkeypatch.setattr(server_module, "serve", lambda run, **options: calls.append(options))
+    monkeypatch.setenv("TINYLM_API_KEY", "  ")
+    assert main(["serve", "--run", "runs/x"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "$TINYLM_API_KEY" in err[0] and "None" not in err[0]
+    monkeypatch.setenv("TINYLM_API_KEY", "")  # empty: no key, as documented
+    assert main(["serve", "--run", "runs/x"]) == 0 and calls[-1]["api_key"] is None
+    for name in ("", " "):
+        assert main(["serve", "--run", "runs/x", "--model-name", name]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "--model-name is empty" in err[0]
+    assert len(calls) == 1

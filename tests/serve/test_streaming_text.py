@@ -106,3 +106,39 @@ def test_chat_logprobs_start_where_the_reply_does(stream):
     assert bytes(b for e in entries for b in e["bytes"]).decode() == content
     if usage is not None:
         assert usage == len(TOK.encode(says)) + 1  # the dropped tokens and the end of text still count
+
+
+def streamed_choices(served: ThreadServer, path: str, body: dict) -> list[dict]:
+    with httpx.stream("POST", served.base_url + path, json={**body, "stream": True}) as response:
+        return [json.loads(line[6:])["choices"][0] for line in response.iter_lines() if line.startswith("data: {")]
+
+
+def test_logprobs_list_the_returned_text_s_tokens_alone_streamed_or_not():
+    """The model says "Naïve café 🙂 東京!\\nUser: more": the stop string's tokens ("\\n", "U", "s", ...) and the
+    end of text are generated (and counted) but their text is not returned, so they are not listed; the
+    streamed chunks carry the same entries as the whole response."""
+    said = "Naïve café 🙂 東京!"  # one token per byte (the bare byte-level tokenizer)
+    with scripted_server(prompt_len=len(START)) as served:
+        body = {"prompt": "", "max_tokens": 60, "temperature": 0, "stop": ["\nUser:"], "logprobs": 1}
+        out = httpx.post(served.base_url + "/v1/completions", json=body).json()
+        whole = out["choices"][0]
+        assert whole["text"] == said and whole["finish_reason"] == "stop"
+        lp = whole["logprobs"]
+        assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["text_offset"]) == len(said.encode())
+        assert max(lp["text_offset"]) < len(said)
+        assert out["usage"]["completion_tokens"] == len((said + "\nUser:").encode())  # every drawn token counts
+        chunks = streamed_choices(served, "/v1/completions", body)
+        assert "".join(c["text"] for c in chunks) == said
+        for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+            assert [v for c in chunks if c["logprobs"] for v in c["logprobs"][key]] == lp[key], key
+
+        # a chat reply ends where the chat template's stop string "\nUser:" begins: so do its logprobs
+        chat = {"messages": [{"role": "user", "content": "Hi"}], "temperature": 0, "logprobs": True}
+        prompt_len = len(START) + len(TOK.encode(chat_prompt(chat["messages"])))
+    with scripted_server(prompt_len=prompt_len) as served:
+        reply = httpx.post(served.base_url + "/v1/chat/completions", json=chat).json()["choices"][0]
+        entries = reply["logprobs"]["content"]
+        assert reply["message"]["content"] == said
+        assert bytes(b for e in entries for b in e["bytes"]).decode() == said
+        chunks = streamed_choices(served, "/v1/chat/completions", chat)
+        assert [e for c in chunks if c["logprobs"] for e in c["logprobs"]["content"]] == entries

@@ -203,7 +203,7 @@ def test_an_ngram_samples_from_its_whole_context_whatever_the_block_size(tmp_pat
 def test_an_ngram_never_generates_padding_or_markers(runs):
     run = load_run(runs["ngram"])
     tok = run.tokenizer
-    assert {tok.bos_id, tok.pad_id} <= set(run.model.never) and tok.eos_id not in run.model.never
+    assert {tok.bos_id, tok.pad_id, tok.unk_id} <= set(run.model.never) and tok.eos_id not in run.model.never
     logits, _ = run.model(torch.tensor([run.start_ids + tok.encode("The")]))
     assert torch.isinf(logits[0, -1, [tok.bos_id, tok.pad_id]]).all()
     assert not run.model.training
@@ -225,11 +225,11 @@ def test_a_mistake_with_force_leaves_the_old_run_in_place(tmp_path, runs, corpus
 def test_family_mismatches_are_one_clear_line(tmp_path, runs, corpus, data_dir):
     cases = [
         (("train", "--model", "ngram", *cli_flags(corpus, data_dir), "--out", str(runs["lstm"]), "--resume"),
-         "is a run of a lstm model, not ngram"),
+         "is a run of an LSTM model, not an n-gram one"),
         (("train", "--model", "lstm", *cli_flags(corpus, data_dir), "--out", str(runs["ngram"]), "--resume"),
-         "is a run of a ngram model, not lstm"),
+         "is a run of an n-gram model, not an LSTM one"),
         (("train", "--model", "gpt", "--init-from", str(runs["lstm"]), "--out", str(tmp_path / "a")),
-         "is a lstm run; a gpt model cannot start from its weights"),
+         "is a run of an LSTM model; a Transformer (gpt) model cannot start from its weights"),
         (("train", "--init-from", str(runs["ngram"]), *cli_flags(corpus, data_dir), "--out", str(tmp_path / "b")),
          "counts, not weights"),
         (("train", "--bptt", "8", *cli_flags(corpus, data_dir), "--out", str(tmp_path / "c")),
@@ -245,3 +245,50 @@ def test_family_mismatches_are_one_clear_line(tmp_path, runs, corpus, data_dir):
         assert proc.returncode == 2, (args, proc.stdout, proc.stderr)
         assert message in proc.stderr and "Traceback" not in proc.stderr, (message, proc.stderr)
         assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_second_review_mistakes_are_one_clear_line(tmp_path, runs, corpus, data_dir):
+    import shutil
+
+    from tinylm.tokenizers import CharTokenizer
+
+    same = tmp_path / "same"
+    proc = run_cli("train", "--model", "lstm", *cli_flags(corpus, same), "--out", str(same))
+    assert proc.returncode == 2 and "--data-dir and --out are the same folder" in proc.stderr
+    # a bare n-gram file read with a tokenizer of the same size but other ids
+    theirs = NGramModel.fit([[0, 1, 2, 1]], 2, tokenizer=CharTokenizer.train("abc"))
+    theirs.save(tmp_path / "abc.npz")
+    CharTokenizer.train("xyz").save(tmp_path / "xyz.json")
+    proc = run_cli("eval", "--run", str(tmp_path / "abc.npz"), "--tokenizer", str(tmp_path / "xyz.json"),
+                   "--corpus", str(corpus))
+    assert proc.returncode == 2 and "was counted with another tokenizer" in proc.stderr
+    # counting under torchrun
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("WORLD_SIZE", "2")  # as torchrun sets it in every process it starts
+        proc = run_cli("train", "--model", "ngram", *cli_flags(corpus, data_dir), "--out", str(tmp_path / "ddp"))
+    assert proc.returncode == 2 and "run it without torchrun" in proc.stderr
+    # the data of a run moved away
+    moved = tmp_path / "moved-data"
+    shutil.copytree(data_dir, moved)
+    run = tmp_path / "moved-run"
+    assert run_cli("train", "--model", "ngram", *cli_flags(corpus, moved), "--out", str(run)).returncode == 0
+    shutil.rmtree(moved)
+    proc = run_cli("eval", "--run", str(run))
+    assert proc.returncode == 2 and "is not at" in proc.stderr and "--data-dir" in proc.stderr
+
+
+def test_settings_a_family_does_not_read_are_named(tmp_path, corpus, data_dir):
+    proc = run_cli("train", "--model", "ngram", *cli_flags(corpus, data_dir), "--out", str(tmp_path / "ng"))
+    assert proc.returncode == 0, proc.stderr
+    warning = [line for line in proc.stderr.splitlines() if line.startswith("tinylm: warning:")]
+    # cli_flags sets network settings (layers, batch, lr, steps, ...): counting reads none of them
+    assert len(warning) == 1 and "--n-layer" in warning[0] and "--lr" in warning[0] and "--corpus" not in warning[0]
+    assert "do not apply to an n-gram model" in warning[0]
+
+
+def test_an_lstm_fine_tunes_with_another_bptt(tmp_path, runs, corpus, data_dir):
+    proc = run_cli("train", "--init-from", str(runs["lstm"]), "--bptt", "4", *cli_flags(corpus, data_dir, max_steps=2),
+                   "--out", str(tmp_path / "ft"))
+    assert proc.returncode == 0, proc.stderr
+    assert load_run(tmp_path / "ft").config.model.bptt == 4
+

@@ -99,7 +99,7 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from tinylm.atomic import atomic_path, atomic_write_text
-from tinylm.config import Config, GPTConfig, dump_toml
+from tinylm.config import FAMILY_NAMES, Config, GPTConfig, dump_toml
 from tinylm.errors import TinyLMError
 from tinylm.model.gpt import GPT
 from tinylm.run import CONFIG_FILE as RUN_CONFIG_FILE
@@ -162,7 +162,7 @@ def architecture_for(config: GPTConfig) -> Architecture:
     Anything else is a `TinyLMError` that lists, for the closer architecture first, what does not map.
     """
     if config.family != "gpt":
-        raise TinyLMError(f"an {config.family} model cannot be exported: the transformers and llama.cpp formats hold "
+        raise TinyLMError(f"{FAMILY_NAMES[config.family]} model cannot be exported: the transformers and llama.cpp formats hold "
                           "Transformers (family gpt) only; sample, evaluate and serve it with tinylm itself")
     problems = architecture_problems(config)
     for arch, issues in problems.items():

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from tinylm.config import FAMILY_NAMES
 from tinylm.errors import TinyLMError
 from tinylm.generate.engine import context_start
 from tinylm.generate.sampling import SamplingParams, sampling_distribution
@@ -110,7 +111,8 @@ def format_candidates(candidates: Sequence[Candidate], temperatures: Sequence[fl
 def attention_maps(model: nn.Module, ids: Sequence[int]) -> list[Tensor]:
     """Each layer's attention weights (n_head, T, T) for the sequence ``ids`` (its last block_size tokens)."""
     if not hasattr(model, "attention_weights"):
-        family = getattr(getattr(model, "config", None), "family", type(model).__name__)
-        raise TinyLMError(f"a {family} model has no attention to show; attention maps are the Transformer's")
+        family = getattr(getattr(model, "config", None), "family", None)
+        what = f"{FAMILY_NAMES[family]} model" if family in FAMILY_NAMES else type(model).__name__
+        raise TinyLMError(f"{what} has no attention to show; attention maps are the Transformer's")
     weights = _in_eval_mode(model, model.attention_weights, ids)  # per layer (1, nh, T, T)
     return [w[0] for w in weights]

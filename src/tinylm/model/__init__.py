@@ -11,7 +11,7 @@
 - position information: learned, sinusoidal, rotary, or none (`tinylm.model.positions`).
 """
 
-from tinylm.config import GPTConfig
+from tinylm.config import FAMILY_NAMES, GPTConfig
 from tinylm.errors import TinyLMError
 from tinylm.model.attention import (
     CausalSelfAttention,
@@ -37,7 +37,7 @@ def build_model(config: GPTConfig):
         return GPT(config)
     if config.family in ("rnn", "lstm"):
         return RecurrentLM(config)
-    raise TinyLMError(f"a {config.family} model is counted from data, not built with weights; "
+    raise TinyLMError(f"{FAMILY_NAMES[config.family]} model is counted from data, not built with weights; "
                       "use NGramModel.fit (or `tinylm train --model ngram`)")
 
 

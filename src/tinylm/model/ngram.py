@@ -95,7 +95,8 @@ The file format
 
 - ``header``: uint8, the UTF-8 bytes of a JSON object ``{"format": "tinylm.ngram",
   "version": 1, "order", "vocab_size", "bos_id", "eos_id", "smoothing", "k", "discount",
-  "discounts", "train_tokens", "train_documents"}``;
+  "discounts", "train_tokens", "train_documents", "tokenizer_fingerprint"}`` (the last is null
+  for counts of bare ids, and absent from older files);
 - ``keys_j`` (int64) and ``counts_j`` (uint32, or uint64 if a count needs it) for j = 1..n:
   the sorted keys of order j and how many times each n-gram ended at a training token
   (n-grams made only of ``<s>`` padding are kept as trie nodes with count 0).
@@ -264,6 +265,7 @@ class NGramModel:
         discount: float | None = None,
         train_tokens: int = 0,
         train_documents: int = 0,
+        tokenizer_fingerprint: str | None = None,
     ) -> None:
         """From count tables (as `fit` makes them); use `fit`, `fit_shards` or `load` instead."""
         self.order = len(keys)
@@ -274,6 +276,7 @@ class NGramModel:
         self.counts = [c.astype(np.int64, copy=False) for c in counts]  # times each ended at a target
         self.train_tokens = int(train_tokens)
         self.train_documents = int(train_documents)
+        self.tokenizer_fingerprint = tokenizer_fingerprint  # the tokenizer whose ids were counted, if known
         _check_settings(self.order, self.vocab_size, self.bos_id, self.eos_id, smoothing, k, discount)
         self.smoothing = smoothing
         self.k = float(k)
@@ -332,7 +335,8 @@ class NGramModel:
             prev_rows[q] = rows_j
         n_docs = int(np.count_nonzero(stream == eos_id) + (stream[-1] != eos_id))
         return cls(keys, counts, vocab_size=vocab_size, bos_id=bos_id, eos_id=eos_id, smoothing=smoothing,
-                   k=k, discount=discount, train_tokens=len(stream), train_documents=n_docs)
+                   k=k, discount=discount, train_tokens=len(stream), train_documents=n_docs,
+                   tokenizer_fingerprint=tokenizer.fingerprint() if tokenizer is not None else None)
 
     @classmethod
     def fit_shards(cls, shards: ShardSet, order: int, *, split: str = "train", **kwargs: Any) -> NGramModel:
@@ -344,7 +348,8 @@ class NGramModel:
         """The same counts under another smoothing (no recounting)."""
         return NGramModel(self.keys, self.counts, vocab_size=self.vocab_size, bos_id=self.bos_id,
                           eos_id=self.eos_id, smoothing=smoothing, k=k, discount=discount,
-                          train_tokens=self.train_tokens, train_documents=self.train_documents)
+                          train_tokens=self.train_tokens, train_documents=self.train_documents,
+                          tokenizer_fingerprint=self.tokenizer_fingerprint)
 
     def _suffix_rows(self) -> list[np.ndarray]:
         """For each order j >= 2, the row (in order j-1) of every n-gram's suffix: h w without h's first token.
@@ -595,6 +600,7 @@ class NGramModel:
             "discounts": [list(D) for D in self.discounts],  # for reading only: recomputed on load
             "train_tokens": self.train_tokens,
             "train_documents": self.train_documents,
+            "tokenizer_fingerprint": self.tokenizer_fingerprint,  # null when counted from bare ids
         }
 
     def save(self, path: str | os.PathLike) -> Path:
@@ -620,7 +626,8 @@ class NGramModel:
         except FileNotFoundError:
             raise TinyLMError(f"n-gram model file {path} does not exist") from None
         except (OSError, ValueError) as e:
-            raise TinyLMError(f"{path} is not a readable n-gram model file ({e})") from None
+            reason = str(e).split(";")[0].split(". ")[0]  # numpy's advice (e.g. allow_pickle) is not ours to give
+            raise TinyLMError(f"{path} is not a readable n-gram model file ({reason}); count it again") from None
         try:
             header = json.loads(arrays["header"].tobytes().decode("utf-8"))
         except (KeyError, UnicodeDecodeError, json.JSONDecodeError):
@@ -639,7 +646,8 @@ class NGramModel:
             return cls(keys, counts, vocab_size=header["vocab_size"], bos_id=header["bos_id"],
                        eos_id=header["eos_id"], smoothing=header["smoothing"], k=header["k"],
                        discount=header["discount"], train_tokens=header["train_tokens"],
-                       train_documents=header["train_documents"])
+                       train_documents=header["train_documents"],
+                       tokenizer_fingerprint=header.get("tokenizer_fingerprint"))
         except (KeyError, TypeError, ValueError) as e:
             raise TinyLMError(
                 f"{path} is a corrupt n-gram model file ({type(e).__name__}: {e}); fit it again"

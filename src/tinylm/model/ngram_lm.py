@@ -17,6 +17,10 @@ Two differences from the raw distributions, both for generating text:
 - A token the model gives probability 0 (pure maximum likelihood) has logit -inf, and a
   sampler never draws it.
 
+Cost: a prompt of T tokens gives T x |V| log-probabilities, as a network's logits do (the server
+reads them all for ``echo`` with ``logprobs``); a prompt of 50,000 tokens at |V| = 4096 takes
+about 0.8 GB. Generation itself reads only the last n-1 tokens.
+
 Evaluation does not go through this adapter: `NGramModel.evaluate` scores a whole split in a few
 vectorised passes, with the context restarting after each EOS exactly as in counting.
 """

@@ -258,5 +258,6 @@ def describe(config: GPTConfig) -> str:
         bptt = ", backpropagation through the whole window"
     else:
         bptt = f", truncated BPTT over {config.bptt} steps"
-    return (f"{kind}, {config.n_layer} layers of width {config.d_model}, windows of {config.block_size}{bptt}: "
+    layers = f"{config.n_layer} layer{'s' if config.n_layer != 1 else ''}"
+    return (f"{kind}, {layers} of width {config.d_model}, windows of {config.block_size}{bptt}: "
             f"{count_recurrent_params(config):,} parameters")

@@ -4,7 +4,7 @@
 
 =========================  =========================================================================
 ``GET  /v1/models``        the one model this server serves (and ``GET /v1/models/{id}``; ``/v1/models/``
-                           is the list too)
+                           is the list too); ``HEAD`` answers as ``GET`` does, without the body
 ``POST /v1/completions``   continue a prompt: text, texts, token ids; ``n``, ``stop``, ``seed``,
                            ``logprobs``, ``echo``, ``stream``, plus ``top_k`` and ``min_p``
 ``POST /v1/chat/completions``  messages through the plain-text chat template (`tinylm.serve.chat`)
@@ -17,15 +17,29 @@
 Every generation goes through one `Scheduler`, which batches the requests in flight. A
 streaming response is server-sent events, one ``data: {json}`` chunk per piece of text (whole
 characters only: the text streams of `tinylm.generate.stream` hold back partial UTF-8 and
-possible stop strings), then ``data: [DONE]``. When a client disconnects, its job is cancelled
-and its rows leave the batch at the next step, streaming or not. A job that fails fails alone: its
-client gets the error (a 400 or 500 response, or an error chunk in its stream), the requests
-batched with it go on.
+possible stop strings), then ``data: [DONE]``. The JSON is written in ASCII (``\\u`` escapes), so
+that no character in a text (U+2028, U+0085) can split a line for clients that read the stream
+line by line with Unicode's line breaks (Python's ``str.splitlines``, httpx's ``iter_lines``).
+When a client disconnects, its job is cancelled and its rows leave the batch at the next step,
+streaming or not. A job that fails fails alone: its client gets the error (a 400 or 500
+response, or an error chunk in its stream), the requests batched with it go on. When the server
+shuts down (`tinylm.serve.server`), the requests still running get a 503 "the server is
+shutting down" (or that error chunk, then ``[DONE]``).
+
+**Logprobs and usage.** ``logprobs`` (``tokens``, ``token_logprobs``, ``top_logprobs``,
+``text_offset``; chat's ``logprobs.content``) list exactly the tokens whose text is returned:
+not the end-of-text token, not the tokens that only make up a stop string (a token straddling
+the cut, whose text begins before it, is listed whole), and in a chat reply not the
+whitespace-only tokens before its first visible character. Streamed, each chunk carries the
+tokens whose text begins in it, so the chunks join to the whole response's lists. The usage's
+``completion_tokens`` counts every token generated, listed or not (as OpenAI counts them).
 
 Bad requests are answered with OpenAI error JSON and a 4xx status, never a 500 (see
 `tinylm.serve.protocol`); a body larger than ``max_body_bytes`` gets 413 before it is read in
 full. With ``api_key`` set, the API (everything but the page, its files and /health) answers 401
-unless the request carries ``Authorization: Bearer <key>``, as the OpenAI clients send it.
+unless the request carries ``Authorization: Bearer <key>``, as the OpenAI clients send it (the
+scheme's name in any case, RFC 7235). Tokenizing and detokenizing run in worker threads, so a
+long prompt never holds up the event loop (and the streams it serves).
 """
 
 from __future__ import annotations
@@ -112,6 +126,8 @@ def create_app(run: Any, *, model_name: str | None = None, api_key: str | None =
     """
     if api_key is not None and not api_key.strip():
         raise TinyLMError("the API key is empty: give the key clients must send, or None for no key")
+    if model_name is not None and not model_name.strip():
+        raise TinyLMError("the model name is empty: give the id clients ask for, or None for the run folder's name")
     path = getattr(run, "path", None)
     served = ServedModel(name=model_name or (Path(path).name if path else "tinylm"), model=run.model,
                    tokenizer=run.tokenizer, start_ids=list(run.start_ids), block_size=served_context(run))
@@ -137,11 +153,11 @@ def create_app(run: Any, *, model_name: str | None = None, api_key: str | None =
     async def health() -> dict[str, Any]:
         return {"status": "ok", "model": served.name, "scheduler": scheduler.stats()}
 
-    @app.get("/v1/models")
+    @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def list_models() -> dict[str, Any]:
         return {"object": "list", "data": [served.card()]}
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.api_route("/v1/models/{model_id:path}", methods=["GET", "HEAD"])
     async def retrieve_model(model_id: str) -> dict[str, Any]:
         if not model_id:  # GET /v1/models/ (a trailing slash) is the list, not a model named ""
             return await list_models()
@@ -153,6 +169,7 @@ def create_app(run: Any, *, model_name: str | None = None, api_key: str | None =
         served.check(body.model)
         body.check_unsupported()
         prompts = await run_in_threadpool(body.prompt_ids, served.tokenizer)  # a long text takes a while
+        echo = await run_in_threadpool(lambda: [served.tokenizer.decode(p) for p in prompts]) if body.echo else None
         n = body.n or 1
         if len(prompts) * n > protocol.MAX_CHOICES:
             raise APIError(400, f"{len(prompts)} prompts x n = {n} is {len(prompts) * n} completions; "
@@ -163,7 +180,6 @@ def create_app(run: Any, *, model_name: str | None = None, api_key: str | None =
         room = served.block_size - max(lengths)
         max_tokens = min(protocol.COMPLETIONS_DEFAULT_MAX_TOKENS, room) if body.max_tokens is None else body.max_tokens
         params = body.sampling_params(max_tokens)
-        echo = [served.tokenizer.decode(p) for p in prompts] if body.echo else None
         stream = _JobStream(scheduler)
         job = Job(full, params, on_event=stream.push, logprobs=body.logprobs,
                   prompt_logprobs=bool(body.echo and body.logprobs is not None), echo_from=len(served.start_ids))
@@ -194,9 +210,13 @@ def create_app(run: Any, *, model_name: str | None = None, api_key: str | None =
             text = ChatRequest(messages=body.messages).prompt()
         else:
             text = body.prompt
-        ids = (served.start_ids if body.add_special_tokens else []) + served.tokenizer.encode(text)
-        return {"tokens": ids, "count": len(ids), "max_model_len": served.block_size,
-                "token_strs": [protocol.token_string(served.tokenizer, i) for i in ids]}
+
+        def tokenized() -> dict[str, Any]:  # in a worker thread: a long text takes a while
+            ids = (served.start_ids if body.add_special_tokens else []) + served.tokenizer.encode(text)
+            return {"tokens": ids, "count": len(ids), "max_model_len": served.block_size,
+                    "token_strs": [protocol.token_string(served.tokenizer, i) for i in ids]}
+
+        return await run_in_threadpool(tokenized)
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
@@ -204,14 +224,14 @@ def create_app(run: Any, *, model_name: str | None = None, api_key: str | None =
         vocab = served.tokenizer.vocab_size
         if any(not 0 <= i < vocab for i in body.tokens):
             raise APIError(400, f"tokens must be ids in 0..{vocab - 1}", param="tokens")
-        return {"prompt": served.tokenizer.decode(body.tokens)}
+        return {"prompt": await run_in_threadpool(served.tokenizer.decode, body.tokens)}
 
     @app.post("/next_token")
     async def next_token(body: NextTokenRequest) -> dict[str, Any]:
         """The logits of the token after ``prompt`` (all of them, base64 float32 little-endian, so a page can
         apply any temperature and filter itself) and the ``top`` most likely tokens at temperature 1."""
         served.check(body.model)
-        ids = served.start_ids + served.tokenizer.encode(body.prompt)
+        ids = served.start_ids + await run_in_threadpool(served.tokenizer.encode, body.prompt)
         # the model reads the last block_size tokens; it runs beside the scheduler (inference only)
         logits = await run_in_threadpool(next_token_logits, served.model, ids)
         logits = logits[:served.tokenizer.vocab_size].cpu()  # (V,) ids the tokenizer can show
@@ -223,7 +243,7 @@ def create_app(run: Any, *, model_name: str | None = None, api_key: str | None =
                          "logit": protocol.finite(float(logits[i])),
                          "probability": float(probs[i])} for i in order]}
 
-    @app.get("/", include_in_schema=False)
+    @app.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
     async def page() -> FileResponse:
         return FileResponse(STATIC / "index.html")
 
@@ -251,6 +271,8 @@ class _JobStream:
                 if isinstance(event, JobDone):
                     return
                 if isinstance(event, JobFailed):
+                    if event.status == 503:  # the server is shutting down: nothing failed
+                        raise APIError(503, event.message, code="server_shutting_down")
                     raise APIError(event.status, f"generation failed: {event.message}")
                 yield event
 
@@ -258,7 +280,7 @@ class _JobStream:
 @dataclass
 class _Choice:
     text: str = ""
-    tokens: list[TokenLogprob] = field(default_factory=list)  # shown tokens (not a stop token)
+    tokens: list[TokenLogprob] = field(default_factory=list)  # listed tokens (their text is returned)
     unsent: list[TokenLogprob] = field(default_factory=list)  # streaming: tokens not in a chunk yet
     unsent_text: str = ""  # streaming: text not in a chunk yet
     finish_reason: str | None = None
@@ -291,11 +313,11 @@ class _Result:
         choice = self.choices[event.index]
         choice.text += event.text
         choice.unsent_text += event.text
-        if event.token is not None:
-            self.completion_tokens += 1  # a stop token was generated too: it counts, as OpenAI counts it
-            if not event.is_stop_token and self.shows(choice, event.token):
-                choice.tokens.append(event.token)
-                choice.unsent.append(event.token)
+        self.completion_tokens += event.generated  # a stop token or a stop string's tokens count, as OpenAI's do
+        for token in event.tokens:  # the tokens whose text begins in the text released so far
+            if self.shows(choice, token):
+                choice.tokens.append(token)
+                choice.unsent.append(token)
         choice.finish_reason = event.finish_reason
         return choice
 
@@ -413,6 +435,8 @@ async def _respond(request: Request, stream: _JobStream, job: Job, result: _Resu
     try:
         stream.scheduler.submit(job)
     except TinyLMError as e:
+        if stream.scheduler.closing:
+            raise APIError(503, str(e), code="server_shutting_down") from None
         raise APIError(400, str(e)) from None
     if streaming:
         return StreamingResponse(_sse_events(stream, job, result, include_usage), media_type="text/event-stream",
@@ -450,7 +474,8 @@ async def _client_gone(request: Request) -> None:
 
 
 def _sse(data: dict[str, Any] | str) -> str:
-    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
+    # ASCII: a raw U+2028, U+2029 or U+0085 in a text would be a line break to clients splitting lines by Unicode
+    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=True)}\n\n"
 
 
 async def _sse_events(stream: _JobStream, job: Job, result: _Result, include_usage: bool) -> AsyncIterator[str]:
@@ -496,6 +521,12 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = protocol.validation_message(exc.errors())
+        content_type = request.headers.get("content-type")
+        if param is None and not protocol.is_json_type(content_type or ""):
+            # FastAPI reads a body as JSON only when its Content-Type says so; curl -d sends a form's type
+            given = f"is {content_type!r}" if content_type else "is missing"
+            message = (f"the body must be JSON sent with 'Content-Type: application/json'; this request's "
+                       f"Content-Type {given}")
         return _error_response(APIError(400, message, param=param))
 
     @app.exception_handler(StarletteHTTPException)
@@ -549,13 +580,15 @@ class _APIKeyGate:
 
     def __init__(self, app: Any, key: str) -> None:
         self.app = app
-        self.expected = f"Bearer {key}".encode()
+        self.expected = key.encode()
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         path = scope.get("path", "")
         if scope["type"] == "http" and not (path in OPEN_PATHS or path.startswith(OPEN_PREFIXES)):
             given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
+            scheme, _, credentials = given.partition(b" ")
+            # the scheme's name is case-insensitive (RFC 7235): "bearer KEY" is as good as "Bearer KEY"
+            if not (scheme.lower() == b"bearer" and hmac.compare_digest(credentials.lstrip(b" "), self.expected)):
                 message = ("Incorrect API key provided" if given else
                            "You didn't provide an API key: send it as 'Authorization: Bearer KEY'")
                 error = APIError(401, message, code="invalid_api_key")

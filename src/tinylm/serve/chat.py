@@ -21,7 +21,8 @@ message per line, and the model is asked to continue the assistant's line::
   does: the whitespace-only tokens before the first visible character are left out
   (`is_blank_token`), and the first token kept is listed whole (" Hello", space included).
 - Generation stops at ``\\nUser:`` or ``\\nSystem:`` (`STOP`), the start of a line the assistant
-  should not write, besides the request's own stop strings and the end-of-text token.
+  should not write, besides the request's own stop strings and the end-of-text token. The reply's
+  logprobs end where its text does: the tokens that only make up the stop string are not listed.
 
 Nothing else is hidden: the prompt is exactly `chat_prompt(messages)`, and a completion request
 with that prompt and those stop strings gives the same text (before the leading whitespace is

@@ -3,8 +3,8 @@
 Requests are validated in pydantic's strict mode, as the OpenAI API does: ``"max_tokens": "10"``
 or ``"n": true`` is a type error, not a quiet conversion. Fields that are part of the OpenAI API
 but that tinylm does not implement (penalties, ``logit_bias``, tools, ...) are accepted at their
-neutral values and refused otherwise, so a client never gets silently different behaviour.
-Unknown fields are ignored, as many clients send a few extras.
+neutral values (0, a ``logit_bias`` of zeros) and refused otherwise, so a client never gets
+silently different behaviour. Unknown fields are ignored, as many clients send a few extras.
 
 Errors are the OpenAI shape, ``{"error": {"message", "type", "param", "code"}}``, with the
 status codes the official clients map to their exception classes (400 `BadRequestError`,
@@ -108,7 +108,7 @@ class _Sampling(_Strict):
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name) not in (None, 0):
                 raise APIError(400, f"{name} is not supported by tinylm; leave it out or set it to 0", param=name)
-        if self.logit_bias:
+        if self.logit_bias and any(bias != 0 for bias in self.logit_bias.values()):  # all zeros: no bias
             raise APIError(400, "logit_bias is not supported by tinylm; leave it out", param="logit_bias")
 
     def stop_strings(self) -> tuple[str, ...]:
@@ -269,6 +269,12 @@ def validation_message(errors: Sequence[dict[str, Any]]) -> tuple[str, str | Non
     if len(errors) > 1 and field in UNION_FIELDS:  # every member of the union failed: say what would do
         return f"{param}{where} must be {UNION_FIELDS[field]}", param
     return f"{param}{where}: {first.get('msg', 'invalid')}", param
+
+
+def is_json_type(content_type: str) -> bool:
+    """Whether a Content-Type header says JSON (``application/json``, ``application/*+json``), as FastAPI reads it."""
+    kind = content_type.split(";", 1)[0].strip().lower()
+    return kind == "application/json" or (kind.startswith("application/") and kind.endswith("+json"))
 
 
 def check_context(prompt_lengths: Sequence[int], max_tokens: int, block_size: int, what: str = "prompt") -> None:

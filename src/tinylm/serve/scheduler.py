@@ -30,9 +30,20 @@ top-k, top-p and min-p in the same step: the logits are grouped by settings and 
 is filtered and drawn with `tinylm.generate.sampling.sample` (filters work row by row, so grouping
 changes nothing). Every row draws from its own `torch.Generator`, seeded like the library's
 from the request's ``seed`` and the row's index (`make_generators(seed, rows)`, row = prompt
-index x n + sample index). So a seeded request gives the same tokens whatever else is in the
-batch, and the same as `tinylm.generate.generate` with that seed, up to float rounding between
-matrix shapes (a near-tie of two tokens could in principle break the other way).
+index x n + sample index), made on the model's device when the job is submitted (the draw
+happens where the probabilities are: a CPU generator cannot draw from CUDA tensors). So a
+seeded request gives the same tokens whatever else is in the batch, and the same as
+`tinylm.generate.generate` with that seed, up to float rounding between matrix shapes (a
+near-tie of two tokens could in principle break the other way).
+
+**Text and logprobs in step.** A row's text is released by its `TextStream` (whole characters,
+nothing that may still turn into a stop string), and its tokens' log-probabilities are released
+with it: an event lists the tokens whose text *begins* in the text released so far. A token
+whose bytes are only part of a character waits for that character. When a stop string ends the
+row, the tokens that begin at or after the cut (the ones that only make up the stop string) are
+never listed; a token straddling the cut (its text begins before it) is listed whole. A stop
+token (end of text) is never listed either. So logprobs cover exactly the returned text, streamed
+or not; every drawn token still counts as generated (`ChoiceEvent.generated`, the usage).
 
 **Context.** The scheduler never slides a window: `submit` refuses a prompt whose length plus
 ``max_new_tokens`` exceeds the model's ``block_size`` (the API answers 400 before that), so
@@ -43,7 +54,9 @@ own cache, see `tinylm.generate.cache.cache_for`) has no columns to re-align, so
 scheduler batches statically: the rows admitted together are prefilled together and decoded
 until each finishes (a finished row leaves through the cache's ``reorder``), and waiting rows
 start with the next batch. Admission is fair in the same way, and each batch is kept small
-enough that its longest prompt plus its largest ``max_new_tokens`` fits the context.
+enough that its longest prompt plus its largest ``max_new_tokens`` fits the context, and that its
+prefill's logits (rows x longest prompt x vocabulary) stay under `PREFILL_LOGITS`, the bound the
+continuous path keeps by prefilling in groups (one row always starts, whatever its size).
 
 **Cancelling.** `cancel` marks a request; its rows leave the batch before the next step, which
 frees their slots for waiting requests. The HTTP layer calls it when a client disconnects, from
@@ -57,6 +70,9 @@ library refused the settings, 500 otherwise); the other rows of the step go on. 
 anywhere else in a step (the model itself, an out-of-memory) fails the jobs in the batch,
 and the scheduler keeps serving the others waiting.
 
+**Shutting down.** `end_all` (the server calls it when it stops) fails every running and waiting
+job with status 503 before the next step, and refuses new ones; `close` stops the thread.
+
 Events go back to the caller through ``Job.on_event``, called from the scheduler's thread with
 the events of one step (the HTTP layer hands them to its event loop).
 """
@@ -67,7 +83,7 @@ import threading
 import time
 from collections import defaultdict, deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
@@ -101,16 +117,19 @@ class TokenLogprob:
 
 @dataclass(frozen=True)
 class ChoiceEvent:
-    """A row's progress in one step: its new token and the text that became certain.
+    """A row's progress in one step: the text that became certain and the tokens released with it.
 
-    ``token`` is None only for a row asked for 0 new tokens. ``finish_reason`` is set on the row's last event.
+    ``tokens``: the tokens whose text begins in the text released so far and that no earlier event
+    listed (see "Text and logprobs in step" above): often one, none while text is held back, several
+    when held-back text is released. ``generated``: tokens drawn in this step (1; 0 for a row asked
+    for 0 new tokens), listed or not. ``finish_reason`` is set on the row's last event.
     """
 
     index: int
     text: str
-    token: TokenLogprob | None
+    tokens: tuple[TokenLogprob, ...] = ()
+    generated: int = 0
     finish_reason: FinishReason | None = None
-    is_stop_token: bool = False  # the token is a stop id (end of text): its text is never shown
 
 
 @dataclass(frozen=True)
@@ -163,8 +182,9 @@ class Job:
         self.failed = False
         self.failure: JobFailed | None = None  # a failure in this step, not yet sent (see `Scheduler._fail_job`)
         self.rows_left = len(self.prompts) * self.n
-        # one generator per row, as `Engine` makes them: same seed, same tokens as the library
-        self.generators = None if params.greedy else make_generators(params.seed, self.rows_left)
+        # one generator per row, as `Engine` makes them (same seed, same tokens as the library); made by
+        # `Scheduler.submit` on the model's device
+        self.generators: list[torch.Generator] | None = None
         self.pending: deque[int] = deque(range(self.rows_left))  # rows not yet admitted, in order
         self.sampling_key = (params.temperature, params.top_k, params.top_p, params.min_p)
         self.stop_ids = set(params.stop_ids) if params.stop_ids is not None else None
@@ -180,6 +200,7 @@ class _Row:
     prompt_len: int
     stream: TextStream
     finish_reason: FinishReason | None = None
+    held: list[TokenLogprob] = field(default_factory=list)  # drawn tokens whose text is not released yet
 
     @property
     def n_new(self) -> int:
@@ -250,6 +271,7 @@ class Scheduler:
         self._admitted: list[_Row] = []
         self._thread: threading.Thread | None = None
         self._closing = False
+        self._ending: str | None = None  # set by `end_all`: the message the jobs fail with
         # counters for /health and the tests
         self.steps = 0
         self.jobs = 0
@@ -283,11 +305,27 @@ class Scheduler:
             if len(prompt) + job.params.max_new_tokens > self.block_size:
                 raise TinyLMError(f"prompt {i} has {len(prompt)} tokens; with {job.params.max_new_tokens} new ones it "
                                   f"exceeds the model's context of {self.block_size}")
+        if job.generators is None and not job.params.greedy:  # where the probabilities will be
+            job.generators = make_generators(job.params.seed, len(job.prompts) * job.n, self.device)
         with self._cond:
-            if self._closing:
+            if self.closing:
                 raise TinyLMError("the server is shutting down")
             self.jobs += 1
             self._waiting.append(job)
+            self._cond.notify_all()
+
+    @property
+    def closing(self) -> bool:
+        """Whether the scheduler takes no more jobs (`end_all` or `close` was called)."""
+        return self._closing or self._ending is not None
+
+    def end_all(self, message: str = "the server is shutting down") -> None:
+        """Fail every running and waiting job with ``message`` (status 503) before the next step; refuse new ones.
+
+        The server calls it when it shuts down, so that clients get an answer rather than a cut connection.
+        """
+        with self._cond:
+            self._ending = message
             self._cond.notify_all()
 
     def cancel(self, job: Job) -> None:
@@ -326,6 +364,9 @@ class Scheduler:
             return False
         outbox: dict[Job, list] = defaultdict(list)
         self._admitted = new_rows  # for _fail_running, until they are in the batch
+        if self._ending is not None:  # shutting down: every job gets its 503 now
+            self._fail_running(self._ending, status=503)
+            return True
         self._drop_cancelled()
         if new_rows and self.continuous:
             # the prefilled rows' caches have no room to grow: merging gives the batch its columns
@@ -375,11 +416,13 @@ class Scheduler:
         return rows
 
     def _fits_static(self, rows: list[_Row], prompt_len: int, max_new_tokens: int) -> bool:
-        """Whether a row joins a static batch without outgrowing the context: its rows are left-padded to
-        the longest prompt, and each grows by up to the largest max_new_tokens."""
+        """Whether a row joins a static batch without outgrowing the context (its rows are left-padded to
+        the longest prompt, and each grows by up to the largest max_new_tokens) or making the prefill's
+        logits (rows, longest prompt, V) exceed `PREFILL_LOGITS` (the first row always starts)."""
         longest = max([prompt_len] + [r.prompt_len for r in rows])
         most = max([max_new_tokens] + [r.job.params.max_new_tokens for r in rows])
-        return longest + most <= self.block_size
+        logits = (len(rows) + 1) * longest * self.model.config.vocab_size
+        return longest + most <= self.block_size and (not rows or logits <= PREFILL_LOGITS)
 
     def _drop_cancelled(self) -> None:
         batch = self._batch
@@ -449,7 +492,7 @@ class Scheduler:
         for row in rows:
             if row.remaining == 0:  # max_tokens = 0: nothing to draw (echo alone)
                 row.finish_reason = "length"
-                outbox[row.job].append(ChoiceEvent(row.index, row.stream.finish(), None, "length"))
+                outbox[row.job].append(ChoiceEvent(row.index, row.stream.finish(), finish_reason="length"))
         if drawing:
             self._draw([rows[b] for b in drawing], logits[drawing, -1], outbox)  # (b, V) last positions
         full_mask = torch.zeros(Bn, capacity, dtype=torch.bool, device=self.device)
@@ -507,25 +550,45 @@ class Scheduler:
         outbox.setdefault(job, [])  # so that `_deliver` sees the job
 
     def _accept(self, row: _Row, info: TokenLogprob) -> ChoiceEvent:
-        """Append a row's token; decide whether the row is done; the text it releases.
+        """Append a row's token; decide whether the row is done; the text and the tokens it releases.
 
         The rule is the generation engine's (`Engine._accept`): a stop id ends the row and its text
         is never shown; a stop string ends it with the text cut before it; the last allowed token
-        ends it with finish reason "length" and releases whatever was held back.
+        ends it with finish reason "length" and releases whatever was held back. The tokens go out
+        with their text (`_release`).
         """
         row.seq.append(info.id)
         stream = row.stream
         stop_ids = row.job.stop_ids if row.job.stop_ids is not None else {self.tokenizer.eos_id}
-        if info.id in stop_ids:
+        if info.id in stop_ids:  # never listed: its text is never shown
             row.finish_reason = "stop"
-            return ChoiceEvent(row.index, stream.finish(), info, "stop", is_stop_token=True)
+            piece = stream.finish()
+            return ChoiceEvent(row.index, piece, self._release(row, everything=True), 1, "stop")
+        row.held.append(info)
         piece = stream.push(info.id)
         if stream.stopped_by is not None:
             row.finish_reason = "stop"
         elif row.remaining == 0:
             row.finish_reason = "length"
             piece += stream.finish()
-        return ChoiceEvent(row.index, piece, info, row.finish_reason)
+        return ChoiceEvent(row.index, piece, self._release(row, everything=row.finish_reason == "length"), 1,
+                           row.finish_reason)
+
+    @staticmethod
+    def _release(row: _Row, everything: bool) -> tuple[TokenLogprob, ...]:
+        """The held tokens whose text begins in the row's released text (all of them when the whole text was
+        released); once the row is done, the rest are dropped (they only make up a stop string)."""
+        if everything:
+            released, row.held = row.held, []
+        else:
+            shown = len(row.stream.text)
+            k = 0
+            while k < len(row.held) and row.held[k].offset < shown:  # offsets never decrease
+                k += 1
+            released, row.held = row.held[:k], row.held[k:]
+        if row.finish_reason is not None:
+            row.held = []
+        return tuple(released)
 
     def _top_logprobs(self, rows: list[_Row], logits: Tensor) -> dict[int, tuple[tuple[int, float], ...]]:
         """For rows that asked for alternatives: the k most likely tokens and their log-probabilities."""
@@ -621,16 +684,24 @@ class Scheduler:
         except Exception:  # the receiver is gone (its event loop closed): nobody is listening any more
             job.cancelled = True
 
-    def _fail_running(self, message: str) -> None:
-        """Fail every job with a row in the batch or being admitted; drop their rows, waiting ones too."""
+    def _fail_running(self, message: str, status: int = 500) -> None:
+        """Fail every job with a row in the batch or being admitted; drop their rows, waiting ones too.
+
+        With status 503 (shutting down, `end_all`), every waiting job fails as well.
+        """
         batch, self._batch = self._batch, None
         rows = (batch.rows if batch is not None else []) + self._admitted
         self._admitted = []
+        jobs = list(dict.fromkeys(r.job for r in rows))  # in order, once each
         with self._cond:
-            for job in {r.job for r in rows}:
+            if status == 503:
+                jobs += [job for job in self._waiting if job not in jobs]
+                self._waiting.clear()
+            for job in jobs:
                 job.failed = True
                 job.failure = None  # sent here; the step's outbox is dropped
                 if job in self._waiting:
                     self._waiting.remove(job)
-        for job in {r.job for r in rows}:
-            self._send(job, [JobFailed(message)])
+        for job in jobs:
+            if not job.cancelled:
+                self._send(job, [JobFailed(message, status)])

@@ -8,19 +8,56 @@ says otherwise (and then ``--api-key`` is worth setting).
 
 The API key comes from ``--api-key``, else from ``$TINYLM_API_KEY`` (unset or empty: no key).
 An empty ``--api-key ""`` is refused rather than read as "no key": it would silently switch
-off a key set in the environment.
+off a key set in the environment; so is a ``$TINYLM_API_KEY`` of spaces alone (a key no client
+could send), and an empty ``--model-name``.
+
+**Shutting down** (Ctrl+C, SIGTERM): the server stops taking connections and lets the requests
+in flight finish for up to ``graceful_timeout`` seconds (uvicorn's graceful shutdown). Shortly
+before that time runs out (`graceful_server`), the generations still running are ended
+(`Scheduler.end_all`): a client waiting for a whole response gets a 503 "the server is shutting
+down" in OpenAI's error JSON, a stream gets that error as a chunk, then ``[DONE]``. Left to
+uvicorn, they would be cancelled: a plain-text 500, a stream cut short, tracebacks in the log.
 """
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import os
 import socket
+from collections.abc import Callable
 from typing import Any
 
 from tinylm.errors import TinyLMError
 
 API_KEY_ENV = "TINYLM_API_KEY"
+GRACEFUL_TIMEOUT = 5.0  # seconds the requests in flight may run on once the server is asked to stop
+END_MARGIN = 1.0  # end the generations this long before the graceful timeout, so that their answers go out
+
+
+def graceful_server(config: Any, end_all: Callable[[], None]) -> Any:
+    """A `uvicorn.Server` for ``config`` that calls ``end_all`` (from the event loop) when a shutdown has waited
+    ``config.timeout_graceful_shutdown`` less `END_MARGIN` seconds (at most half of it) for the requests in flight.
+
+    Uvicorn would cancel the requests still running at the timeout; ending their generations first lets every
+    handler answer (503, or an error chunk) and its connection close before then.
+    """
+    import uvicorn
+
+    class GracefulServer(uvicorn.Server):
+        async def shutdown(self, sockets: Any = None) -> None:
+            grace = self.config.timeout_graceful_shutdown
+            timer = None
+            if grace is not None:
+                wait = max(0.0, grace - min(END_MARGIN, grace / 2))
+                timer = asyncio.get_running_loop().call_later(wait, end_all)
+            try:
+                await super().shutdown(sockets)
+            finally:
+                if timer is not None:
+                    timer.cancel()
+
+    return GracefulServer(config)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -51,10 +88,12 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 def serve(run_dir: str | os.PathLike, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
           model_name: str | None = None, max_batch_size: int = 32, batch_window: float = 0.002,
-          checkpoint: str = "best", device: str = "cpu", log_level: str = "info") -> None:
+          checkpoint: str = "best", device: str = "cpu", log_level: str = "info",
+          graceful_timeout: float = GRACEFUL_TIMEOUT) -> None:
     """Serve the run in ``run_dir`` until interrupted (Ctrl+C): the OpenAI API under /v1, the playground at /.
 
-    ``port`` 0 takes any free port (the line printed at start says which).
+    ``port`` 0 takes any free port (the line printed at start says which). ``graceful_timeout``: how long a
+    shutdown waits for the requests in flight (see the module docstring).
     """
     try:
         import uvicorn
@@ -73,7 +112,8 @@ def serve(run_dir: str | os.PathLike, *, host: str = "127.0.0.1", port: int = 80
     shown = f"[{bound_host}]" if ":" in bound_host else bound_host
     print(f"serving {run_dir} as '{app.state.model.name}' at http://{shown}:{bound_port} "
           f"(OpenAI API under /v1, playground at /; Ctrl+C stops)", flush=True)
-    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5))
+    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=graceful_timeout)
+    server = graceful_server(config, app.state.scheduler.end_all)
     server.run(sockets=[sock])
 
 
@@ -86,7 +126,14 @@ def cmd_serve(args: Any) -> int:
     if args.api_key is not None and not args.api_key.strip():
         raise TinyLMError(f"--api-key is empty: give the key clients must send, or leave the flag out "
                           f"(then ${API_KEY_ENV} is used if set)")
-    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
+    if args.model_name is not None and not args.model_name.strip():
+        raise TinyLMError("--model-name is empty: give the id clients ask for, or leave the flag out "
+                          "(then the run folder's name is used)")
+    env_key = os.environ.get(API_KEY_ENV)
+    if args.api_key is None and env_key and not env_key.strip():
+        raise TinyLMError(f"${API_KEY_ENV} holds only spaces: set it to the key clients must send, or unset it "
+                          f"(or set it empty) to serve without a key")
+    api_key = args.api_key if args.api_key is not None else env_key or None
     serve(args.run, host=args.host, port=args.port, api_key=api_key, model_name=args.model_name,
           max_batch_size=args.max_batch_size, batch_window=args.batch_window_ms / 1000,
           checkpoint=args.checkpoint, device=args.device, log_level=args.log_level)

@@ -55,7 +55,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from tinylm.atomic import atomic_write_text
-from tinylm.config import Config, TrainConfig, dump_toml
+from tinylm.config import FAMILY_NAMES, Config, TrainConfig, dump_toml
 from tinylm.data.corpora import load_corpus
 from tinylm.data.shards import META_FILE, ShardSet, prepare
 from tinylm.errors import TinyLMError
@@ -396,11 +396,16 @@ def train(
     if resume and init_from is not None:
         raise TinyLMError("--resume continues a run from its own checkpoint; --init-from starts a new one: choose one")
     out = Path(out_dir)
+    data_dir = (config.train.data_dir if config is not None else None)
+    if data_dir is not None and Path(data_dir).resolve() == out.resolve():
+        raise TinyLMError(f"--data-dir and --out are the same folder ({out}); keep the shards apart from the run "
+                          "(e.g. --data-dir data/NAME)")
     if resume and config is not None and (out / CONFIG_FILE).is_file():
         theirs = _family(None, out)
         if theirs != config.model.family:
-            raise TinyLMError(f"{out} is a run of a {theirs} model, not {config.model.family}; resume it with its "
-                              f"own settings (drop --model), or start a {config.model.family} run in another --out")
+            raise TinyLMError(f"{out} is a run of {FAMILY_NAMES[theirs]} model, not {FAMILY_NAMES[config.model.family]} "
+                              "one; resume it with its own settings (drop --model), or start the new run in another "
+                              "--out")
     if _family(config, out) == "ngram":
         from tinylm.train.ngram import count_ngram  # counting, not gradient descent
 
@@ -530,8 +535,11 @@ class _Trainer:
             self.config, model=dataclasses.replace(self.config.model, vocab_size=self.tokenizer.vocab_size))
         self.tc = self.config.train
         if init is not None:
-            # the same network, except that dropout may change for fine-tuning
-            theirs = dataclasses.replace(init.config.model, dropout=self.config.model.dropout)
+            # the same network, except that dropout and bptt may change for fine-tuning
+            # (truncated BPTT changes how gradients flow, not the weights)
+            same_family = init.config.model.family == self.config.model.family
+            theirs = dataclasses.replace(init.config.model, dropout=self.config.model.dropout,
+                                         bptt=self.config.model.bptt if same_family else init.config.model.bptt)
             diffs = config_differences(Config(theirs, self.tc), self.config)
             if diffs:
                 raise TinyLMError(f"--init-from {init.path}: that checkpoint is of another model "
@@ -840,8 +848,9 @@ class _Trainer:
     def _eval_line(self, step: int, val: EvalResult) -> str:
         scope = (f"{val.tokens:,} of {self.shards.num_tokens('val'):,} tokens, bytes prorated" if val.prorated
                  else f"the whole validation split, {val.tokens:,} tokens")
+        unknown = f"; {val.unknown_tokens:,} <unk> tokens charged 8 bits a byte" if val.unknown_tokens else ""
         return (f"step {step}: val loss {val.loss:.4f}, perplexity {val.perplexity:.2f}, "
-                f"{val.bits_per_byte:.4f} bits per byte ({scope})")
+                f"{val.bits_per_byte:.4f} bits per byte ({scope}{unknown})")
 
     def _elapsed(self) -> float:
         return self.elapsed_before + time.perf_counter() - self.started

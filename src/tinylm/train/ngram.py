@@ -28,7 +28,16 @@ from tinylm.evaluate import evaluate_model, split_text
 from tinylm.generate.engine import Engine
 from tinylm.generate.sampling import SamplingParams
 from tinylm.model import NGramLM, NGramModel
-from tinylm.run import CONFIG_FILE, METRICS_FILE, NGRAM_FILE, TOKENIZER_FILE, start_ids, write_metrics, write_run_info
+from tinylm.run import (
+    CONFIG_FILE,
+    METRICS_FILE,
+    NGRAM_FILE,
+    TOKENIZER_FILE,
+    generation_excluded,
+    start_ids,
+    write_metrics,
+    write_run_info,
+)
 from tinylm.train.loop import RunResult, check_new_run_folder, clear_run_folder, data_info, prepare_data
 
 
@@ -47,6 +56,9 @@ def count_ngram(
                           "count it again with --force")
     if init_from is not None:
         raise TinyLMError("--init-from starts from a network's weights; an n-gram model has counts, not weights")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise TinyLMError("an n-gram model is counted in one pass by one process (in seconds); run it without "
+                          "torchrun")
     out = Path(out_dir)
     mc, tc = config.model, config.train
     check_new_run_folder(out, force)
@@ -80,6 +92,9 @@ def count_ngram(
                          "sample": sample, "elapsed": elapsed})
     log(f"validation: loss {val.loss:.4f}, perplexity {val.perplexity:.2f}, {val.bits_per_byte:.4f} bits per byte "
         f"(the whole validation split, {val.tokens:,} tokens)")
+    if val.unknown_tokens:
+        log(f"  ({val.unknown_tokens:,} <unk> tokens stand for {val.unknown_bytes:,.0f} bytes the tokenizer cannot "
+            "spell: bits per byte charges them 8 bits each)")
     log(f"model: {out / NGRAM_FILE}")
     if tc.sample_tokens:
         log(f"sample ({tc.sample_tokens} tokens at most, temperature {tc.sample_temperature:g}"
@@ -96,6 +111,7 @@ def _sample(ngram: NGramModel, config: Config, tokenizer) -> str:
         return ""
     params = SamplingParams(max_new_tokens=tc.sample_tokens, temperature=tc.sample_temperature,
                             top_k=tc.sample_top_k or None, seed=tc.seed)
-    (completion,) = Engine(NGramLM(ngram, config.model), params, tokenizer).generate(
+    model = NGramLM(ngram, config.model, never=generation_excluded(tokenizer))
+    (completion,) = Engine(model, params, tokenizer).generate(
         [start_ids(config, tokenizer)])
     return completion.text

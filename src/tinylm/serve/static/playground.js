@@ -36,21 +36,30 @@ async function errorMessage(response) {
   }
 }
 
-function setStatus(text, state) {
+// ``source`` says what an error came from ("server": loading the model or the chart, "max-tokens",
+// "generate"), so that the success of the same thing can clear it (clearError) and nothing else does.
+function setStatus(text, state, source = "") {
   statusLine.textContent = text;
   statusLine.dataset.state = state;
+  statusLine.dataset.source = source;
+}
+
+// What failed before (the server refused a wrong API key, say) went through now: its error is old news.
+function clearError(source) {
+  if (statusLine.dataset.state === "error" && statusLine.dataset.source === source) setStatus("", "idle");
 }
 
 async function loadModel() {
   const response = await fetch("/v1/models", { headers: headers() });
   if (!response.ok) {
-    setStatus(await errorMessage(response), "error");
+    setStatus(await errorMessage(response), "error", "server");
     return;
   }
   const body = await response.json();
   modelName = body.data[0].id;
   contextLength = body.data[0].max_model_len;
   $("model-name").textContent = modelName + " (context " + contextLength + " tokens)";
+  clearError("server");
 }
 
 // ----- the chart --------------------------------------------------------------------------------------
@@ -155,11 +164,12 @@ async function refreshChart() {
   });
   if (ticket !== chartRequest) return; // the cursor moved on meanwhile
   if (!response.ok) {
-    setStatus(await errorMessage(response), "error");
+    setStatus(await errorMessage(response), "error", "server");
     return;
   }
   const body = await response.json();
   current = { logits: decodeLogits(body.logits), top: body.top, text };
+  clearError("server");
   drawChart();
 }
 
@@ -184,11 +194,26 @@ async function roomForTokens(wanted) {
   return Math.min(wanted, room);
 }
 
+// The max-tokens box as a number, or null (with the box marked invalid) when it is not a whole number >= 1.
+function maxTokens() {
+  const box = $("max-tokens");
+  const text = box.value.trim();
+  const ok = /^[0-9]+$/.test(text) && parseInt(text, 10) >= 1;
+  box.setAttribute("aria-invalid", ok ? "false" : "true");
+  return ok ? parseInt(text, 10) : null;
+}
+
 async function generate() {
   const s = settings();
+  const wanted = maxTokens();
+  if (wanted === null) {
+    setStatus("max tokens must be a whole number of at least 1", "error", "max-tokens");
+    $("max-tokens").focus();
+    return;
+  }
   const request = {
     model: modelName, prompt: promptBox.value, stream: true,
-    max_tokens: parseInt($("max-tokens").value, 10) || 64,
+    max_tokens: wanted,
     temperature: s.temperature,
   };
   if (s.topK > 0) request.top_k = s.topK;
@@ -236,7 +261,7 @@ async function generate() {
     setStatus("done (" + (finish === "stop" ? "the model stopped" : request.max_tokens + " tokens") + ")", "done");
   } catch (e) {
     if (e.name === "AbortError") setStatus("stopped", "done");
-    else setStatus(e.message, "error");
+    else setStatus(e.message, "error", "generate");
   } finally {
     streaming = null;
     $("generate").disabled = false;
@@ -262,6 +287,7 @@ showValue("top-k", (v) => (v > 0 ? String(v) : "off"));
 showValue("top-p", (v) => (v < 1 ? String(v) : "off"));
 for (const event of ["input", "click", "keyup", "select"]) promptBox.addEventListener(event, scheduleChart);
 $("generate").addEventListener("click", generate);
+$("max-tokens").addEventListener("input", () => { if (maxTokens() !== null) clearError("max-tokens"); });
 $("stop").addEventListener("click", () => streaming && streaming.abort());
 $("api-key").value = localStorage.getItem("tinylm-api-key") || "";
 $("api-key").addEventListener("change", () => {
