@@ -146,3 +146,10 @@ def test_console_script_entry_point():
 
     (ep,) = [ep for ep in entry_points(group="console_scripts") if ep.name == "tinylm"]
     assert ep.value == "tinylm.cli:main"
+
+
+def test_an_unknown_flag_points_at_its_own_subcommand_help():
+    proc = subprocess.run([sys.executable, "-m", "tinylm", "train", "--tie-embeddings", "false"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "tinylm train: error: unrecognized arguments: false (see `tinylm train --help`)"

@@ -583,7 +583,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_tokenizer_training_flags(p, vocab_default=4096)
     p.add_argument("--out", required=True, help="where to save the tokenizer (JSON)")
     p.add_argument("--force", action="store_true", help="overwrite --out if it exists")
-    p.set_defaults(func=cmd_tokenizer_train)
+    p.set_defaults(func=cmd_tokenizer_train, parser=p)
 
     def add_input(p: argparse.ArgumentParser) -> None:
         p.add_argument("--tokenizer", required=True, help="a tinylm tokenizer JSON file")
@@ -601,19 +601,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-special", action="store_true",
                    help="treat special-token text such as <|eos|> in the input as the special token "
                    "(default: it is plain text)")
-    p.set_defaults(func=cmd_tokenizer_encode)
+    p.set_defaults(func=cmd_tokenizer_encode, parser=p)
 
     p = tsub.add_parser("decode", help="decode ids to text",
                         description="Decode token ids (arguments or whitespace-separated on stdin) to text.")
     p.add_argument("--tokenizer", required=True, help="a tinylm tokenizer JSON file")
     p.add_argument("ids", nargs="*", help="token ids")
-    p.set_defaults(func=cmd_tokenizer_decode)
+    p.set_defaults(func=cmd_tokenizer_decode, parser=p)
 
     p = tsub.add_parser("info", help="describe a tokenizer", description="Print a tokenizer's kind, sizes, "
                         "special tokens, split pattern and fingerprint.")
     p.add_argument("--tokenizer", required=True, help="a tinylm tokenizer JSON file")
     p.add_argument("--json", action="store_true", help="print JSON")
-    p.set_defaults(func=cmd_tokenizer_info)
+    p.set_defaults(func=cmd_tokenizer_info, parser=p)
 
     p = tsub.add_parser("export", help="write a BPE tokenizer as tokenizer.json or .tiktoken",
                         description="Export a BPE tokenizer for other tools: a Hugging Face tokenizer.json "
@@ -622,7 +622,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", required=True, choices=["hf", "tiktoken"], help="hf or tiktoken")
     p.add_argument("--out", required=True, help="output file (or folder for hf: writes tokenizer.json in it)")
     p.add_argument("--force", action="store_true", help="overwrite --out if it exists")
-    p.set_defaults(func=cmd_tokenizer_export)
+    p.set_defaults(func=cmd_tokenizer_export, parser=p)
 
     p = tsub.add_parser("import", help="read a tokenizer.json or .tiktoken file into tinylm",
                         description="Import a Hugging Face tokenizer.json (byte-level BPE) or a tiktoken "
@@ -633,7 +633,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reserved", type=int, help="only for .tiktoken files, which carry no special tokens: "
                    "how many reserved tokens follow bos, eos, pad (default: 0)")
     p.add_argument("--force", action="store_true", help="overwrite --out if it exists")
-    p.set_defaults(func=cmd_tokenizer_import)
+    p.set_defaults(func=cmd_tokenizer_import, parser=p)
 
     # tinylm prepare
     p = sub.add_parser("prepare", help="tokenize a corpus into train/validation token shards",
@@ -648,7 +648,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--val-fraction", type=_fraction, default=0.1, help="share of documents for validation (default: 0.1)")
     p.add_argument("--seed", type=int, default=0, help="seed of the train/validation split (default: 0)")
     p.add_argument("--force", action="store_true", help="re-train the tokenizer and rewrite the shards")
-    p.set_defaults(func=cmd_prepare)
+    p.set_defaults(func=cmd_prepare, parser=p)
 
     # tinylm train
     p = sub.add_parser(
@@ -678,7 +678,7 @@ def build_parser() -> argparse.ArgumentParser:
                    default=argparse.SUPPRESS, help="which model to train: the Transformer (gpt, default), an LSTM or "
                    "RNN by the same loop, or an n-gram model by counting (the same as --family)")
     _add_setting_flags(p)
-    p.set_defaults(func=cmd_train)
+    p.set_defaults(func=cmd_train, parser=p)
 
     # tinylm eval
     p = sub.add_parser("eval", help="loss, perplexity and bits per byte of a trained run (any model family)",
@@ -698,7 +698,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=_positive_int, help="sequences per batch (default: the run's batch_size)")
     p.add_argument("--data-dir", help="the run's shard folder, if it has moved since training")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps (default: cpu)")
-    p.set_defaults(func=cmd_eval)
+    p.set_defaults(func=cmd_eval, parser=p)
 
     # tinylm compare
     p = sub.add_parser("compare", help="evaluate several runs on the same text: a table and a bar chart",
@@ -712,7 +712,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: all; n-gram models always score all)")
     p.add_argument("--plot", default="compare.png", metavar="PATH", help="the bar chart (default: compare.png)")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps (default: cpu)")
-    p.set_defaults(func=cmd_compare)
+    p.set_defaults(func=cmd_compare, parser=p)
 
     # tinylm sample / next-token
     p = sub.add_parser("sample", help="generate text from a trained run",
@@ -742,7 +742,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stream", action="store_true", help="print the text as it is generated (one prompt, one sample)")
     p.add_argument("--num-beams", type=_positive_int, default=1, metavar="N",
                    help="beam search with this many beams instead of sampling (default: 1, no beam search)")
-    p.set_defaults(func=cmd_sample)
+    p.set_defaults(func=cmd_sample, parser=p)
 
     p = sub.add_parser("next-token", help="show the most likely next tokens after a prompt",
                        description="Print the model's top candidates for the token after --prompt, with their "
@@ -754,7 +754,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the temperature of the probabilities (default: 1.0)")
     p.add_argument("--temperatures", metavar="T1,T2,...",
                    help="show the probabilities at several temperatures side by side, e.g. 0.5,1,2")
-    p.set_defaults(func=cmd_next_token)
+    p.set_defaults(func=cmd_next_token, parser=p)
 
     # tinylm serve
     p = sub.add_parser("serve", help="serve a trained run: an OpenAI-compatible API and a web playground",
@@ -778,7 +778,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=_positive_int, metavar="N", help="PyTorch CPU threads (default: PyTorch's choice)")
     p.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"], default="info",
                    help="the server's log level; info logs every request (default: info)")
-    p.set_defaults(func=cmd_serve)
+    p.set_defaults(func=cmd_serve, parser=p)
 
     # tinylm export / import
     p = sub.add_parser("export", help="write a trained run for transformers (hf) or llama.cpp (gguf)",
@@ -791,7 +791,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", choices=["best", "latest"], default="best", help="which checkpoint (default: best)")
     p.add_argument("--dtype", choices=["f32", "f16"], help="gguf tensor type (default: f32)")
     p.add_argument("--force", action="store_true", help="overwrite --out if it exists")
-    p.set_defaults(func=cmd_export)
+    p.set_defaults(func=cmd_export, parser=p)
 
     p = sub.add_parser("import", help="turn a local Hugging Face GPT-2 or Llama checkpoint into a tinylm run",
                        description="Import a local transformers checkpoint (config.json, model.safetensors, "
@@ -800,7 +800,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--from", dest="source", required=True, help="the Hugging Face model folder")
     p.add_argument("--out", required=True, help="the run folder to create")
     p.add_argument("--force", action="store_true", help="replace --out if it is an existing tinylm run")
-    p.set_defaults(func=cmd_import)
+    p.set_defaults(func=cmd_import, parser=p)
 
     return parser
 
@@ -815,7 +815,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     warnings.showwarning = _one_line_warning
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # said by the subcommand's parser, so the hint is `tinylm train --help`, not `tinylm --help`
+        getattr(args, "parser", parser).error(f"unrecognized arguments: {' '.join(extra)}")
     func: Callable[[argparse.Namespace], int] = getattr(args, "func", _show_help(parser))
     try:
         return func(args)
