@@ -381,7 +381,9 @@ def _train_config(args: argparse.Namespace):
             raise TinyLMError(f"{args.out} is a run of {FAMILY_NAMES[theirs]} model, not {FAMILY_NAMES[wanted]} one; "
                               f"resume it with its own settings (drop --model), or start the new run in another --out")
     else:
-        base = load_preset(args.preset or "tiny") if (args.preset or not args.config) else {}
+        # `--model lstm` alone starts from the lstm preset (the tiny run's data, a tuned LSTM)
+        default = "lstm" if settings.get("model.family") == "lstm" else "tiny"
+        base = load_preset(args.preset or default) if (args.preset or not args.config) else {}
         init_config = Path(args.init_from or "") / "config.toml"
         if args.init_from and not (args.preset or args.config) and init_config.is_file():
             # fine-tuning: the model is the one being started from; the [train] settings are tiny's

@@ -18,17 +18,26 @@ from tinylm.config import (
 )
 from tinylm.errors import TinyLMError
 from tinylm.explain.accounting import count_params
-from tinylm.model import GPT
+from tinylm.model import build_model
 
 
 def meta_param_count(config: GPTConfig) -> int:
     with torch.device("meta"):  # shapes only: builds GPT-2 in milliseconds without allocating 500 MB
-        model = GPT(config)
+        model = build_model(config)
     return sum(p.numel() for p in model.parameters())
 
 
 def test_the_promised_presets_exist():
-    assert {"tiny", "small", "medium", "gpt2-124m", "llama"} <= set(list_presets())
+    assert {"tiny", "small", "medium", "gpt2-124m", "llama", "lstm"} <= set(list_presets())
+
+
+def test_the_lstm_preset_is_the_tiny_run_with_a_recurrent_model():
+    tiny, lstm = resolve_config(preset="tiny"), resolve_config(preset="lstm")
+    assert (lstm.model.family, lstm.model.n_layer, lstm.model.d_model, lstm.train.lr) == ("lstm", 2, 256, 1e-2)
+    # the same data and budget as the default run, so the two compare on the same footing
+    for key in ("corpus", "tokenizer_kind", "tokenizer_vocab_size", "batch_size", "max_tokens"):
+        assert getattr(lstm.train, key) == getattr(tiny.train, key)
+    assert lstm.model.block_size == tiny.model.block_size
 
 
 @pytest.mark.parametrize("name", list_presets())

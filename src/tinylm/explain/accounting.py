@@ -79,7 +79,12 @@ def param_breakdown(config: GPTConfig) -> dict[str, int]:
 
 
 def count_params(config: GPTConfig) -> int:
-    """The number of parameters of ``GPT(config)``, a tied head counted once."""
+    """The number of parameters of ``GPT(config)`` (or of the recurrent model a lstm/rnn config describes),
+    a tied head counted once."""
+    if config.family in ("rnn", "lstm"):
+        from tinylm.model.rnn import count_recurrent_params
+
+        return count_recurrent_params(config)
     return sum(param_breakdown(config).values())
 
 
