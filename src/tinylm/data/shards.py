@@ -384,6 +384,7 @@ class ShardSet:
         self.reused = reused
         """True when `prepare` found these shards already made and did not tokenize again."""
         self._tokens: dict[str, np.ndarray] = {}
+        self._tokenizer: Tokenizer | None = None
 
     @classmethod
     def open(cls, path: str | os.PathLike) -> ShardSet:
@@ -431,8 +432,10 @@ class ShardSet:
         return int(self.meta["tokenizer"]["eos_id"])
 
     def tokenizer(self) -> Tokenizer:
-        """The tokenizer whose ids these shards hold."""
-        return load_tokenizer(self.path / self.meta["tokenizer"]["file"])
+        """The tokenizer whose ids these shards hold (read once; every evaluation asks for it)."""
+        if self._tokenizer is None:
+            self._tokenizer = load_tokenizer(self.path / self.meta["tokenizer"]["file"])
+        return self._tokenizer
 
     def num_tokens(self, split: str) -> int:
         return int(self._split_meta(split)["tokens"])
