@@ -35,35 +35,27 @@ import torch
 from torch import Tensor, nn
 
 from tinylm.errors import TinyLMError
+from tinylm.model.cursor import CacheCursor
 
 
-class StaticKVCacheLayer:
-    """One layer's keys and values, (B, n_kv, max_len, hs) each, filled from the left."""
+class StaticKVCacheLayer(CacheCursor):
+    """One layer's keys and values, (B, n_kv, max_len, hs) each, filled from the left; ``length`` stored."""
 
     def __init__(self, batch: int, n_kv_head: int, max_len: int, head_dim: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+        super().__init__(max_len)
         self.k = torch.zeros(batch, n_kv_head, max_len, head_dim, dtype=dtype, device=device)
         self.v = torch.zeros(batch, n_kv_head, max_len, head_dim, dtype=dtype, device=device)
-        self._length = 0
-
-    @property
-    def length(self) -> int:
-        """How many positions are stored."""
-        return self._length
-
-    @property
-    def max_len(self) -> int:
-        return self.k.size(2)
 
     def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Store the new keys and values (B, n_kv, T_new, hs); return all stored ones (B, n_kv, T_k, hs)."""
-        start, end = self._length, self._length + k.size(2)
+        start, end = self.length, self.length + k.size(2)
         if end > self.max_len:
             raise TinyLMError(f"the KV cache holds {self.max_len} positions; {end} do not fit "
                               "(allocate a larger cache or start a new window)")
         self.k[:, :, start:end] = k
         self.v[:, :, start:end] = v
-        self._length = end
+        self._advance(end - start)
         # views of the filled part, no copy: (B, n_kv, end, hs)
         return self.k[:, :, :end], self.v[:, :, :end]
 
@@ -74,7 +66,7 @@ class StaticKVCacheLayer:
 
     def reset(self) -> None:
         """Forget everything (the buffers are kept and overwritten)."""
-        self._length = 0
+        self._rewind()
 
 
 def cache_for(model: nn.Module, batch: int, max_len: int):

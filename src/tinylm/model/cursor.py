@@ -2,9 +2,9 @@
 
 The engine (`tinylm.generate.engine`) asks a cache for ``length`` (positions read so far) and
 ``max_len`` (the window it may fill before the engine starts a new one). A Transformer's
-`KVCache` stores keys and values for each position; the caches of the other families store a
-fixed-size summary of the past instead (an RNN's state, an n-gram's last tokens) and subclass
-`CacheCursor` for the counting.
+cache layers (`tinylm.generate.cache.StaticKVCacheLayer`) store keys and values for each
+position; the other families store a fixed-size summary of the past instead (an RNN's state, an
+n-gram's last tokens). All of them subclass `CacheCursor` for the counting.
 """
 
 from __future__ import annotations
