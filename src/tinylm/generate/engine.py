@@ -40,7 +40,7 @@ up to the one that completed it are kept in ``token_ids``), or after ``max_new_t
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Container, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -133,6 +133,24 @@ def warn_window(block_size: int, keep: int) -> None:
         f"{keep} tokens and reading them afresh (older text is no longer seen)",
         stacklevel=3,
     )
+
+
+def accept_token(stream: TextStream | None, token: int, stop_ids: Container[int],
+                 last_step: bool) -> tuple[str, FinishReason | None, int | str | None]:
+    """The stopping rule (module docstring), for one new token of one sample: (text released, finish reason, stop).
+
+    A stop id ends the sample and its own text is never shown; a stop string ends it with the text
+    cut before it; the last allowed token ends it with "length" and releases whatever the stream
+    held back. Otherwise the finish reason is None. The engine and the server both decide by it.
+    """
+    if token in stop_ids:
+        return (stream.finish() if stream else ""), "stop", token
+    piece = stream.push(token) if stream else ""
+    if stream is not None and stream.stopped_by is not None:
+        return piece, "stop", stream.stopped_by
+    if last_step:
+        return piece + (stream.finish() if stream else ""), "length", None
+    return piece, None, None
 
 
 def left_pad(windows: Sequence[Sequence[int]], device: torch.device | str = "cpu") -> tuple[Tensor, Tensor]:
@@ -276,17 +294,9 @@ class Engine:
         """Record a row's new token; decide whether the row is done; the text it releases."""
         row.tokens.append(token)
         row.logprobs.append(logprob)
-        stream = row.stream
-        if token in self.stop_ids:
-            row.finish_reason, row.stop = "stop", token
-            piece = stream.finish() if stream else ""  # the stop token's own text is never shown
-        else:
-            piece = stream.push(token) if stream else ""
-            if stream is not None and stream.stopped_by is not None:
-                row.finish_reason, row.stop = "stop", stream.stopped_by
-            elif last_step:
-                row.finish_reason = "length"
-                piece += stream.finish() if stream else ""
+        piece, reason, stop = accept_token(row.stream, token, self.stop_ids, last_step)
+        if reason is not None:
+            row.finish_reason, row.stop = reason, stop
         return TokenEvent(r, token, logprob, piece, row.finish_reason)
 
     def _start_window(self, rows: list[_Row], first: bool = False) -> Tensor:

@@ -90,7 +90,7 @@ from torch import Tensor, nn
 
 from tinylm.errors import TinyLMError
 from tinylm.generate.cache import KVCache, cache_for
-from tinylm.generate.engine import FinishReason, decode_one_token, left_pad
+from tinylm.generate.engine import FinishReason, accept_token, decode_one_token, left_pad
 from tinylm.generate.sampling import SamplingParams, make_generators, sample, token_logprobs
 from tinylm.generate.stream import TextStream
 from tinylm.tokenizers.base import Tokenizer
@@ -552,27 +552,20 @@ class Scheduler:
     def _accept(self, row: _Row, info: TokenLogprob) -> ChoiceEvent:
         """Append a row's token; decide whether the row is done; the text and the tokens it releases.
 
-        The rule is the generation engine's (`Engine._accept`): a stop id ends the row and its text
+        The rule is the generation engine's (`accept_token`): a stop id ends the row and its text
         is never shown; a stop string ends it with the text cut before it; the last allowed token
         ends it with finish reason "length" and releases whatever was held back. The tokens go out
         with their text (`_release`).
         """
         row.seq.append(info.id)
-        stream = row.stream
         stop_ids = row.job.stop_ids if row.job.stop_ids is not None else {self.tokenizer.eos_id}
-        if info.id in stop_ids:  # never listed: its text is never shown
-            row.finish_reason = "stop"
-            piece = stream.finish()
-            return ChoiceEvent(row.index, piece, self._release(row, everything=True), 1, "stop")
-        row.held.append(info)
-        piece = stream.push(info.id)
-        if stream.stopped_by is not None:
-            row.finish_reason = "stop"
-        elif row.remaining == 0:
-            row.finish_reason = "length"
-            piece += stream.finish()
-        return ChoiceEvent(row.index, piece, self._release(row, everything=row.finish_reason == "length"), 1,
-                           row.finish_reason)
+        stop_token = info.id in stop_ids
+        if not stop_token:  # a stop token is never listed: its text is never shown
+            row.held.append(info)
+        piece, row.finish_reason, _ = accept_token(row.stream, info.id, stop_ids, row.remaining == 0)
+        # a stop string keeps back the tokens that only make it up; a stop token or the length releases all
+        everything = stop_token or row.finish_reason == "length"
+        return ChoiceEvent(row.index, piece, self._release(row, everything=everything), 1, row.finish_reason)
 
     @staticmethod
     def _release(row: _Row, everything: bool) -> tuple[TokenLogprob, ...]:
