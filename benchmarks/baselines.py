@@ -30,8 +30,9 @@ tokenizer. Two tables are printed:
 
 Table 1 also has the neural models on the same shards, each trained by the same loop
 (`tinylm.train.train`) for the same number of training tokens (``--budget-tokens``, the default
-`tinylm train`'s 1.5M): an LSTM (``--lstm-layers`` x ``--lstm-width``, backpropagation through
-the whole 128-token window, peak learning rate ``--lstm-lr``) and the `tiny` Transformer preset. Their "build" is the training
+`tinylm train`'s 1.5M): the `lstm` preset (2 x 256 at lr 1e-2, backpropagation through the whole
+128-token window; ``--lstm-layers``, ``--lstm-width`` and ``--lstm-lr`` override it) and the `tiny`
+Transformer preset. Their "build" is the training
 time; they are scored on the whole validation split. ``--no-neural`` leaves them out.
 
 nltk is not a tinylm dependency: ``pip install nltk`` to get table 2 (it is skipped otherwise).
@@ -43,6 +44,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import math
+import re
 import statistics
 import tempfile
 import time
@@ -128,6 +130,9 @@ def ngram_rows(shards: ShardSet, max_order: int, add_k: float) -> tuple[list[Row
         models[order] = model
     best = min(rows, key=lambda r: r.bpb)
     best_order = int(best.size.removeprefix("n="))
+    with tempfile.TemporaryDirectory() as tmp:  # the saved file (deflated .npz) beside the in-memory size
+        save_s, path = timed(lambda: models[best_order].save(f"{tmp}/best.npz"))
+        best.note += f"; saved as {path.stat().st_size / 2**20:.0f} MB .npz in {save_s:.1f} s"
     for smoothing, kw, words in [("mle", {}, "maximum likelihood (no smoothing)"),
                                  ("add-k", {"k": add_k}, f"add-k, k = {add_k:g}")]:
         model = models[best_order].with_smoothing(smoothing, **kw)
@@ -139,45 +144,39 @@ def ngram_rows(shards: ShardSet, max_order: int, add_k: float) -> tuple[list[Row
     return rows, best
 
 
-def neural_rows(shards: ShardSet, tok: Tokenizer, corpus: str, folder: str, budget: int, lstm_layers: int,
-                lstm_width: int, lstm_lr: float) -> list[Row]:
-    """An LSTM and the tiny Transformer, trained by `tinylm.train.train` for ``budget`` tokens on these shards."""
+def neural_rows(shards: ShardSet, tok: Tokenizer, corpus: str, folder: str, budget: int,
+                lstm: dict[str, Any]) -> list[Row]:
+    """The lstm and tiny presets, trained by `tinylm.train.train` for ``budget`` tokens on these shards.
+
+    ``lstm``: settings that override the lstm preset's model (n_layer, d_model, lr).
+    """
     from tinylm.config import resolve_config
-    from tinylm.evaluate import evaluate_run
+    from tinylm.evaluate import evaluate_model, split_text
+    from tinylm.run import load_run
     from tinylm.train import train
 
     tok_path = f"{folder}/tokenizer.json"
     tok.save(tok_path)
     common = {"corpus": corpus, "tokenizer": tok_path, "data_dir": str(shards.path), "max_tokens": budget,
               "sample_tokens": 0, "eval_interval": 10**9}
-    setups = [
-        ("tinylm LSTM", f"LSTM {lstm_layers} x {lstm_width}, BPTT over the window",
-         {"family": "lstm", "n_layer": lstm_layers, "d_model": lstm_width, "lr": lstm_lr}),
-        ("tinylm GPT", "tiny preset: 4 x 192, RoPE, SwiGLU", {}),
-    ]
     rows = []
-    for name, words, model in setups:
-        config = resolve_config(preset="tiny", overrides={**common, **model})
-        out = f"{folder}/{name.split()[-1].lower()}"
-        result = train(config, out, progress=False, log=lambda line: None)
-        val = evaluate_run(out)
-        n_params = sum(p.numel() for p in {id(p): p for p in _model(out).parameters()}.values())
+    for name, preset, overrides in [("tinylm LSTM", "lstm", lstm), ("tinylm GPT", "tiny", {})]:
+        config = resolve_config(preset=preset, overrides={**common, **overrides})
+        out = f"{folder}/{preset}"
+        lines: list[str] = []
+        result = train(config, out, progress=False, log=lines.append)
+        run = load_run(out)
+        val = evaluate_model(run.model, split_text(shards, "val"), run.tokenizer,
+                             block_size=run.config.model.block_size, batch_size=run.config.train.batch_size)
+        mc = run.config.model
+        words = (f"LSTM {mc.n_layer} x {mc.d_model}, lr {config.train.lr:g}" if mc.family == "lstm"
+                 else f"{preset} preset: {mc.n_layer} x {mc.d_model}, lr {config.train.lr:g}")
+        n_params = sum(p.numel() for p in {id(p): p for p in run.model.parameters()}.values())
+        threads = next((m.group(1) for m in map(re.compile(r"(\d+) CPU threads?").search, lines) if m), "?")
         rows.append(Row(name, words, f"{n_params / 1e6:.2f}M", result.tokens, result.elapsed, val.seconds,
                         val.tokens, val.loss, val.bits_per_byte,
-                        f"{result.tokens / result.elapsed:,.0f} tok/s training, {torch_threads()} threads"))
+                        f"{result.tokens / result.elapsed:,.0f} tok/s training on {threads} threads"))
     return rows
-
-
-def _model(run_dir: str):
-    from tinylm.run import load_run
-
-    return load_run(run_dir).model
-
-
-def torch_threads() -> int:
-    import torch
-
-    return torch.get_num_threads()
 
 
 # ----- table 2: tinylm against nltk on a subset ------------------------------------------------------
@@ -270,10 +269,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-nltk", action="store_true", help="skip the comparison with nltk")
     parser.add_argument("--no-neural", action="store_true", help="leave the LSTM and Transformer rows out")
     parser.add_argument("--budget-tokens", type=int, default=1_500_000, help="training tokens for each neural model")
-    parser.add_argument("--lstm-layers", type=int, default=2)
-    parser.add_argument("--lstm-width", type=int, default=256)
-    parser.add_argument("--lstm-lr", type=float, default=1e-2, help="the LSTM's peak learning rate (the "
-                        "Transformer keeps the tiny preset's 3e-3; each was the best of a short sweep)")
+    parser.add_argument("--lstm-layers", type=int, help="override the lstm preset's 2 layers")
+    parser.add_argument("--lstm-width", type=int, help="override the lstm preset's width 256")
+    parser.add_argument("--lstm-lr", type=float, help="override the lstm preset's peak learning rate 1e-2")
     parser.add_argument("--nltk-order", type=int, default=3)
     parser.add_argument("--nltk-train-tokens", type=int, default=100_000)
     parser.add_argument("--nltk-val-tokens", type=int, default=2_000)
@@ -295,8 +293,9 @@ def main(argv: list[str] | None = None) -> None:
 
         rows, best = ngram_rows(shards, args.max_order, args.add_k)
         if not args.no_neural:
-            rows += neural_rows(shards, tok, args.corpus, tmp, args.budget_tokens, args.lstm_layers, args.lstm_width,
-                                args.lstm_lr)
+            rows += neural_rows(shards, tok, args.corpus, tmp, args.budget_tokens, {
+                k: v for k, v in (("n_layer", args.lstm_layers), ("d_model", args.lstm_width), ("lr", args.lstm_lr))
+                if v is not None})
         title = ("1. n-gram, LSTM and Transformer on the full split: bits per byte of the validation text "
                  "(* best n-gram order)")
         print_table(title, rows, best)
