@@ -333,7 +333,8 @@ def evaluate_run(
         raise TinyLMError(f"{path} is neither a run folder nor an n-gram model file (.npz); give the folder "
                           "`tinylm train` wrote")
     if path.suffix == ".npz":
-        model, tok, block_size, batch, recorded = _ngram_file(path, data_dir, tokenizer)
+        model, tok = _ngram_file(path, data_dir, tokenizer)
+        block_size, batch, recorded = model.config.block_size, 1, None  # an n-gram scores without windows
     else:
         if tokenizer is not None:
             raise TinyLMError("--tokenizer is for a bare n-gram .npz file; a run folder evaluates with its own "
@@ -362,7 +363,7 @@ def evaluate_run(
 
 
 def _ngram_file(path: Path, data_dir: str | None, tokenizer: str | None):
-    """An n-gram model file with the tokenizer it needs: (model, tokenizer, block size, batch, data folder)."""
+    """An n-gram model file behind `NGramLM`, with the tokenizer it needs."""
     from tinylm.config import GPTConfig
     from tinylm.model import NGramLM, NGramModel
     from tinylm.tokenizers.base import load_tokenizer
@@ -383,4 +384,4 @@ def _ngram_file(path: Path, data_dir: str | None, tokenizer: str | None):
         raise TinyLMError(f"{path} was counted with another tokenizer ({ngram.vocab_size} tokens) than the one given "
                           f"({tok.vocab_size} tokens)")
     config = GPTConfig(family="ngram", vocab_size=ngram.vocab_size, block_size=1024, order=ngram.order)
-    return NGramLM(ngram, config), tok, 1024, 32, data_dir
+    return NGramLM(ngram, config), tok
