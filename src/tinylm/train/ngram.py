@@ -74,7 +74,8 @@ def count_ngram(
         f"{', '.join(f'{len(k):,}' for k in ngram.keys)} distinct n-grams of orders 1..{mc.order}, "
         f"{ngram.nbytes / 2**20:,.0f} MB")
     # scored as `tinylm eval` scores it (an <unk> token's bytes charged too)
-    val = evaluate_model(NGramLM(ngram, mc), split_text(shards, "val"), tokenizer, block_size=mc.block_size)
+    model = NGramLM(ngram, mc, never=generation_excluded(tokenizer))  # as `load_run` gives it back
+    val = evaluate_model(model, split_text(shards, "val"), tokenizer, block_size=mc.block_size)
     elapsed = time.perf_counter() - started
 
     if force:
@@ -86,7 +87,7 @@ def count_ngram(
     final = {"loss": val.loss, "perplexity": val.perplexity, "bits_per_byte": val.bits_per_byte,
              "tokens": val.tokens, "prorated": False}
     write_metrics(out / METRICS_FILE, [{"kind": "final", "step": 0, **val.as_dict(), "elapsed": elapsed}])
-    sample = _sample(ngram, config, tokenizer)
+    sample = _sample(model, config, tokenizer)
     write_run_info(out, {"status": "complete", "step": 0, "total_steps": 0, "family": "ngram",
                          "data": data_info(shards), "train_tokens": ngram.train_tokens, "final": final,
                          "sample": sample, "elapsed": elapsed})
@@ -104,14 +105,12 @@ def count_ngram(
                      elapsed)
 
 
-def _sample(ngram: NGramModel, config: Config, tokenizer) -> str:
+def _sample(model: NGramLM, config: Config, tokenizer) -> str:
     """The closing sample, drawn by the same engine and settings as a Transformer run's."""
     tc = config.train
     if not tc.sample_tokens:
         return ""
     params = SamplingParams(max_new_tokens=tc.sample_tokens, temperature=tc.sample_temperature,
                             top_k=tc.sample_top_k or None, seed=tc.seed)
-    model = NGramLM(ngram, config.model, never=generation_excluded(tokenizer))
-    (completion,) = Engine(model, params, tokenizer).generate(
-        [start_ids(config, tokenizer)])
+    (completion,) = Engine(model, params, tokenizer).generate([start_ids(config, tokenizer)])
     return completion.text
