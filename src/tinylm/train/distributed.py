@@ -22,6 +22,7 @@ How the work is split (see `tinylm.train.loop`):
 
 from __future__ import annotations
 
+import gc
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -141,11 +142,23 @@ class Distributed:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
-    def close(self) -> None:
-        """Leave the process group (only if this object joined it)."""
-        if self.initialized and dist.is_initialized():
-            dist.destroy_process_group()
-            self.initialized = False
+    def close(self, clean: bool = True) -> None:
+        """Leave the process group (only if this object joined it).
+
+        After a clean finish every process first frees what still holds the group (a sharded
+        model's hooks form reference cycles) and waits for the others at a barrier, which also
+        drains this process's pending work. Tearing gloo down with work in flight, or collecting
+        a sharded module after the group is gone, can abort the process at exit ("terminate
+        called without an active exception"), one run in many. After an error there is no
+        barrier: the other processes may never reach it.
+        """
+        if not (self.initialized and dist.is_initialized()):
+            return
+        if clean:
+            gc.collect()
+            dist.barrier()
+        dist.destroy_process_group()
+        self.initialized = False
 
 
 def wrap_model(model: torch.nn.Module, parallel: str, ctx: Distributed) -> torch.nn.Module:

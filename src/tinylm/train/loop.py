@@ -426,14 +426,17 @@ def train(
                 )
     assert config is not None
     ctx = Distributed.from_env(config.train.device)
+    clean = False
     try:
         threads = config.train.threads
         if threads is None and ctx.device.type == "cpu":
             threads = _default_cpu_threads(ctx.local_world_size)
         with _threads(threads):
-            return _Trainer(config, out, ckpt, ctx, force, init_from, stop_after, progress, log).run()
+            result = _Trainer(config, out, ckpt, ctx, force, init_from, stop_after, progress, log).run()
+        clean = True
+        return result
     finally:
-        ctx.close()
+        ctx.close(clean)
 
 
 def _family(config: Config | None, out: Path) -> str:
