@@ -58,14 +58,14 @@ _port = _number(int, "a port number from 0 (any free port) to 65535", lambda v: 
 # ----- shared flag groups ---------------------------------------------------------------------
 
 
-def _add_corpus_flags(p: argparse.ArgumentParser, default: str | None = "shakespeare") -> None:
+def _add_corpus_flags(p: argparse.ArgumentParser, default: str | None = "shakespeare", what: str = "") -> None:
     from tinylm.data.corpora import CORPORA
 
     p.add_argument(
         "--corpus",
         default=default,
-        help=f"a built-in corpus ({', '.join(CORPORA)}) or a path to a text file, a folder of text "
-        f"files, or a .jsonl file (default: {default})",
+        help=f"{what + ' ' if what else ''}a built-in corpus ({', '.join(CORPORA)}) or a path to a text file, a "
+        "folder of text files, or a .jsonl file" + (f" (default: {default})" if default else ""),
     )
     p.add_argument("--glob", help="for a folder: which files to read, e.g. '**/*.md' (default: **/*.txt)")
     p.add_argument("--text-field", default="text", help="for JSONL: the field that holds the text (default: text)")
@@ -79,8 +79,13 @@ def _add_corpus_flags(p: argparse.ArgumentParser, default: str | None = "shakesp
 
 
 def _load_corpus(args: argparse.Namespace):
+    """The corpus the corpus flags name, or None where --corpus is optional and not given."""
     from tinylm.data.corpora import load_corpus
 
+    if args.corpus is None:
+        if args.glob is not None or args.text_field != "text" or args.errors != "strict":
+            raise TinyLMError("--glob, --text-field and --errors say how to read --corpus; give --corpus too")
+        return None
     return load_corpus(args.corpus, glob=args.glob, text_field=args.text_field, errors=args.errors)
 
 
@@ -422,7 +427,7 @@ _TRANSFORMER_ONLY = {"n_head", "n_kv_head", "mlp", "d_ff", "norm", "norm_positio
                      "rope_theta", "bias", "attention", "tile_size"}
 _NGRAM_ONLY = {"order", "smoothing", "add_k"}
 _COUNTING_READS = {"model.family", "model.vocab_size", "model.block_size", "model.order", "model.smoothing",
-                   "model.add_k", "train.corpus", "train.glob", "train.text_field", "train.tokenizer",
+                   "model.add_k", "train.corpus", "train.glob", "train.text_field", "train.errors", "train.tokenizer",
                    "train.tokenizer_kind", "train.tokenizer_vocab_size", "train.tokenizer_pattern", "train.data_dir",
                    "train.val_fraction", "train.seed", "train.sample_tokens", "train.sample_temperature",
                    "train.sample_top_k", "train.device"}
@@ -485,7 +490,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.corpus and args.split != "val":
         raise TinyLMError("--split picks a split of the run's shards; --corpus evaluates on a whole corpus instead")
     result = evaluate_run(run, args.split, checkpoint=args.checkpoint, max_tokens=args.tokens or 0,
-                          batch_size=args.batch_size, data_dir=args.data_dir, corpus=args.corpus,
+                          batch_size=args.batch_size, data_dir=args.data_dir, corpus=_load_corpus(args),
                           tokenizer=args.tokenizer, device=args.device)
     scope = "bytes prorated from a subset" if result.prorated else "all of it"
     where = f"the corpus {args.corpus}" if args.corpus else f"the {args.split} split"
@@ -504,7 +509,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     if args.corpus and args.split != "val":
         raise TinyLMError("--split picks a split of each run's shards; --corpus evaluates on a whole corpus instead")
     check_plot_path(args.plot)
-    rows = compare_runs(args.runs, split=args.split, corpus=args.corpus, max_tokens=args.tokens or 0,
+    rows = compare_runs(args.runs, split=args.split, corpus=_load_corpus(args), max_tokens=args.tokens or 0,
                         device=args.device)
     print(format_table(rows))
     print(f"chart: {plot_comparison(rows, args.plot)}")
@@ -692,8 +697,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the run folder (e.g. runs/tiny-shakespeare), or an n-gram model file (.npz)")
     p.add_argument("--checkpoint", choices=["best", "latest"], default="best", help="which checkpoint (default: best)")
     p.add_argument("--split", choices=["val", "train"], default="val", help="which split (default: val)")
-    p.add_argument("--corpus", help="evaluate on this corpus instead (shakespeare, stdlib, a file, folder or .jsonl), "
-                   "tokenized with the run's tokenizer")
+    _add_corpus_flags(p, default=None, what="evaluate on this corpus instead of a split, tokenized with the run's "
+                      "tokenizer:")
     p.add_argument("--tokenizer", help="for an n-gram .npz file: the tokenizer JSON it was counted with")
     p.add_argument("--tokens", type=_positive_int, help="evaluate evenly spaced windows of about this many tokens "
                    "(default: the whole split; an n-gram model always scores all of it, in seconds)")
@@ -709,7 +714,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "the measure that is fair across tokenizers; draw the bits per byte as a bar chart (PNG).")
     p.add_argument("runs", nargs="+", metavar="RUN", help="run folders")
     p.add_argument("--split", choices=["val", "train"], default="val", help="which split (default: val)")
-    p.add_argument("--corpus", help="evaluate every run on this corpus instead of its split")
+    _add_corpus_flags(p, default=None, what="evaluate every run on this corpus instead of its split:")
     p.add_argument("--tokens", type=_positive_int, help="evaluate about this many tokens per network "
                    "(default: all; n-gram models always score all)")
     p.add_argument("--plot", default="compare.png", metavar="PATH", help="the bar chart (default: compare.png)")

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from tinylm.data.corpora import Corpus
 from tinylm.errors import TinyLMError
 from tinylm.evaluate import EvalResult, corpus_text, evaluate_model, split_text
 
@@ -47,7 +48,7 @@ def compare_runs(
     runs: Sequence[str | os.PathLike],
     *,
     split: str = "val",
-    corpus: str | None = None,
+    corpus: str | Corpus | None = None,
     max_tokens: int = 0,
     device: str = "cpu",
 ) -> list[Compared]:

@@ -61,6 +61,7 @@ NormPosition = Literal["pre", "post"]
 PositionKind = Literal["learned", "sinusoidal", "rope", "none"]
 AttentionKind = Literal["sdpa", "reference", "tiled"]
 TokenizerKind = Literal["bpe", "char", "word"]
+DecodeErrors = Literal["strict", "replace", "ignore"]
 BatchMode = Literal["packed", "documents"]
 OptimizerKind = Literal["adamw", "sgd"]
 DecayKind = Literal["cosine", "linear", "constant"]
@@ -230,6 +231,9 @@ class TrainConfig:
     glob: str | None = field(default=None, metadata=_help(
         "for a folder corpus: which files to read (default **/*.txt)"))
     text_field: str = field(default="text", metadata=_help("for a JSONL corpus: the field that holds the text"))
+    errors: DecodeErrors = field(default="strict", metadata=_help(
+        "corpus bytes that are not valid UTF-8: stop naming the file and offset (strict), replace them with "
+        "U+FFFD, or drop them (ignore)"))
     tokenizer: str | None = field(default=None, metadata=_help(
         "a tinylm tokenizer JSON file to use; unset: train one on the corpus (see tokenizer_kind)"))
     tokenizer_kind: TokenizerKind = field(default="bpe", metadata=_help("the tokenizer to train when none is given"))

@@ -60,6 +60,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from tinylm.data.corpora import Corpus, load_corpus
 from tinylm.data.shards import ShardSet
 from tinylm.errors import TinyLMError
 from tinylm.run import load_run
@@ -260,19 +261,19 @@ class EvalText:
     bytes: int  # UTF-8 bytes of the documents' text
 
 
-def corpus_text(spec: str, tokenizer: Tokenizer, *, glob: str | None = None, text_field: str = "text") -> EvalText:
-    """Any corpus `tinylm.data.load_corpus` reads, tokenized with ``tokenizer`` the way shards are."""
-    from tinylm.data.corpora import load_corpus
-
+def corpus_text(corpus: str | Corpus, tokenizer: Tokenizer) -> EvalText:
+    """Any corpus `tinylm.data.load_corpus` reads (or its name), tokenized with ``tokenizer`` the way shards are."""
+    if not isinstance(corpus, Corpus):
+        corpus = load_corpus(corpus)
     ids: list[int] = []
     n_bytes = 0
-    for text in load_corpus(spec, glob=glob, text_field=text_field).texts():
+    for text in corpus.texts():
         ids += tokenizer.encode(text)
         ids.append(tokenizer.eos_id)
         n_bytes += len(text.encode("utf-8"))
     if not ids:
-        raise TinyLMError(f"the corpus {spec} holds no text to evaluate on")
-    return EvalText(str(spec), np.asarray(ids, dtype=np.int64), n_bytes)
+        raise TinyLMError(f"the corpus {corpus.name} holds no text to evaluate on")
+    return EvalText(corpus.name, np.asarray(ids, dtype=np.int64), n_bytes)
 
 
 def split_text(shards: ShardSet, split: str) -> EvalText:
@@ -317,7 +318,7 @@ def evaluate_run(
     max_tokens: int = 0,
     batch_size: int | None = None,
     data_dir: str | None = None,
-    corpus: str | None = None,
+    corpus: str | Corpus | None = None,
     tokenizer: str | None = None,
     device: str = "cpu",
 ) -> EvalResult:
@@ -325,7 +326,8 @@ def evaluate_run(
 
     On ``split`` of the shards the run was trained on (``data_dir`` if they have moved; they must
     have been made with the run's tokenizer), or on any ``corpus`` (a name or path, as for
-    training), tokenized with the run's tokenizer. A bare n-gram file has no tokenizer of its
+    training, or a `Corpus` from `tinylm.data.load_corpus` to choose its glob, JSONL field and
+    UTF-8 error policy), tokenized with the run's tokenizer. A bare n-gram file has no tokenizer of its
     own: give ``data_dir`` (its shards carry one) or ``tokenizer`` (a tokenizer JSON file).
     """
     path = Path(run_dir)

@@ -292,3 +292,46 @@ def test_an_lstm_fine_tunes_with_another_bptt(tmp_path, runs, corpus, data_dir):
     assert proc.returncode == 0, proc.stderr
     assert load_run(tmp_path / "ft").config.model.bptt == 4
 
+
+
+def test_corpora_that_are_not_utf8_read_with_errors_in_train_eval_and_compare(tmp_path, runs, corpus):
+    """--errors (and --glob, --text-field) reach every command that reads a corpus, as in `tinylm prepare`."""
+    folder = tmp_path / "latin1"
+    folder.mkdir()
+    (folder / "a.txt").write_bytes("The king rode out.\n".encode() * 40 + b"caf\xe9 au lait\n")  # Latin-1 é
+    (folder / "b.md").write_bytes(b"my lord speak soft\n" * 40)
+    data = tmp_path / "data"
+
+    strict = run_cli("train", "--model", "ngram", "--order", "3", "--corpus", str(folder), "--data-dir", str(data),
+                     "--tokenizer-kind", "char", "--out", str(tmp_path / "strict"))
+    assert strict.returncode == 2 and "Traceback" not in strict.stderr
+    assert strict.stderr.count("\n") == 1 and "byte 0xe9" in strict.stderr and "--errors replace" in strict.stderr
+    assert not (tmp_path / "strict").exists()
+
+    replaced = run_cli("train", "--model", "ngram", "--order", "3", "--corpus", str(folder), "--errors", "replace",
+                       "--data-dir", str(data), "--tokenizer-kind", "char", "--val-fraction", "0.5",
+                       "--out", str(tmp_path / "replaced"))
+    assert replaced.returncode == 0, replaced.stderr
+    tok = load_run(tmp_path / "replaced").tokenizer
+    assert "\ufffd".encode() in {tok.token_bytes(i) for i in range(tok.vocab_size)}  # the bad byte became U+FFFD
+    saved = (tmp_path / "replaced" / "config.toml").read_text()
+    assert 'errors = "replace"' in saved
+
+    # eval and compare: strict names the file, ignore drops the byte (so é's one byte counts as none)
+    proc = run_cli("eval", "--run", str(runs["lstm"]), "--corpus", str(folder))
+    assert proc.returncode == 2 and "a.txt is not valid UTF-8" in proc.stderr and proc.stderr.count("\n") == 1
+    ignored = run_cli("eval", "--run", str(runs["lstm"]), "--corpus", str(folder), "--errors", "ignore")
+    assert ignored.returncode == 0, ignored.stderr
+    n = len(("The king rode out.\n" * 40 + "caf au lait\n").encode())
+    assert f"{n + 1} tokens, {n} bytes" in ignored.stdout
+    both = run_cli("eval", "--run", str(runs["lstm"]), "--corpus", str(folder), "--glob", "*.md")
+    assert both.returncode == 0, both.stderr
+    n = len(b"my lord speak soft\n" * 40)
+    assert f"{n + 1} tokens, {n} bytes" in both.stdout
+    compared = run_cli("compare", str(runs["lstm"]), str(runs["ngram"]), "--corpus", str(folder), "--errors",
+                       "ignore", "--plot", str(tmp_path / "c.png"))
+    assert compared.returncode == 0, compared.stderr
+    assert (tmp_path / "c.png").exists()
+
+    lonely = run_cli("eval", "--run", str(runs["lstm"]), "--errors", "replace")
+    assert lonely.returncode == 2 and "give --corpus too" in lonely.stderr and lonely.stderr.count("\n") == 1

@@ -185,7 +185,7 @@ def decode_utf8(data: bytes, source: str, errors: str = "strict") -> str:
         raise TinyLMError(
             f"{source} is not valid UTF-8: byte 0x{data[e.start]:02x} at byte offset {e.start + offset}; "
             "convert the file to UTF-8, or read it with --errors replace (bad bytes become U+FFFD) "
-            "or --errors ignore (bad bytes are dropped) in `tinylm prepare` and `tinylm tokenizer train`"
+            "or --errors ignore (bad bytes are dropped)"
         ) from None
 
 
@@ -242,8 +242,7 @@ def _jsonl_documents(path: Path, doc_prefix: str, text_field: str, errors: str) 
             except UnicodeDecodeError as e:
                 raise TinyLMError(
                     f"{path} line {lineno} is not valid UTF-8: byte 0x{raw[e.start]:02x} at byte offset "
-                    f"{offset + e.start}; convert the file to UTF-8, or read it with --errors replace or --errors ignore "
-                    "in `tinylm prepare` and `tinylm tokenizer train`"
+                    f"{offset + e.start}; convert the file to UTF-8, or read it with --errors replace or --errors ignore"
                 ) from None
             offset += len(raw)
             if not line.strip():

@@ -158,7 +158,7 @@ def prepare_data(
     file ``tc.tokenizer``, else the one already in the data folder if it is of the configured
     kind and size, else one trained on the corpus now.
     """
-    corpus = load_corpus(tc.corpus, glob=tc.glob, text_field=tc.text_field)
+    corpus = load_corpus(tc.corpus, glob=tc.glob, text_field=tc.text_field, errors=tc.errors)
     if tokenizer is None and tc.tokenizer is not None:
         tokenizer = load_tokenizer(tc.tokenizer)
     data_dir = Path(tc.data_dir) if tc.data_dir else default_data_dir(tc, corpus.name, tokenizer)
