@@ -776,6 +776,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on the API (default: $TINYLM_API_KEY, else no key)")
     p.add_argument("--model-name", metavar="NAME", help="the model id clients ask for (default: the run folder's name)")
+    p.add_argument("--allow-origin", action="append", metavar="ORIGIN",
+                   help="let web pages from this origin (e.g. http://localhost:3000, or * for any) call the API "
+                   "from a browser (CORS); repeat for several (default: none)")
     p.add_argument("--max-batch-size", type=_positive_int, default=32, metavar="N",
                    help="the most samples decoded together; 1 serves one at a time (default: 32)")
     p.add_argument("--batch-window-ms", type=_nonneg_float, default=2.0, metavar="MS",

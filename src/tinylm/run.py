@@ -432,11 +432,8 @@ class Run:
         return start_ids(self.config, self.tokenizer)
 
 
-def load_run(run_dir: str | os.PathLike, checkpoint: str = "best", device: torch.device | str = "cpu") -> Run:
-    """Load a trained run: its model (from checkpoint "best", falling back to "latest", or "latest"),
-    tokenizer, configuration, run.json and metrics. ``checkpoint`` may also be a checkpoint folder."""
-    from tinylm.train.distributed import resolve_device  # (the training wing imports this module)
-
+def check_run_dir(run_dir: str | os.PathLike) -> Path:
+    """``run_dir`` as a Path if it is a folder; a one-line error if it is a file or missing (a cheap first check)."""
     run_dir = Path(run_dir)
     if run_dir.is_file():
         hint = (" (an n-gram model file: evaluate it with `tinylm eval --run FILE --data-dir SHARDS`)"
@@ -444,6 +441,15 @@ def load_run(run_dir: str | os.PathLike, checkpoint: str = "best", device: torch
         raise TinyLMError(f"{run_dir} is a file, not a run folder{hint}; give the folder `tinylm train` wrote")
     if not run_dir.is_dir():
         raise TinyLMError(f"run folder {run_dir} does not exist; train one with `tinylm train --out {run_dir}`")
+    return run_dir
+
+
+def load_run(run_dir: str | os.PathLike, checkpoint: str = "best", device: torch.device | str = "cpu") -> Run:
+    """Load a trained run: its model (from checkpoint "best", falling back to "latest", or "latest"),
+    tokenizer, configuration, run.json and metrics. ``checkpoint`` may also be a checkpoint folder."""
+    from tinylm.train.distributed import resolve_device  # (the training wing imports this module)
+
+    run_dir = check_run_dir(run_dir)
     device = resolve_device(str(device))
     info = read_run_info(run_dir)
     run_config = build_config(load_config_file(run_dir / CONFIG_FILE))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import signal
 import threading
 import time
 
@@ -216,4 +217,46 @@ def test_a_shutdown_answers_the_requests_still_running_and_logs_no_error(run):
     assert lines[-1] == "data: [DONE]"
     assert json.loads(lines[-2].removeprefix("data: "))["error"]["message"] == "the server is shutting down"
     assert all(json.loads(line[6:])["choices"] for line in lines[:-2])  # text chunks before it
+    assert not errors.records, [r.getMessage() for r in errors.records]
+
+
+def test_a_second_ctrl_c_ends_the_requests_at_once_and_still_answers_them(run):
+    """Uvicorn reads a second Ctrl+C as "force quit" and would cancel the requests in flight (a plain-text 500, cut
+    streams, tracebacks). tinylm ends their generations at once instead: 503 JSON and an error chunk, no waiting
+    out the graceful timeout (30 s here), nothing logged at ERROR."""
+    served = ThreadServer(slow_run(run, 0.05), graceful_timeout=30)  # 55 tokens take 3 s
+    errors = ErrorLog()
+    logging.getLogger("uvicorn.error").addHandler(errors)
+    body = {"prompt": "To be", "max_tokens": 55, "temperature": 0}
+    results = {}
+
+    def whole():
+        results["whole"] = httpx.post(served.base_url + "/v1/completions", json=body, timeout=30)
+
+    def streamed():
+        with httpx.stream("POST", served.base_url + "/v1/completions", json={**body, "stream": True},
+                          timeout=30) as response:
+            results["streamed"] = [line for line in response.iter_lines() if line]
+
+    threads = [threading.Thread(target=whole), threading.Thread(target=streamed)]
+    try:
+        for t in threads:
+            t.start()
+        assert wait_for(lambda: served.scheduler.stats()["active_rows"] == 2)
+        started = time.monotonic()
+        served.server.handle_exit(signal.SIGINT, None)  # Ctrl+C: stop taking connections, wait for these
+        time.sleep(0.3)
+        assert served.scheduler.stats()["active_rows"] == 2  # still generating: the first one waits
+        served.server.handle_exit(signal.SIGINT, None)  # Ctrl+C again
+        for t in threads:
+            t.join(10)
+        served.thread.join(10)
+        assert time.monotonic() - started < 2.5 and not served.thread.is_alive()
+    finally:
+        logging.getLogger("uvicorn.error").removeHandler(errors)
+    answer = results["whole"]
+    assert answer.status_code == 503 and answer.json()["error"]["message"] == "the server is shutting down"
+    lines = results["streamed"]
+    assert lines[-1] == "data: [DONE]"
+    assert json.loads(lines[-2].removeprefix("data: "))["error"]["message"] == "the server is shutting down"
     assert not errors.records, [r.getMessage() for r in errors.records]

@@ -91,6 +91,37 @@ def test_unknown_paths_and_methods_answer_in_json(server):
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
     wrong = httpx.get(server.base_url + COMPLETIONS)
     assert wrong.status_code == 405 and wrong.json()["error"]["code"] == "method_not_allowed"
+    assert wrong.headers["allow"] == "POST"  # HTTP asks a 405 to say which methods are allowed
+    preflight = httpx.options(server.base_url + COMPLETIONS, headers={
+        "Origin": "http://elsewhere.test", "Access-Control-Request-Method": "POST"})
+    assert preflight.status_code == 405 and "access-control-allow-origin" not in preflight.headers  # no CORS unasked
+
+
+def test_an_empty_body_is_called_empty(server):
+    empty = httpx.post(server.base_url + COMPLETIONS, content=b"", headers={"content-type": "application/json"})
+    assert empty.status_code == 400 and empty.json()["error"]["message"] == (
+        "the body is empty: send the request as a JSON object")
+
+
+def test_allowed_origins_may_call_the_api_from_a_browser_with_its_key(run):
+    """CORS as vLLM and llama.cpp's server offer it: the preflight passes the API key's gate (browsers send it
+    without credentials), the answer names the origin, and an origin not listed gets no CORS headers."""
+    with ThreadServer(run, api_key="s3cret", allow_origins=["http://localhost:3000"]) as served:
+        url = served.base_url + COMPLETIONS
+        preflight = httpx.options(url, headers={"Origin": "http://localhost:3000",
+                                                "Access-Control-Request-Method": "POST",
+                                                "Access-Control-Request-Headers": "authorization, content-type"})
+        assert preflight.status_code == 200, preflight.text
+        assert preflight.headers["access-control-allow-origin"] == "http://localhost:3000"
+        assert "authorization" in preflight.headers["access-control-allow-headers"].lower()
+        headers = {"Origin": "http://localhost:3000", "Authorization": "Bearer s3cret"}
+        answer = httpx.post(url, json={"prompt": "x", "max_tokens": 2}, headers=headers)
+        assert answer.status_code == 200 and answer.headers["access-control-allow-origin"] == "http://localhost:3000"
+        keyless = httpx.post(url, json={"prompt": "x"}, headers={"Origin": "http://localhost:3000"})
+        assert keyless.status_code == 401  # CORS lets the page ask; the key still decides
+        other = httpx.post(url, json={"prompt": "x", "max_tokens": 2},
+                           headers={"Origin": "http://evil.test", "Authorization": "Bearer s3cret"})
+        assert "access-control-allow-origin" not in other.headers
 
 
 def test_the_openai_client_raises_its_own_error_classes(client, run_dir):

@@ -160,8 +160,31 @@ def test_the_page_recovers_from_a_wrong_key_and_checks_max_tokens(browser, run):
         assert page.get_attribute("#max-tokens", "aria-invalid") == "true" and page.input_value("#prompt") == before
         page.fill("#max-tokens", "2")
         page.wait_for_function("document.querySelector('#status').dataset.state !== 'error'")
+        page.fill("#seed", "1.5")  # not silently seed 1
+        page.click("#generate")
+        page.wait_for_selector("#status[data-state='error']")
+        assert "seed must be a whole number" in page.text_content("#status")
+        assert page.get_attribute("#seed", "aria-invalid") == "true" and page.input_value("#prompt") == before
+        page.fill("#seed", "")
         page.click("#generate")
         page.wait_for_selector("#status[data-state='done']", timeout=30_000)
         assert page.input_value("#prompt") != before
         page.close()
     assert missing == []
+
+
+def test_the_chart_says_when_the_server_cannot_be_reached(browser, run):
+    """A chart request that fails in the network (the server has stopped) is an error on the status line, not an
+    unhandled promise rejection."""
+    served = ThreadServer(run)
+    page = browser.new_page()
+    rejections: list[str] = []
+    page.on("pageerror", lambda e: rejections.append(str(e)))
+    page.goto(served.base_url + "/")
+    page.wait_for_function("document.querySelector('#chart .bar-row')")
+    served.close()
+    page.type("#prompt", "x")  # the cursor moves: the chart asks the server again
+    page.wait_for_selector("#status[data-state='error']", timeout=10_000)
+    assert "cannot reach the server" in page.text_content("#status")
+    assert rejections == []
+    page.close()

@@ -7,9 +7,11 @@ import subprocess
 import sys
 
 import pytest
+from servekit import CommandServer
 
 import tinylm.serve.server as server_module
 from tinylm.cli import main
+from tinylm.serve.server import is_loopback, url_for
 
 
 def tinylm(*args: str) -> subprocess.CompletedProcess:
@@ -94,3 +96,35 @@ def test_a_blank_api_key_variable_and_an_empty_model_name_are_refused(monkeypatc
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and "--model-name is empty" in err[0]
     assert len(calls) == 1
+
+
+def test_a_port_in_use_is_reported_before_the_model_is_loaded(run_dir, monkeypatch, capsys):
+    import tinylm.run
+
+    loaded = []
+    monkeypatch.setattr(tinylm.run, "load_run", lambda *a, **k: loaded.append(a))
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        assert main(["serve", "--run", str(run_dir), "--port", str(busy.getsockname()[1])]) == 2
+    assert "already in use" in capsys.readouterr().err and not loaded
+
+
+def test_listening_beyond_loopback_without_a_key_is_warned_about(run_dir, tmp_path):
+    served = CommandServer(run_dir, tmp_path, "--host", "0.0.0.0")
+    try:
+        assert served.base_url.startswith("http://127.0.0.1:")  # a URL a browser can open, not 0.0.0.0
+        warning = served.stderr.read_text().splitlines()[0]
+        assert warning.startswith("tinylm: warning: listening on 0.0.0.0") and "--api-key" in warning
+    finally:
+        served.close()
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("127.1.2.3")
+    assert not is_loopback("0.0.0.0") and not is_loopback("::") and not is_loopback("192.168.1.5")
+    assert url_for("::", 80) == "http://[::1]:80" and url_for("10.0.0.2", 80) == "http://10.0.0.2:80"
+
+
+@pytest.mark.parametrize("origin", ["http://localhost:3000/", "localhost:3000", ""])
+def test_an_origin_that_is_not_one_is_refused(origin, capsys):
+    assert main(["serve", "--run", "runs/x", "--allow-origin", origin]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is not an origin" in err[0]

@@ -17,7 +17,9 @@
 Every generation goes through one `Scheduler`, which batches the requests in flight. A
 streaming response is server-sent events, one ``data: {json}`` chunk per piece of text (whole
 characters only: the text streams of `tinylm.generate.stream` hold back partial UTF-8 and
-possible stop strings), then ``data: [DONE]``. The JSON is written in ASCII (``\\u`` escapes), so
+possible stop strings), then ``data: [DONE]``. A generation that ends inside a character (its
+``max_tokens`` ran out there, or the model emitted bytes that are not UTF-8) ends in U+FFFD, the
+replacement character, streamed or not, as vLLM's does; the logprobs show those tokens' bytes. The JSON is written in ASCII (``\\u`` escapes), so
 that no character in a text (U+2028, U+0085) can split a line for clients that read the stream
 line by line with Unicode's line breaks (Python's ``str.splitlines``, httpx's ``iter_lines``).
 When a client disconnects, its job is cancelled and its rows leave the batch at the next step,
@@ -38,7 +40,8 @@ Bad requests are answered with OpenAI error JSON and a 4xx status, never a 500 (
 `tinylm.serve.protocol`); a body larger than ``max_body_bytes`` gets 413 before it is read in
 full. With ``api_key`` set, the API (everything but the page, its files and /health) answers 401
 unless the request carries ``Authorization: Bearer <key>``, as the OpenAI clients send it (the
-scheme's name in any case, RFC 7235). Tokenizing and detokenizing run in worker threads, so a
+scheme's name in any case, RFC 7235). With ``allow_origins``, pages from those web origins may
+call the API from a browser (CORS, preflight included); by default no other origin may. Tokenizing and detokenizing run in worker threads, so a
 long prompt never holds up the event loop (and the streams it serves).
 """
 
@@ -48,7 +51,7 @@ import asyncio
 import base64
 import hmac
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,6 +60,7 @@ from typing import Any
 import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from fastapi.staticfiles import StaticFiles
 from starlette.concurrency import run_in_threadpool
@@ -118,11 +122,14 @@ def served_context(run: Any) -> int:
 
 
 def create_app(run: Any, *, model_name: str | None = None, api_key: str | None = None, max_batch_size: int = 32,
-               batch_window: float = 0.002, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+               batch_window: float = 0.002, max_body_bytes: int = MAX_BODY_BYTES,
+               allow_origins: Sequence[str] = ()) -> FastAPI:
     """The app serving ``run`` (a `tinylm.run.Run`, or any object with model, tokenizer, start_ids).
 
     ``model_name`` is the id clients ask for (default: the run folder's name); ``api_key`` makes
     the API require it; ``max_batch_size`` and ``batch_window`` go to the `Scheduler`.
+    ``allow_origins``: the web origins (``https://app.example``, or ``*`` for any) whose pages may
+    call the API from a browser (CORS); none by default, so another site's page cannot.
     """
     if api_key is not None and not api_key.strip():
         raise TinyLMError("the API key is empty: give the key clients must send, or None for no key")
@@ -147,7 +154,10 @@ def create_app(run: Any, *, model_name: str | None = None, api_key: str | None =
     _add_error_handlers(app)
     app.add_middleware(_BodyLimit, max_bytes=max_body_bytes)
     if api_key:
-        app.add_middleware(_APIKeyGate, key=api_key)  # added last: runs first
+        app.add_middleware(_APIKeyGate, key=api_key)
+    if allow_origins:  # added last, so it runs first: a browser's preflight carries no API key
+        app.add_middleware(CORSMiddleware, allow_origins=list(allow_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"])
 
     @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers' and monitors' liveness probe
     async def health() -> dict[str, Any]:
@@ -535,7 +545,10 @@ def _add_error_handlers(app: FastAPI) -> None:
                     405: f"{request.method} is not allowed on {request.url.path}",
                     413: str(exc.detail)}
         code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status_code)
-        return _error_response(APIError(exc.status_code, messages.get(exc.status_code, str(exc.detail)), code=code))
+        response = _error_response(APIError(exc.status_code, messages.get(exc.status_code, str(exc.detail)),
+                                            code=code))
+        response.headers.update(exc.headers or {})  # a 405 says which methods are allowed (Allow), as HTTP asks
+        return response
 
     @app.exception_handler(Exception)
     async def crash(request: Request, exc: Exception) -> JSONResponse:  # a bug: still an OpenAI-shaped answer

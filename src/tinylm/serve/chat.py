@@ -24,6 +24,13 @@ message per line, and the model is asked to continue the assistant's line::
   should not write, besides the request's own stop strings and the end-of-text token. The reply's
   logprobs end where its text does: the tokens that only make up the stop string are not listed.
 
+- Other roles (``tool``, ``function``) are refused with a 400: a base model has no tool calls.
+- Content is written as it is, newlines included: a message holding ``"\nAssistant: ..."``
+  reads, to the model, like another turn. The template is a plain transcript, not a security
+  boundary; a model tuned on chats would mark turns with special tokens instead.
+- A last message from the assistant is not continued: the prompt still ends with a new
+  ``Assistant:`` line (send the text as a completion's ``prompt`` to continue it).
+
 Nothing else is hidden: the prompt is exactly `chat_prompt(messages)`, and a completion request
 with that prompt and those stop strings gives the same text (before the leading whitespace is
 dropped). `POST /tokenize` with ``messages`` shows its tokens.

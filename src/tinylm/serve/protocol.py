@@ -261,6 +261,8 @@ def validation_message(errors: Sequence[dict[str, Any]]) -> tuple[str, str | Non
     parts = [p for p in loc if not (p[0].isalpha() and ("[" in p or p in {"str", "int", "float", "bool"}))]
     param = parts[0] if parts else None
     where = "".join(f"[{p}]" if p.isdigit() else f".{p}" for p in parts[1:])
+    if param is None and first.get("type") == "missing":
+        return "the body is empty: send the request as a JSON object", None
     if param is None:
         return f"the body must be a JSON object: {first.get('msg', 'invalid')}", None
     if first.get("type") == "missing":

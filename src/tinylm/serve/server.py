@@ -17,15 +17,26 @@ before that time runs out (`graceful_server`), the generations still running are
 (`Scheduler.end_all`): a client waiting for a whole response gets a 503 "the server is shutting
 down" in OpenAI's error JSON, a stream gets that error as a chunk, then ``[DONE]``. Left to
 uvicorn, they would be cancelled: a plain-text 500, a stream cut short, tracebacks in the log.
+A second Ctrl+C, which uvicorn reads as "force quit", ends the generations at once in the same
+way, so the answers still go out and the server stops without waiting out the timeout; a third
+forces it.
+
+The socket is bound before the model is loaded, so a port in use is reported at once, not after
+a long load. Listening on an address other than loopback without an API key prints a warning:
+anyone who can reach the machine can then use the model.
 """
 
 from __future__ import annotations
 
 import asyncio
 import errno
+import ipaddress
 import os
+import re
+import signal
 import socket
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from tinylm.errors import TinyLMError
@@ -45,6 +56,22 @@ def graceful_server(config: Any, end_all: Callable[[], None]) -> Any:
     import uvicorn
 
     class GracefulServer(uvicorn.Server):
+        loop: asyncio.AbstractEventLoop | None = None
+        ended_early = False
+
+        async def startup(self, sockets: Any = None) -> None:
+            self.loop = asyncio.get_running_loop()
+            await super().startup(sockets)
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if self.should_exit and sig == signal.SIGINT and not self.ended_early and self.loop is not None:
+                # the second Ctrl+C: uvicorn would stop waiting and cancel the requests in flight; end them now
+                # (from the event loop, not from inside this signal handler), and leave force quit to a third
+                self.ended_early = True
+                self.loop.call_soon_threadsafe(end_all)
+                return
+            super().handle_exit(sig, frame)
+
         async def shutdown(self, sockets: Any = None) -> None:
             grace = self.config.timeout_graceful_shutdown
             timer = None
@@ -89,7 +116,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
 def serve(run_dir: str | os.PathLike, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
           model_name: str | None = None, max_batch_size: int = 32, batch_window: float = 0.002,
           checkpoint: str = "best", device: str = "cpu", log_level: str = "info",
-          graceful_timeout: float = GRACEFUL_TIMEOUT) -> None:
+          graceful_timeout: float = GRACEFUL_TIMEOUT, allow_origins: Sequence[str] = ()) -> None:
     """Serve the run in ``run_dir`` until interrupted (Ctrl+C): the OpenAI API under /v1, the playground at /.
 
     ``port`` 0 takes any free port (the line printed at start says which). ``graceful_timeout``: how long a
@@ -102,19 +129,43 @@ def serve(run_dir: str | os.PathLike, *, host: str = "127.0.0.1", port: int = 80
     except ImportError as e:
         raise TinyLMError(f"tinylm serve needs FastAPI and uvicorn ({e.name} is missing): "
                           "reinstall tinylm (pip install -e .), which brings them") from None
-    from tinylm.run import load_run
+    from tinylm.run import check_run_dir, load_run
 
-    run = load_run(run_dir, checkpoint=checkpoint, device=device)
-    sock = bind_socket(host, port)
-    app = create_app(run, model_name=model_name, api_key=api_key, max_batch_size=max_batch_size,
-                     batch_window=batch_window)
+    check_run_dir(run_dir)
+    sock = bind_socket(host, port)  # before loading: a port in use is said at once, not after a long load
+    try:
+        run = load_run(run_dir, checkpoint=checkpoint, device=device)
+        app = create_app(run, model_name=model_name, api_key=api_key, max_batch_size=max_batch_size,
+                         batch_window=batch_window, allow_origins=allow_origins)
+    except BaseException:
+        sock.close()
+        raise
     bound_host, bound_port = sock.getsockname()[:2]
-    shown = f"[{bound_host}]" if ":" in bound_host else bound_host
-    print(f"serving {run_dir} as '{app.state.model.name}' at http://{shown}:{bound_port} "
+    if not is_loopback(bound_host) and not api_key:
+        print(f"tinylm: warning: listening on {bound_host}, beyond this machine, with no API key: anyone who can "
+              "reach it can use the model; set --api-key (or $TINYLM_API_KEY) to require one", file=sys.stderr,
+              flush=True)
+    print(f"serving {run_dir} as '{app.state.model.name}' at {url_for(bound_host, bound_port)} "
           f"(OpenAI API under /v1, playground at /; Ctrl+C stops)", flush=True)
     config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=graceful_timeout)
     server = graceful_server(config, app.state.scheduler.end_all)
     server.run(sockets=[sock])
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a bound address is this machine's alone (127.0.0.0/8, ::1)."""
+    try:
+        return ipaddress.ip_address(host.split("%")[0]).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def url_for(host: str, port: int) -> str:
+    """The URL to open for a server bound to ``host``: a wildcard address (0.0.0.0, ::) is shown as loopback,
+    which reaches it from this machine (the address itself is not one a browser can open)."""
+    if host in ("0.0.0.0", "::"):
+        host = "127.0.0.1" if host == "0.0.0.0" else "::1"
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 def cmd_serve(args: Any) -> int:
@@ -134,7 +185,12 @@ def cmd_serve(args: Any) -> int:
         raise TinyLMError(f"${API_KEY_ENV} holds only spaces: set it to the key clients must send, or unset it "
                           f"(or set it empty) to serve without a key")
     api_key = args.api_key if args.api_key is not None else env_key or None
+    for origin in args.allow_origin or ():
+        if origin != "*" and not re.fullmatch(r"[a-zA-Z][a-zA-Z0-9+.-]*://[^/\s]+", origin):
+            raise TinyLMError(f"--allow-origin {origin!r} is not an origin: give scheme://host[:port] with no path "
+                              "(e.g. http://localhost:3000), or * for any")
     serve(args.run, host=args.host, port=args.port, api_key=api_key, model_name=args.model_name,
           max_batch_size=args.max_batch_size, batch_window=args.batch_window_ms / 1000,
-          checkpoint=args.checkpoint, device=args.device, log_level=args.log_level)
+          checkpoint=args.checkpoint, device=args.device, log_level=args.log_level,
+          allow_origins=args.allow_origin or ())
     return 0

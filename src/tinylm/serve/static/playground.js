@@ -158,19 +158,25 @@ function drawChart() {
 async function refreshChart() {
   const text = promptBox.value.slice(0, promptBox.selectionStart);
   const ticket = ++chartRequest;
-  const response = await fetch("/next_token", {
-    method: "POST", headers: headers(),
-    body: JSON.stringify({ model: modelName, prompt: text, top: CHART_ROWS }),
-  });
-  if (ticket !== chartRequest) return; // the cursor moved on meanwhile
-  if (!response.ok) {
-    setStatus(await errorMessage(response), "error", "server");
-    return;
+  try {
+    const response = await fetch("/next_token", {
+      method: "POST", headers: headers(),
+      body: JSON.stringify({ model: modelName, prompt: text, top: CHART_ROWS }),
+    });
+    if (!response.ok) {
+      const message = await errorMessage(response);
+      if (ticket === chartRequest) setStatus(message, "error", "server");
+      return;
+    }
+    const body = await response.json();
+    if (ticket !== chartRequest) return; // the cursor moved on while this answer came: a newer one is coming
+    current = { logits: decodeLogits(body.logits), top: body.top, text };
+    clearError("server");
+    drawChart();
+  } catch (e) {
+    // the server went away or the network failed: say so, rather than leave an unhandled rejection
+    if (ticket === chartRequest) setStatus("cannot reach the server: " + e.message, "error", "server");
   }
-  const body = await response.json();
-  current = { logits: decodeLogits(body.logits), top: body.top, text };
-  clearError("server");
-  drawChart();
 }
 
 let chartTimer = null;
@@ -219,6 +225,14 @@ async function generate() {
   if (s.topK > 0) request.top_k = s.topK;
   if (s.topP < 1) request.top_p = s.topP;
   const seed = $("seed").value.trim();
+  const seedOk = seed === "" || /^-?[0-9]+$/.test(seed);
+  $("seed").setAttribute("aria-invalid", seedOk ? "false" : "true");
+  if (!seedOk) {
+    setStatus("the seed must be a whole number (or empty for a fresh one each time)", "error", "seed");
+    $("seed").focus();
+    return;
+  }
+  clearError("seed");
   if (seed !== "") request.seed = parseInt(seed, 10);
 
   streaming = new AbortController();
