@@ -335,3 +335,21 @@ def test_corpora_that_are_not_utf8_read_with_errors_in_train_eval_and_compare(tm
 
     lonely = run_cli("eval", "--run", str(runs["lstm"]), "--errors", "replace")
     assert lonely.returncode == 2 and "give --corpus too" in lonely.stderr and lonely.stderr.count("\n") == 1
+
+
+@pytest.mark.parametrize("kind", ["word", "bpe"])
+def test_shards_are_reused_when_the_corpus_cannot_fill_the_vocabulary(tmp_path, corpus, kind):
+    """The test corpus has 33 distinct words: a word or BPE tokenizer asked for 4096 tokens gets fewer. The same
+    command run again reuses the data folder (it used to refuse: "a tokenizer of 47 tokens, not the 4096 asked
+    for"); asking for another size that the corpus could fill is still refused."""
+    flags = ["--model", "ngram", "--order", "2", "--corpus", str(corpus), "--tokenizer-kind", kind,
+             "--data-dir", str(tmp_path / "data"), "--sample-tokens", "0"]
+    first = run_cli("train", *flags, "--out", str(tmp_path / "one"))
+    assert first.returncode == 0, first.stderr
+    again = run_cli("train", *flags, "--out", str(tmp_path / "two"))
+    assert again.returncode == 0, again.stderr
+    assert "reused" in again.stdout
+    assert load_run(tmp_path / "one").tokenizer.fingerprint() == load_run(tmp_path / "two").tokenizer.fingerprint()
+    smaller = load_run(tmp_path / "one").tokenizer.vocab_size - 3
+    other = run_cli("train", *flags, "--tokenizer-vocab-size", str(smaller), "--out", str(tmp_path / "three"))
+    assert other.returncode == 2 and f"not the {kind} tokenizer of {smaller} asked for" in other.stderr

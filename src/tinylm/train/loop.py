@@ -165,7 +165,10 @@ def prepare_data(
     existing = data_dir / TOKENIZER_FILE if (data_dir / META_FILE).exists() else None
     if tokenizer is None and existing is not None:
         candidate = load_tokenizer(existing)
-        if _is_requested_tokenizer(candidate, tc):
+        if _is_requested_tokenizer(candidate, tc) or (
+                _is_requested_tokenizer(candidate, tc, smaller=True)
+                and _train_tokenizer(corpus, tc).fingerprint() == candidate.fingerprint()):
+            # (smaller: the corpus could not fill the vocabulary asked for; training again gives the same tokenizer)
             tokenizer = candidate
         else:
             raise TinyLMError(
@@ -196,17 +199,18 @@ def prepare_data(
     return shards
 
 
-def _is_requested_tokenizer(tok: Tokenizer, tc: TrainConfig) -> bool:
+def _is_requested_tokenizer(tok: Tokenizer, tc: TrainConfig, smaller: bool = False) -> bool:
+    """Whether ``tok`` is of the kind, pattern and size ``tc`` asks for (``smaller``: of fewer tokens than asked)."""
     if tok.kind != tc.tokenizer_kind:
         return False
     if tok.kind == "char":
-        return True
+        return not smaller
     if tok.kind == "bpe":
         from tinylm.tokenizers.bpe import resolve_pattern
 
         if tok.pattern != resolve_pattern(tc.tokenizer_pattern):
             return False
-    return tok.vocab_size == tc.tokenizer_vocab_size
+    return tok.vocab_size < tc.tokenizer_vocab_size if smaller else tok.vocab_size == tc.tokenizer_vocab_size
 
 
 def _train_tokenizer(corpus, tc: TrainConfig) -> Tokenizer:
