@@ -378,6 +378,36 @@ def test_load_refuses_other_files(tmp_path):
         NGramModel.load(tmp_path / "missing.npz")
 
 
+def test_load_refuses_cut_and_corrupt_files_in_one_line(tmp_path):
+    """A file cut short, an empty one, text, or tables that break the lookups' invariants: a TinyLMError that says
+    the file is unreadable or corrupt, never numpy's own exception (a traceback in the CLI)."""
+    stream, bos, eos, vocab = random_corpus(seed=7)
+    good = NGramModel.fit(stream[:250], 3, vocab_size=vocab, bos_id=bos, eos_id=eos).save(tmp_path / "good.npz")
+    data = good.read_bytes()
+    for name, content in [("cut.npz", data[: len(data) // 2]), ("empty.npz", b""), ("text.npz", b"hi\n")]:
+        (tmp_path / name).write_bytes(content)
+        with pytest.raises(TinyLMError, match="not a readable n-gram model file .*count it again"):
+            NGramModel.load(tmp_path / name)
+    with np.load(good, allow_pickle=False) as npz:
+        arrays = {name: npz[name] for name in npz.files}
+    header = json.loads(arrays["header"].tobytes())
+    broken = {
+        "short counts": {"counts_2": arrays["counts_2"][:-1]},
+        "unsorted keys": {"keys_2": arrays["keys_2"][::-1].copy()},
+        "key past the table": {"keys_3": np.append(arrays["keys_3"], len(arrays["keys_2"]) * vocab)},
+        "negative count": {"counts_1": -arrays["counts_1"].astype(np.int64)},
+        "bad vocab size": {"header": np.frombuffer(json.dumps({**header, "vocab_size": 2}).encode(), np.uint8)},
+    }
+    for what, change in broken.items():
+        np.savez(tmp_path / "bad.npz", **{**arrays, **change})
+        with pytest.raises(TinyLMError, match="is a corrupt n-gram model file .*count it again") as e:
+            NGramModel.load(tmp_path / "bad.npz")
+        assert "\n" not in str(e.value), what
+    np.savez(tmp_path / "same.npz", **arrays)  # the same tables rewritten load as the original
+    np.testing.assert_array_equal(NGramModel.load(tmp_path / "same.npz").score(stream),
+                                  NGramModel.load(good).score(stream))
+
+
 # ----- sampling -----------------------------------------------------------------------------------
 
 

@@ -121,6 +121,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import zipfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -620,12 +621,15 @@ class NGramModel:
     def load(cls, path: str | os.PathLike) -> NGramModel:
         """Read a model written by `save`."""
         path = Path(path)
+        if not path.exists():
+            raise TinyLMError(f"n-gram model file {path} does not exist")
+        if path.is_file() and not zipfile.is_zipfile(path):  # a .npz is a zip archive; this is something else
+            raise TinyLMError(f"{path} is not a readable n-gram model file (not a .npz archive: empty, cut short or "
+                              "another kind of file); count it again")
         try:
             with np.load(path, allow_pickle=False) as npz:
                 arrays = {name: npz[name] for name in npz.files}
-        except FileNotFoundError:
-            raise TinyLMError(f"n-gram model file {path} does not exist") from None
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
             reason = str(e).split(";")[0].split(". ")[0]  # numpy's advice (e.g. allow_pickle) is not ours to give
             raise TinyLMError(f"{path} is not a readable n-gram model file ({reason}); count it again") from None
         try:
@@ -643,15 +647,15 @@ class NGramModel:
             order = int(header["order"])
             keys = [arrays[f"keys_{j}"].astype(np.int64, copy=False) for j in range(1, order + 1)]
             counts = [arrays[f"counts_{j}"].astype(np.int64) for j in range(1, order + 1)]
+            _check_tables(keys, counts, int(header["vocab_size"]))
             return cls(keys, counts, vocab_size=header["vocab_size"], bos_id=header["bos_id"],
                        eos_id=header["eos_id"], smoothing=header["smoothing"], k=header["k"],
                        discount=header["discount"], train_tokens=header["train_tokens"],
                        train_documents=header["train_documents"],
                        tokenizer_fingerprint=header.get("tokenizer_fingerprint"))
-        except (KeyError, TypeError, ValueError) as e:
-            raise TinyLMError(
-                f"{path} is a corrupt n-gram model file ({type(e).__name__}: {e}); fit it again"
-            ) from None
+        except (KeyError, TypeError, ValueError, TinyLMError) as e:
+            reason = str(e) if isinstance(e, TinyLMError) else f"{type(e).__name__}: {e}"
+            raise TinyLMError(f"{path} is a corrupt n-gram model file ({reason}); count it again") from None
 
     @property
     def nbytes(self) -> int:
@@ -666,6 +670,22 @@ class NGramModel:
         sizes = ", ".join(str(len(k)) for k in self.keys)
         return (f"NGramModel(order={self.order}, smoothing={self.smoothing!r}, "
                 f"vocab_size={self.vocab_size}, n-grams=[{sizes}])")
+
+
+def _check_tables(keys: list[np.ndarray], counts: list[np.ndarray], vocab_size: int) -> None:
+    """The invariants every lookup relies on, for tables read from a file: one count per key, keys strictly
+    increasing (binary search), each key ``row * |V| + w`` naming a row of the order below and a token."""
+    if vocab_size < 1:
+        raise ValueError(f"vocab_size {vocab_size}")
+    rows = 1  # order 1 has one context, the empty one
+    for j, (k, c) in enumerate(zip(keys, counts), start=1):
+        if k.ndim != 1 or c.shape != k.shape:
+            raise ValueError(f"order {j} has {k.size} keys but {c.size} counts")
+        if k.size and (k[0] < 0 or k[-1] >= rows * vocab_size or np.any(np.diff(k) <= 0)):
+            raise ValueError(f"the keys of order {j} are out of order or out of range")
+        if c.size and c.min() < 0:
+            raise ValueError(f"order {j} has negative counts")
+        rows = k.size
 
 
 # ----- sampling filters --------------------------------------------------------------------------
