@@ -364,7 +364,19 @@ def _add_setting_flags(p: argparse.ArgumentParser) -> None:
                 metavar = {int: "N", float: "X"}.get(inner_tp, "TEXT")
             shown = "unset" if default is None else default
             group.add_argument(flag, dest=dest, metavar=metavar, default=argparse.SUPPRESS,
+                               action=_OneFamily if f.name == "family" else "store",
                                help=f"{help_text} (tiny: {shown})".replace("%", "%%"))
+
+
+class _OneFamily(argparse.Action):
+    """--model and --family are one setting: given both, they must agree (otherwise the last would win unseen)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        before = getattr(namespace, self.dest, None)
+        if before is not None and before != values:
+            parser.error(f"{option_string} {values} contradicts the family given before ({before}); "
+                         "give --model (or --family) once")
+        setattr(namespace, self.dest, values)
 
 
 def _settings(args: argparse.Namespace) -> dict[str, object]:
@@ -682,7 +694,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", dest="progress", action="store_false",
                    help="no progress bar or progress lines")
     p.add_argument("--model", dest=f"{_SETTING_PREFIX}model.family", choices=["gpt", "lstm", "rnn", "ngram"],
-                   default=argparse.SUPPRESS, help="which model to train: the Transformer (gpt, default), an LSTM or "
+                   action=_OneFamily, default=argparse.SUPPRESS, help="which model to train: the Transformer (gpt, default), an LSTM or "
                    "RNN by the same loop, or an n-gram model by counting (the same as --family)")
     _add_setting_flags(p)
     p.set_defaults(func=cmd_train, parser=p)

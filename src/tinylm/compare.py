@@ -59,7 +59,7 @@ def compare_runs(
     if not runs:
         raise TinyLMError("give at least one run folder to compare")
     rows = []
-    for path in runs:
+    for path, name in zip(runs, run_labels(runs)):
         run = load_run(path, device=device)
         if corpus is not None:
             text = corpus_text(corpus, run.tokenizer)
@@ -71,9 +71,23 @@ def compare_runs(
             text = split_text(ShardSet.open(folder), split)
         result = evaluate_model(run.model, text, run.tokenizer, block_size=run.config.model.block_size,
                                 batch_size=run.config.train.batch_size, max_tokens=max_tokens, device=device)
-        rows.append(Compared(Path(path).name or str(path), run.family, _size(run.model),
+        rows.append(Compared(name, run.family, _size(run.model),
                              f"{run.tokenizer.kind} |V|={run.tokenizer.vocab_size}", result))
     return rows
+
+
+def run_labels(runs: Sequence[str | os.PathLike]) -> list[str]:
+    """A short name per run: its folder's name, with as many parent folders as it takes to tell runs apart
+    (runs/a/m and runs/b/m are a/m and b/m)."""
+    parts = [Path(os.path.abspath(p)).parts for p in runs]
+    labels = []
+    for i, own in enumerate(parts):
+        depth = 1
+        while depth < len(own) and any(other[-depth:] == own[-depth:] for j, other in enumerate(parts)
+                                       if j != i and other != own):
+            depth += 1
+        labels.append("/".join(own[-depth:]))
+    return labels
 
 
 def _size(model) -> str:
@@ -142,5 +156,7 @@ def plot_comparison(rows: Sequence[Compared], path: str | os.PathLike) -> Path:
     rows = sorted(rows, key=lambda r: r.result.bits_per_byte)  # the table's order: best on top
     labels = [f"{r.name} ({r.family}, {r.tokenizer})" for r in rows]
     text = rows[0].result.split if rows else ""
+    if text in ("val", "train"):
+        text = f"the {text} split" if same_text(rows) else f"each run's own {text} split (they differ)"
     return plot_bits_per_byte(labels, [r.result.bits_per_byte for r in rows], path,
                               title=f"bits per byte on {text}")

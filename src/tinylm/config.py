@@ -175,6 +175,9 @@ class GPTConfig:
             raise TinyLMError(f"order (of an n-gram model) must be between 1 and 10, got {self.order}")
         if not (math.isfinite(self.add_k) and self.add_k > 0):
             raise TinyLMError(f"add_k must be a positive number, got {self.add_k}")
+        if self.family == "ngram" and self.smoothing == "kn-nltk" and self.order < 2:
+            raise TinyLMError("smoothing kn-nltk needs order 2 or more (nltk's unigram level divides by zero); "
+                              "use kn for order 1")
         if not 0.0 <= self.dropout < 1.0:
             raise TinyLMError(f"dropout is a probability in [0, 1), got {self.dropout}")
         for name in ("init_std", "norm_eps", "rope_theta"):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import shutil
 
 import pytest
 import torch
@@ -353,3 +354,29 @@ def test_shards_are_reused_when_the_corpus_cannot_fill_the_vocabulary(tmp_path, 
     smaller = load_run(tmp_path / "one").tokenizer.vocab_size - 3
     other = run_cli("train", *flags, "--tokenizer-vocab-size", str(smaller), "--out", str(tmp_path / "three"))
     assert other.returncode == 2 and f"not the {kind} tokenizer of {smaller} asked for" in other.stderr
+
+
+def test_compare_names_runs_apart_when_their_folders_share_a_name(tmp_path, runs):
+    from tinylm.compare import run_labels
+
+    assert run_labels(["runs/a/m", "runs/b/m", "runs/c/other"]) == ["a/m", "b/m", "other"]
+    assert run_labels(["x/same/m", "y/same/m"]) == ["x/same/m", "y/same/m"]
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        shutil.copytree(runs["ngram"], tmp_path / name / "m")
+    proc = run_cli("compare", str(tmp_path / "a" / "m"), str(tmp_path / "b" / "m"), "--plot", str(tmp_path / "c.png"))
+    assert proc.returncode == 0, proc.stderr
+    assert "a/m " in proc.stdout and "b/m " in proc.stdout
+
+
+def test_model_and_family_flags_must_agree_and_kn_nltk_order_is_checked_first(tmp_path, corpus, data_dir):
+    clash = run_cli("train", "--model", "lstm", "--family", "gpt", *cli_flags(corpus, data_dir), "--out",
+                    str(tmp_path / "x"))
+    assert clash.returncode == 2 and "contradicts" in clash.stderr and not (tmp_path / "x").exists()
+    agree = run_cli("train", "--model", "ngram", "--family", "ngram", "--order", "2", *cli_flags(corpus, data_dir),
+                    "--out", str(tmp_path / "y"))
+    assert agree.returncode == 0, agree.stderr
+    early = run_cli("train", "--model", "ngram", "--order", "1", "--smoothing", "kn-nltk", "--corpus", "shakespeare",
+                    "--out", str(tmp_path / "z"))
+    assert early.returncode == 2 and "kn-nltk needs order 2" in early.stderr
+    assert "tokenizer" not in early.stdout  # refused before any data was prepared
