@@ -368,16 +368,20 @@ def _ngram_file(path: Path, data_dir: str | None, tokenizer: str | None):
     """An n-gram model file behind `NGramLM`, with the tokenizer it needs."""
     from tinylm.config import GPTConfig
     from tinylm.model import NGramLM, NGramModel
+    from tinylm.run import TOKENIZER_FILE
     from tinylm.tokenizers.base import load_tokenizer
 
     ngram = NGramModel.load(path)
+    beside = path.with_name(TOKENIZER_FILE)  # a run folder's ngram.npz has its tokenizer next to it
     if tokenizer is not None:
         tok = load_tokenizer(tokenizer)
     elif data_dir is not None:
         tok = ShardSet.open(data_dir).tokenizer()
+    elif beside.is_file():
+        tok = load_tokenizer(beside)
     else:
         raise TinyLMError(f"{path} is an n-gram model file without a tokenizer; give --data-dir (the shards it "
-                          "was counted on) or --tokenizer")
+                          f"was counted on) or --tokenizer (none is beside it as {TOKENIZER_FILE})")
     if ngram.tokenizer_fingerprint not in (None, tok.fingerprint()):
         raise TinyLMError(f"{path} was counted with another tokenizer than the one given (fingerprints "
                           f"{ngram.tokenizer_fingerprint} and {tok.fingerprint()}); give the shards or tokenizer "

@@ -380,3 +380,23 @@ def test_model_and_family_flags_must_agree_and_kn_nltk_order_is_checked_first(tm
                     "--out", str(tmp_path / "z"))
     assert early.returncode == 2 and "kn-nltk needs order 2" in early.stderr
     assert "tokenizer" not in early.stdout  # refused before any data was prepared
+
+
+def test_a_run_folders_ngram_file_finds_its_tokenizer_and_a_file_is_no_out_folder(tmp_path, runs, corpus, data_dir):
+    text = tmp_path / "t.txt"
+    text.write_text("The king rode out.\n", encoding="utf-8")
+    bare = run_cli("eval", "--run", str(runs["ngram"] / "ngram.npz"), "--corpus", str(text))
+    whole = run_cli("eval", "--run", str(runs["ngram"]), "--corpus", str(text))
+    assert bare.returncode == 0 and whole.returncode == 0, bare.stderr + whole.stderr
+    assert eval_numbers(bare.stdout) == eval_numbers(whole.stdout)
+    lone = tmp_path / "lone.npz"
+    shutil.copy(runs["ngram"] / "ngram.npz", lone)
+    alone = run_cli("eval", "--run", str(lone), "--corpus", str(text))
+    assert alone.returncode == 2 and "without a tokenizer" in alone.stderr
+
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("keep me", encoding="utf-8")
+    for extra in ([], ["--force"]):
+        proc = run_cli("train", *cli_flags(corpus, data_dir), "--out", str(a_file), *extra)
+        assert proc.returncode == 2 and "is a file; a run is a folder" in proc.stderr
+    assert a_file.read_text(encoding="utf-8") == "keep me"

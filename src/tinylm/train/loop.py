@@ -461,11 +461,13 @@ def check_new_run_folder(out: Path, force: bool) -> None:
     Nothing is deleted here: `clear_run_folder` does that once the data and the model are ready,
     so a mistake found on the way (a missing corpus, a bad setting) leaves the old run intact.
     """
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+    if out.exists() and not out.is_dir():
+        raise TinyLMError(f"--out {out} is a file; a run is a folder: choose another --out")
+    if out.exists() and any(out.iterdir()):
         if not force:
             raise TinyLMError(f"{out} already exists; pass --resume to continue that run, --force to start it "
                               "over (deleting it), or --out to train in another folder")
-        if not out.is_dir() or not ((out / RUN_FILE).exists() or (out / CONFIG_FILE).exists()):
+        if not ((out / RUN_FILE).exists() or (out / CONFIG_FILE).exists()):
             raise TinyLMError(f"{out} is not a tinylm run folder; --force deletes only run folders, so choose "
                               "another --out")
 
