@@ -138,7 +138,8 @@ def ngram_rows(shards: ShardSet, max_order: int, add_k: float) -> tuple[list[Row
         model = models[best_order].with_smoothing(smoothing, **kw)
         eval_s, result = timed(lambda: model.evaluate_shards(shards, "val"))
         unseen = int(np.isinf(model.score(val)).sum())
-        note = f"{unseen:,} validation tokens get p = 0" if unseen else "same counts, rescored"
+        note = (f"{unseen:,} validation {'token gets' if unseen == 1 else 'tokens get'} p = 0" if unseen
+                else "same counts, rescored")
         rows.append(Row("tinylm n-gram", words, f"n={best_order}", n_train, 0.0, eval_s, result.tokens,
                         result.loss, result.bits_per_byte, note))
     return rows, best

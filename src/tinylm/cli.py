@@ -504,6 +504,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
     result = evaluate_run(run, args.split, checkpoint=args.checkpoint, max_tokens=args.tokens or 0,
                           batch_size=args.batch_size, data_dir=args.data_dir, corpus=_load_corpus(args),
                           tokenizer=args.tokenizer, device=args.device)
+    if args.json:
+        print(json.dumps({"run": str(run), **result.report()}))
+        return 0
     scope = "bytes prorated from a subset" if result.prorated else "all of it"
     where = f"the corpus {args.corpus}" if args.corpus else f"the {args.split} split"
     print(f"{run} on {where}: loss {result.loss:.4f} nats per token, perplexity {result.perplexity:.2f}, "
@@ -523,8 +526,14 @@ def cmd_compare(args: argparse.Namespace) -> int:
     check_plot_path(args.plot)
     rows = compare_runs(args.runs, split=args.split, corpus=_load_corpus(args), max_tokens=args.tokens or 0,
                         device=args.device)
+    chart = plot_comparison(rows, args.plot)
+    if args.json:
+        print(json.dumps({"chart": str(chart), "runs": [
+            {"run": r.name, "family": r.family, "size": r.size, "tokenizer": r.tokenizer, **r.result.report()}
+            for r in sorted(rows, key=lambda r: r.result.bits_per_byte)]}))
+        return 0
     print(format_table(rows))
-    print(f"chart: {plot_comparison(rows, args.plot)}")
+    print(f"chart: {chart}")
     return 0
 
 
@@ -717,6 +726,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=_positive_int, help="sequences per batch (default: the run's batch_size)")
     p.add_argument("--data-dir", help="the run's shard folder, if it has moved since training")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps (default: cpu)")
+    p.add_argument("--json", action="store_true", help="print the numbers as one JSON object (for scripts)")
     p.set_defaults(func=cmd_eval, parser=p)
 
     # tinylm compare
@@ -731,6 +741,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: all; n-gram models always score all)")
     p.add_argument("--plot", default="compare.png", metavar="PATH", help="the bar chart (default: compare.png)")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps (default: cpu)")
+    p.add_argument("--json", action="store_true", help="print the table as JSON, best first (the chart is still "
+                   "written)")
     p.set_defaults(func=cmd_compare, parser=p)
 
     # tinylm sample / next-token

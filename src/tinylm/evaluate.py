@@ -97,6 +97,16 @@ class EvalResult:
         """(loss_sum / ln 2 + 8 x unknown_bytes) / bytes: the text's code length per byte (module docstring)."""
         return (self.loss_sum / math.log(2) + 8 * self.unknown_bytes) / self.bytes
 
+    def report(self) -> dict[str, Any]:
+        """Everything `tinylm eval --json` prints; an infinite loss is the string "inf" (JSON has no infinity)."""
+        def number(x: float) -> float | str:
+            return x if math.isfinite(x) else "inf"
+
+        return {"text": self.split, "loss": number(self.loss), "perplexity": number(self.perplexity),
+                "bits_per_byte": number(self.bits_per_byte), "tokens": self.tokens, "bytes": self.bytes,
+                "prorated": self.prorated, "unknown_tokens": self.unknown_tokens,
+                "unknown_bytes": self.unknown_bytes, "seconds": self.seconds}
+
     def as_dict(self, prefix: str = "val_") -> dict[str, float | int | bool]:
         """The numbers for a metrics log line."""
         return {f"{prefix}loss": self.loss, f"{prefix}ppl": self.perplexity, f"{prefix}bpb": self.bits_per_byte,

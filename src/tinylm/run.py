@@ -452,6 +452,9 @@ def load_run(run_dir: str | os.PathLike, checkpoint: str = "best", device: torch
     run_dir = check_run_dir(run_dir)
     device = resolve_device(str(device))
     info = read_run_info(run_dir)
+    if not (run_dir / CONFIG_FILE).is_file():
+        raise TinyLMError(f"{run_dir} has no {CONFIG_FILE}: the run is incomplete (stopped before its first checkpoint, "
+                          f"or files were removed); train it again with `tinylm train --out {run_dir} --force`")
     run_config = build_config(load_config_file(run_dir / CONFIG_FILE))
     if run_config.model.family == "ngram":
         return _load_ngram_run(run_dir, run_config, info, device)

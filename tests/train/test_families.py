@@ -110,6 +110,9 @@ def test_eval_on_any_corpus_and_mle_reports_infinity(tmp_path, runs, corpus, dat
     assert proc.returncode == 0, proc.stderr
     loss, ppl, bpb = eval_numbers(proc.stdout)
     assert math.isinf(loss) and math.isinf(ppl) and math.isinf(bpb)
+    as_json = run_cli("eval", "--run", str(mle), "--corpus", str(text), "--json")
+    report = json.loads(as_json.stdout)  # strict JSON: no bare Infinity
+    assert report["loss"] == report["perplexity"] == report["bits_per_byte"] == "inf"
 
 
 def test_sample_from_every_family_is_reproducible(runs):
@@ -400,3 +403,21 @@ def test_a_run_folders_ngram_file_finds_its_tokenizer_and_a_file_is_no_out_folde
         proc = run_cli("train", *cli_flags(corpus, data_dir), "--out", str(a_file), *extra)
         assert proc.returncode == 2 and "is a file; a run is a folder" in proc.stderr
     assert a_file.read_text(encoding="utf-8") == "keep me"
+
+
+def test_eval_and_compare_print_json_for_scripts(tmp_path, runs):
+    text = run_cli("eval", "--run", str(runs["lstm"]))
+    as_json = run_cli("eval", "--run", str(runs["lstm"]), "--json")
+    assert text.returncode == 0 and as_json.returncode == 0, text.stderr + as_json.stderr
+    report = json.loads(as_json.stdout)
+    loss, ppl, bpb = eval_numbers(text.stdout)
+    assert round(report["loss"], 4) == loss and round(report["bits_per_byte"], 4) == bpb
+    assert report["text"] == "val" and report["tokens"] > 0 and report["run"] == str(runs["lstm"])
+    compared = run_cli("compare", *(str(runs[f]) for f in ("gpt", "ngram", "lstm")), "--json",
+                       "--plot", str(tmp_path / "c.png"))
+    assert compared.returncode == 0, compared.stderr
+    table = json.loads(compared.stdout)
+    assert [r["run"] for r in table["runs"]] == sorted(["gpt", "ngram", "lstm"], key=lambda n: next(
+        r["bits_per_byte"] for r in table["runs"] if r["run"] == n))
+    assert next(r for r in table["runs"] if r["run"] == "lstm")["loss"] == report["loss"]
+    assert table["chart"] == str(tmp_path / "c.png") and (tmp_path / "c.png").exists()
