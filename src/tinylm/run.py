@@ -60,7 +60,7 @@ from tinylm.atomic import atomic_write_text
 from tinylm.config import Config, build_config, dump_toml, load_config_file
 from tinylm.errors import TinyLMError
 from tinylm.model import NGramLM, NGramModel, build_model
-from tinylm.tokenizers.base import Tokenizer, load_tokenizer
+from tinylm.tokenizers.base import Tokenizer, generation_excluded, load_tokenizer
 
 RUN_FORMAT = "tinylm.run"
 CHECKPOINT_FORMAT = "tinylm.checkpoint"
@@ -487,11 +487,3 @@ def _load_ngram_run(run_dir: Path, config: Config, info: dict[str, Any], device:
                           "vocabularies differ); count it again with `tinylm train --model ngram --force`")
     model = NGramLM(ngram, config.model, never=generation_excluded(tokenizer)).to(device).eval()
     return Run(run_dir, config, tokenizer, model, None, info, read_metrics(run_dir))
-
-
-def generation_excluded(tokenizer: Tokenizer) -> list[int]:
-    """The ids an n-gram must never generate: every special token but EOS (padding, BOS, reserved ids)
-    and ``<unk>``, which stands for text the tokenizer cannot spell (smoothing gives them all a share)."""
-    unk = getattr(tokenizer, "unk_id", None)
-    return [i for i in range(tokenizer.vocab_size)
-            if (tokenizer.is_special(i) and i != tokenizer.eos_id) or i == unk]

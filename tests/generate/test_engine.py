@@ -295,3 +295,32 @@ def test_the_engine_decodes_in_eval_mode_and_restores_the_mode():
     b = Engine(model, params).generate([[1, 2, 3]])
     assert a[0].token_ids == b[0].token_ids  # dropout off while generating
     assert model.training
+
+
+def test_no_sampler_draws_padding_bos_or_unknown_even_from_a_model_that_prefers_them():
+    """A barely trained network gives PAD, BOS and <unk> real mass (here: most of it). The engine, the naive reference
+    and beam search never draw them, the same way; EOS stays drawable, and an excluded id asked for as a stop id
+    is drawable again."""
+    from tinylm.generate.beam import beam_search_completions
+    from tinylm.tokenizers import CharTokenizer
+    from tinylm.tokenizers.base import generation_excluded
+
+    tok = CharTokenizer.train(["the quick brown fox jumps over the lazy dog"])
+    banned = generation_excluded(tok)
+    assert {tok.bos_id, tok.pad_id, tok.unk_id} <= set(banned) and tok.eos_id not in banned
+    probs = torch.full((tok.vocab_size, tok.vocab_size), 1.0)
+    probs[:, banned] = 50.0  # the special ids hold most of the mass after every token
+    model = BigramLM(probs / probs.sum(-1, keepdim=True))
+    prompt = [[tok.encode("the")[0]]]
+    for params in (SamplingParams(max_new_tokens=60, seed=s, num_samples=4) for s in range(3)):
+        drawn = Engine(model, params, tok).generate(prompt)
+        assert_same_completions(drawn, reference_generate(model, prompt, params, tok))
+        assert all(t not in banned for c in drawn for t in c.token_ids)
+        assert sum(len(c.token_ids) for c in drawn) > 40  # EOS still ends samples, but not at once
+    greedy = Engine(model, SamplingParams(max_new_tokens=5, temperature=0), tok).generate(prompt)[0]
+    assert greedy.token_ids[0] not in banned
+    beams = beam_search_completions(model, tok, prompt[0], SamplingParams(max_new_tokens=8, num_beams=3,
+                                                                          num_samples=3))
+    assert all(t not in banned for c in beams for t in c.token_ids)
+    as_stop = Engine(model, SamplingParams(max_new_tokens=50, seed=0, stop_ids=[tok.pad_id]), tok).generate(prompt)
+    assert as_stop[0].finish_reason == "stop" and as_stop[0].token_ids[-1] == tok.pad_id

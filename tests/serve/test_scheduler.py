@@ -373,3 +373,37 @@ def test_end_all_fails_running_and_waiting_jobs_with_503_and_refuses_new_ones(ru
         assert scheduler.stats()["active_rows"] == scheduler.stats()["waiting_rows"] == 0
     finally:
         scheduler.close()
+
+
+def test_the_server_draws_no_padding_or_bos_as_the_library_does(run):
+    """A model that prefers the special ids (a barely trained one does, a little): the scheduler leaves them out,
+    as `generate` does, with the same tokens for the same seed."""
+    from tinylm.tokenizers.base import generation_excluded
+
+    tok = run.tokenizer
+    banned = generation_excluded(tok)
+
+    class PrefersSpecials(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner, self.config = inner, inner.config
+
+        def forward(self, *args, **kwargs):
+            logits, rest = self.inner(*args, **kwargs)
+            logits = logits.clone()
+            logits[..., banned] += 8.0
+            return logits, rest
+
+    model = PrefersSpecials(run.model)
+    params = SamplingParams(max_new_tokens=20, seed=3, num_samples=3)
+    scheduler = Scheduler(model, tok, max_batch_size=8).start()
+    try:
+        recorder = Recorder()
+        scheduler.submit(Job([run.start_ids], params, on_event=recorder))
+        served = recorder.result()
+    finally:
+        scheduler.close()
+    library = generate(model, tok, "", params, start_ids=run.start_ids)
+    assert served == [(c.text, c.finish_reason) for c in library]
+    assert all(t not in banned for c in library for t in c.token_ids)
+    assert all("<|" not in text for text, _ in served)

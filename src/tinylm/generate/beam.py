@@ -31,7 +31,7 @@ from torch import Tensor, nn
 
 from tinylm.generate.cache import KVCache, cache_for
 from tinylm.generate.engine import Completion, context_start, decode_one_token, prefill, warn_window, window_keep
-from tinylm.generate.sampling import SamplingParams
+from tinylm.generate.sampling import SamplingParams, excluded_mask
 from tinylm.tokenizers.base import Tokenizer
 
 
@@ -66,12 +66,14 @@ def beam_search(
     length_penalty: float = 1.0,
     stop_ids: Sequence[int] = (),
     vocab_size: int | None = None,
+    excluded: Tensor | None = None,
     keep: int | None = None,
     use_cache: bool = True,
 ) -> list[Beam]:
     """The best paths found after ``prompt``, best first (at most ``num_beams``).
 
-    ``vocab_size`` limits the search to ids below it; ``keep`` is the window policy's
+    ``vocab_size`` limits the search to ids below it, and no path takes an id where ``excluded``
+    (V,) is True (`tinylm.generate.sampling.excluded_mask`); ``keep`` is the window policy's
     ``window_keep`` (see `tinylm.generate.engine.context_start`). ``use_cache=False`` recomputes
     every beam from scratch at every step: the reference the cached search is tested against.
     """
@@ -105,7 +107,7 @@ def beam_search(
         cache, logits = start_window(alive)  # logits (k, V)
         for step in range(max_new_tokens):
             alive, parents, finished = select_beams(alive, finished, logits, num_beams, length_penalty,
-                                                    stop_ids, vocab_size)
+                                                    stop_ids, vocab_size, excluded)
             if not alive or step == max_new_tokens - 1:
                 break
             if len(finished) == num_beams:
@@ -126,7 +128,8 @@ def beam_search(
 
 
 def select_beams(alive: list[Beam], finished: list[Beam], logits: Tensor, num_beams: int, length_penalty: float,
-                 stop_ids: set[int], vocab_size: int | None = None) -> tuple[list[Beam], list[int], list[Beam]]:
+                 stop_ids: set[int], vocab_size: int | None = None,
+                 excluded: Tensor | None = None) -> tuple[list[Beam], list[int], list[Beam]]:
     """One step of the search: (the new beams, the row each came from, the finished paths, best first).
 
     ``logits`` (k, V) are the next-token logits of the k alive beams.
@@ -134,6 +137,8 @@ def select_beams(alive: list[Beam], finished: list[Beam], logits: Tensor, num_be
     logp = torch.log_softmax(logits.float(), dim=-1)  # (k, V)
     if vocab_size is not None and vocab_size < logp.size(-1):
         logp[:, vocab_size:] = float("-inf")
+    if excluded is not None:
+        logp.masked_fill_(excluded, float("-inf"))
     sums = torch.tensor([b.logprob for b in alive], dtype=logp.dtype, device=logp.device)  # (k,)
     scores = (sums[:, None] + logp).flatten()  # (k * V,): every one-token extension
     top = torch.topk(scores, min(2 * num_beams, int(torch.isfinite(scores).sum())))
@@ -156,8 +161,10 @@ def beam_search_completions(model: nn.Module, tokenizer: Tokenizer, prompt: Sequ
                             prompt_index: int = 0) -> list[Completion]:
     """The best ``params.num_samples`` beams as `Completion`s (what `generate` returns for num_beams > 1)."""
     stop_ids = params.stop_ids if params.stop_ids is not None else (tokenizer.eos_id,)
+    device = next(model.parameters()).device
+    excluded = excluded_mask(tokenizer, model.config.vocab_size, stop_ids, device)
     beams = beam_search(model, prompt, params.num_beams, params.max_new_tokens, length_penalty=params.length_penalty,
-                        stop_ids=stop_ids, vocab_size=tokenizer.vocab_size, keep=params.window_keep)
+                        stop_ids=stop_ids, vocab_size=tokenizer.vocab_size, excluded=excluded, keep=params.window_keep)
     out = []
     for j, beam in enumerate(beams[:params.num_samples]):
         text_ids = beam.tokens[:-1] if beam.stop is not None else beam.tokens

@@ -49,7 +49,7 @@ from torch import Tensor, nn
 
 from tinylm.errors import TinyLMError
 from tinylm.generate.cache import KVCache, cache_for
-from tinylm.generate.sampling import SamplingParams, make_generators, sample, token_logprobs
+from tinylm.generate.sampling import SamplingParams, excluded_mask, make_generators, sample, token_logprobs
 from tinylm.generate.stream import TextStream
 from tinylm.tokenizers.base import Tokenizer
 
@@ -225,6 +225,7 @@ class Engine:
             self.stop_ids = {tokenizer.eos_id} if tokenizer is not None else set()
         self.vocab_size = vocab_size if vocab_size is not None else (tokenizer.vocab_size if tokenizer else None)
         self.device = next(model.parameters()).device
+        self.excluded = excluded_mask(tokenizer, model.config.vocab_size, self.stop_ids, self.device)  # (V,) or None
         self.cache: KVCache | None = None
         self.warned = False
 
@@ -272,6 +273,8 @@ class Engine:
             for step in range(params.max_new_tokens):
                 if self.vocab_size is not None and self.vocab_size < logits.size(-1):
                     logits[:, self.vocab_size:] = float("-inf")  # ids the tokenizer cannot decode
+                if self.excluded is not None:
+                    logits.masked_fill_(self.excluded, float("-inf"))  # padding, BOS, reserved ids, <unk>
                 tokens = sample(logits, params, generators)  # (B,)
                 logprobs = token_logprobs(logits, tokens)  # (B,)
                 last_step = step == params.max_new_tokens - 1

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from tinylm.generate.engine import Completion, context_start, warn_window, window_keep
-from tinylm.generate.sampling import SamplingParams, make_generators, sample, token_logprobs
+from tinylm.generate.sampling import SamplingParams, excluded_mask, make_generators, sample, token_logprobs
 from tinylm.tokenizers.base import Tokenizer
 
 
@@ -57,6 +57,7 @@ def _one(model: nn.Module, seq: list[int], params: SamplingParams, tokenizer: To
     else:
         stop_ids = {tokenizer.eos_id} if tokenizer is not None else set()
     vocab_limit = tokenizer.vocab_size if tokenizer is not None else None
+    excluded = excluded_mask(tokenizer, model.config.vocab_size, stop_ids, device)
     was_training = model.training
     model.eval()
     tokens: list[int] = []
@@ -73,6 +74,8 @@ def _one(model: nn.Module, seq: list[int], params: SamplingParams, tokenizer: To
             logits = logits[:, -1]  # (1, V)
             if vocab_limit is not None and vocab_limit < logits.size(-1):
                 logits[:, vocab_limit:] = float("-inf")
+            if excluded is not None:
+                logits.masked_fill_(excluded, float("-inf"))
             token = sample(logits, params, generator)  # (1,)
             tokens.append(int(token))
             logprobs.append(float(token_logprobs(logits, token)))

@@ -30,7 +30,7 @@ whatever strategy picked it. Beam search scores paths with the same numbers.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -38,6 +38,7 @@ import torch
 from torch import Tensor
 
 from tinylm.errors import TinyLMError
+from tinylm.tokenizers.base import Tokenizer, generation_excluded
 
 # top-p compares a cumulative sum of float probabilities with p; a sum that misses p by rounding
 # (0.5 + 0.4 = 0.8999999 in float32) must still count as reaching it
@@ -191,6 +192,24 @@ def sampling_distribution(logits: Tensor, params: SamplingParams) -> Tensor:
 
 
 # ----- drawing -----------------------------------------------------------------------------------
+
+
+def excluded_mask(tokenizer: Tokenizer | None, width: int, stop_ids: Collection[int] = (),
+                  device: torch.device | str = "cpu") -> Tensor | None:
+    """(width,) bool over a model's output ids: True for the ids no sample may take, or None for none.
+
+    Those are the ids past the tokenizer's vocabulary (an output layer padded to a multiple of 64)
+    and the ones it has no text for (`tinylm.tokenizers.base.generation_excluded`: padding, BOS,
+    reserved ids, ``<unk>``), unless they are ``stop_ids``. Every sampler sets their logits to
+    -inf, so the engine, beam search, the naive reference and the server draw alike.
+    """
+    if tokenizer is None:
+        return None
+    mask = torch.zeros(width, dtype=torch.bool)
+    mask[tokenizer.vocab_size:] = True
+    excluded = [i for i in generation_excluded(tokenizer) if i < width and i not in stop_ids]
+    mask[excluded] = True
+    return mask.to(device) if bool(mask.any()) else None
 
 
 def make_generators(seed: int | None, n: int, device: torch.device | str = "cpu") -> list[torch.Generator]:

@@ -91,7 +91,7 @@ from torch import Tensor, nn
 from tinylm.errors import TinyLMError
 from tinylm.generate.cache import KVCache, cache_for
 from tinylm.generate.engine import FinishReason, accept_token, decode_one_token, left_pad
-from tinylm.generate.sampling import SamplingParams, make_generators, sample, token_logprobs
+from tinylm.generate.sampling import SamplingParams, excluded_mask, make_generators, sample, token_logprobs
 from tinylm.generate.stream import TextStream
 from tinylm.tokenizers.base import Tokenizer
 
@@ -263,6 +263,7 @@ class Scheduler:
         self.batch_window = batch_window
         self.device = next(model.parameters()).device
         self.vocab_size = tokenizer.vocab_size
+        self._excluded: dict[frozenset[int], Tensor | None] = {}  # by a job's stop ids: what no row may draw
         # a KV cache can be re-aligned column by column, so rows may join a running batch; other caches cannot
         self.continuous = getattr(model, "new_cache", None) is None
         self._cond = threading.Condition()
@@ -511,6 +512,12 @@ class Scheduler:
         self.steps += 1
         self._draw(rows, logits, outbox)
 
+    def _excluded_for(self, job: Job, width: int) -> Tensor | None:
+        key = frozenset(job.stop_ids or ())
+        if key not in self._excluded:
+            self._excluded[key] = excluded_mask(self.tokenizer, width, key, self.device)
+        return self._excluded[key]
+
     def _draw(self, rows: list[_Row], logits: Tensor, outbox: dict[Job, list]) -> None:
         """Sample each row's next token from logits (B, V) with its own settings; record it; emit events."""
         logits = logits.float()
@@ -520,6 +527,9 @@ class Scheduler:
         groups: dict[tuple, list[int]] = defaultdict(list)
         for b, row in enumerate(rows):
             groups[row.job.sampling_key].append(b)
+            excluded = self._excluded_for(row.job, logits.size(-1))
+            if excluded is not None:  # padding, BOS, reserved ids, <unk>: what the library's engine leaves out
+                logits[b].masked_fill_(excluded, float("-inf"))
         for members in groups.values():
             params = rows[members[0]].job.params
             generators = None if params.greedy else [rows[b].generator for b in members]

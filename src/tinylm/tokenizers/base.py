@@ -285,3 +285,12 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     """Load any tinylm tokenizer saved with `Tokenizer.save`."""
     path = Path(path)
     return tokenizer_from_dict(_read_json(path), str(path))
+
+
+def generation_excluded(tokenizer: Tokenizer) -> list[int]:
+    """The ids no model may generate as text: every special token but EOS (padding, BOS, reserved ids) and
+    ``<unk>``, which stands for text the tokenizer cannot spell. A barely trained network (or an n-gram model's
+    smoothing) gives them some probability; sampling, beam search and the server leave them out."""
+    unk = getattr(tokenizer, "unk_id", None)
+    return [i for i in range(tokenizer.vocab_size)
+            if (tokenizer.is_special(i) and i != tokenizer.eos_id) or i == unk]
