@@ -525,11 +525,17 @@ class Scheduler:
             logits[:, self.vocab_size:] = float("-inf")  # ids the tokenizer cannot decode (a padded vocabulary)
         tokens = torch.zeros(len(rows), dtype=torch.long, device=logits.device)  # (B,)
         groups: dict[tuple, list[int]] = defaultdict(list)
+        # padding, BOS, reserved ids, <unk>: what the library's engine leaves out (per row: stop ids may differ)
+        masks = [self._excluded_for(row.job, logits.size(-1)) for row in rows]
+        if all(m is masks[0] for m in masks):  # as a rule every row has the same: one operation for the batch
+            if masks[0] is not None:
+                logits.masked_fill_(masks[0], float("-inf"))
+        else:
+            for b, excluded in enumerate(masks):
+                if excluded is not None:
+                    logits[b].masked_fill_(excluded, float("-inf"))
         for b, row in enumerate(rows):
             groups[row.job.sampling_key].append(b)
-            excluded = self._excluded_for(row.job, logits.size(-1))
-            if excluded is not None:  # padding, BOS, reserved ids, <unk>: what the library's engine leaves out
-                logits[b].masked_fill_(excluded, float("-inf"))
         for members in groups.values():
             params = rows[members[0]].job.params
             generators = None if params.greedy else [rows[b].generator for b in members]
