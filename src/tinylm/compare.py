@@ -126,7 +126,8 @@ def format_table(rows: Sequence[Compared]) -> str:
                    "differ); use --corpus to evaluate all of them on one text")
     unknown = [r for r in rows if r.result.unknown_tokens]
     if unknown:
-        out.append("note: " + "; ".join(f"{r.name}: {r.result.unknown_tokens:,} <unk> tokens" for r in unknown)
+        out.append("note: " + "; ".join(f"{r.name}: {r.result.unknown_tokens:,} <unk> token"
+                                         f"{'' if r.result.unknown_tokens == 1 else 's'}" for r in unknown)
                    + ". Each byte they stand for is charged 8 bits in bits per byte (the tokenizer cannot spell it)")
     if any(r.result.prorated for r in rows):
         out.append("note: rows with prorated bytes were scored on evenly spaced windows of the text (--tokens), "

@@ -103,9 +103,11 @@ class EvalResult:
             return x if math.isfinite(x) else "inf"
 
         return {"text": self.split, "loss": number(self.loss), "perplexity": number(self.perplexity),
-                "bits_per_byte": number(self.bits_per_byte), "tokens": self.tokens, "bytes": self.bytes,
+                "bits_per_byte": number(self.bits_per_byte), "tokens": self.tokens,
+                "bytes": self.bytes if self.prorated else round(self.bytes),  # a count, unless prorated
                 "prorated": self.prorated, "unknown_tokens": self.unknown_tokens,
-                "unknown_bytes": self.unknown_bytes, "seconds": self.seconds}
+                "unknown_bytes": self.unknown_bytes if self.prorated else round(self.unknown_bytes),
+                "seconds": self.seconds}
 
     def as_dict(self, prefix: str = "val_") -> dict[str, float | int | bool]:
         """The numbers for a metrics log line."""

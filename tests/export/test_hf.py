@@ -23,6 +23,7 @@ from tinylm.export import architecture_for, export_hf, export_run, import_hf, im
 from tinylm.export.hf import hf_rules
 from tinylm.model import GPT
 from tinylm.tokenizers import CharTokenizer
+from tinylm.tokenizers.base import generation_excluded
 from tinylm.tokenizers.formats import BYTE_TO_UNICODE, save_hf_tokenizer_json, to_hf_tokenizer_json
 
 transformers = pytest.importorskip("transformers", reason="transformers is the oracle for these tests")
@@ -85,7 +86,31 @@ def test_the_exported_tokenizer_gives_the_same_ids_and_special_tokens(tmp_path, 
     assert hf_tok("a<|eos|>b")["input_ids"] == tokenizer.encode("a<|eos|>b", allowed_special="all")
     generation = json.loads((tmp_path / "hf" / "generation_config.json").read_text())
     assert generation == {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id,
-                          "pad_token_id": tokenizer.pad_id}
+                          "pad_token_id": tokenizer.pad_id, "suppress_tokens": generation_excluded(tokenizer)}
+
+
+def test_transformers_generate_leaves_out_the_tokens_tinylm_never_samples(tmp_path, tokenizer):
+    """A model whose head prefers PAD (as a barely trained one may): with the exported generation_config.json,
+    transformers' generate never draws it, and greedy decoding gives tinylm's tokens."""
+    from transformers import AutoModelForCausalLM
+
+    from tinylm.generate import SamplingParams
+    from tinylm.generate.engine import Engine
+
+    model = tiny_model("gpt2")
+    with torch.no_grad():  # the final norm's bias points along PAD's row of the (tied) head: PAD scores high
+        direction = torch.randn(model.norm_f.bias.shape, generator=torch.Generator().manual_seed(0))
+        model.norm_f.bias += 3 * direction / direction.norm()
+        model.lm_head.weight[tokenizer.pad_id] = 3 * direction / direction.norm()
+    export_hf(model, tokenizer, tmp_path / "hf")
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    start = tokenizer.encode("def ")
+    raw = greedy(ours(model), start)
+    theirs_ids = hf.generate(torch.tensor([start]), max_new_tokens=12, do_sample=False)[0, len(start):].tolist()
+    [mine] = Engine(model, SamplingParams(max_new_tokens=12, temperature=0), tokenizer).generate([start])
+    assert theirs_ids[:len(mine.token_ids)] == mine.token_ids
+    assert tokenizer.pad_id not in mine.token_ids and tokenizer.pad_id not in theirs_ids
+    assert tokenizer.pad_id in raw  # without suppressing it, the model picks PAD: the check above says something
 
 
 def test_the_safetensors_file_writes_tied_weights_once_and_gpt2_matrices_transposed(tmp_path, tokenizer):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -73,3 +75,25 @@ def test_attention_maps_are_causal_distributions():
     for w in maps:
         torch.testing.assert_close(w.sum(-1), torch.ones(4, 6))
         assert torch.all(w.triu(diagonal=1) == 0)  # nothing attends to the future
+
+
+def test_candidates_are_the_tokens_a_sample_can_take_with_the_probabilities_it_draws_with():
+    """A model that puts most of its mass on PAD and BOS: they are not candidates (no sampler draws them), and the
+    probabilities shown are renormalised over the rest, as the engine's logprobs are."""
+    from tinylm.tokenizers import CharTokenizer
+    from tinylm.tokenizers.base import generation_excluded
+
+    tok = CharTokenizer.train(["abc"])
+    never = generation_excluded(tok)
+    probs = torch.full((tok.vocab_size, tok.vocab_size), 1.0)
+    probs[:, never] = 30.0
+    probs[:, tok.encode("b")[0]] = 2.0
+    model = BigramLM(probs / probs.sum(-1, keepdim=True))
+    ids = tok.encode("a")
+    shown = next_token_candidates(model, tok, ids, top=tok.vocab_size)
+    assert {c.token_id for c in shown} == set(range(tok.vocab_size)) - set(never)
+    assert sum(c.probability for c in shown) == pytest.approx(1.0)
+    assert shown[0].token_id == tok.encode("b")[0] and shown[0].probability == pytest.approx(2 / (2 + len(shown) - 1))
+    [drawn] = Engine(model, SamplingParams(max_new_tokens=1, temperature=0), tok).generate([ids])
+    assert drawn.token_ids == [shown[0].token_id]
+    assert drawn.logprobs[0] == pytest.approx(math.log(shown[0].probability))

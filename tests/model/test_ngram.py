@@ -388,6 +388,14 @@ def test_load_refuses_cut_and_corrupt_files_in_one_line(tmp_path):
         (tmp_path / name).write_bytes(content)
         with pytest.raises(TinyLMError, match="not a readable n-gram model file .*count it again"):
             NGramModel.load(tmp_path / name)
+    for position in range(0, len(data), max(1, len(data) // 60)):  # one byte flipped: damaged deflated data, CRCs
+        damaged = bytearray(data)
+        damaged[position] ^= 0xFF
+        (tmp_path / "flipped.npz").write_bytes(bytes(damaged))
+        try:
+            NGramModel.load(tmp_path / "flipped.npz")
+        except TinyLMError as e:
+            assert "\n" not in str(e) and ("count it again" in str(e) or "fit" in str(e)), position
     with np.load(good, allow_pickle=False) as npz:
         arrays = {name: npz[name] for name in npz.files}
     header = json.loads(arrays["header"].tobytes())
@@ -396,6 +404,8 @@ def test_load_refuses_cut_and_corrupt_files_in_one_line(tmp_path):
         "unsorted keys": {"keys_2": arrays["keys_2"][::-1].copy()},
         "key past the table": {"keys_3": np.append(arrays["keys_3"], len(arrays["keys_2"]) * vocab)},
         "negative count": {"counts_1": -arrays["counts_1"].astype(np.int64)},
+        "float keys": {"keys_2": arrays["keys_2"].astype(np.float64) + 0.5},
+        "2-D tables": {"keys_2": arrays["keys_2"][:, None], "counts_2": arrays["counts_2"][:, None]},
         "bad vocab size": {"header": np.frombuffer(json.dumps({**header, "vocab_size": 2}).encode(), np.uint8)},
     }
     for what, change in broken.items():

@@ -98,9 +98,10 @@ def test_unknown_paths_and_methods_answer_in_json(server):
 
 
 def test_an_empty_body_is_called_empty(server):
-    empty = httpx.post(server.base_url + COMPLETIONS, content=b"", headers={"content-type": "application/json"})
-    assert empty.status_code == 400 and empty.json()["error"]["message"] == (
-        "the body is empty: send the request as a JSON object")
+    for body in (b"", b"  \n\t"):
+        empty = httpx.post(server.base_url + COMPLETIONS, content=body, headers={"content-type": "application/json"})
+        assert empty.status_code == 400 and empty.json()["error"]["message"] == (
+            "the body is empty: send the request as a JSON object"), body
 
 
 def test_allowed_origins_may_call_the_api_from_a_browser_with_its_key(run):

@@ -19,7 +19,7 @@ import pytest
 from servekit import ThreadServer
 
 from tinylm.generate import SamplingParams, generate
-from tinylm.generate.inspect import next_token_logits
+from tinylm.generate.inspect import drawable_logits
 from tinylm.generate.sampling import sampling_distribution
 
 INSTALL = "install Chromium with `apt-get install -y chromium` (Debian/Ubuntu) so that `chromium` is on PATH"
@@ -48,8 +48,9 @@ def chart(page) -> list[tuple[int, float, bool]]:
 
 
 def expected_chart(run, text: str, ids: list[int], **settings) -> list[float]:
-    """The library's sampling distribution after ``text`` at the page's settings, for the charted ``ids``."""
-    logits = next_token_logits(run.model, run.start_ids + run.tokenizer.encode(text))[:run.tokenizer.vocab_size]
+    """The library's sampling distribution after ``text`` at the page's settings, for the charted ``ids`` (over the
+    ids a sample may take: padding and BOS are never drawn, so they are never charted)."""
+    logits = drawable_logits(run.model, run.tokenizer, run.start_ids + run.tokenizer.encode(text))
     probs = sampling_distribution(logits[None], SamplingParams(**settings))[0]  # (V,)
     return [float(probs[i]) for i in ids]
 

@@ -347,17 +347,22 @@ def test_shards_are_reused_when_the_corpus_cannot_fill_the_vocabulary(tmp_path, 
     """The test corpus has 33 distinct words: a word or BPE tokenizer asked for 4096 tokens gets fewer. The same
     command run again reuses the data folder (it used to refuse: "a tokenizer of 47 tokens, not the 4096 asked
     for"); asking for another size that the corpus could fill is still refused."""
-    flags = ["--model", "ngram", "--order", "2", "--corpus", str(corpus), "--tokenizer-kind", kind,
+    mine = shutil.copytree(corpus, tmp_path / "corpus")
+    flags = ["--model", "ngram", "--order", "2", "--corpus", str(mine), "--tokenizer-kind", kind,
              "--data-dir", str(tmp_path / "data"), "--sample-tokens", "0"]
     first = run_cli("train", *flags, "--out", str(tmp_path / "one"))
     assert first.returncode == 0, first.stderr
     again = run_cli("train", *flags, "--out", str(tmp_path / "two"))
     assert again.returncode == 0, again.stderr
-    assert "reused" in again.stdout
+    assert "reused" in again.stdout and "warning" not in again.stderr  # said once, when the data was made
     assert load_run(tmp_path / "one").tokenizer.fingerprint() == load_run(tmp_path / "two").tokenizer.fingerprint()
     smaller = load_run(tmp_path / "one").tokenizer.vocab_size - 3
     other = run_cli("train", *flags, "--tokenizer-vocab-size", str(smaller), "--out", str(tmp_path / "three"))
     assert other.returncode == 2 and f"not the {kind} tokenizer of {smaller} asked for" in other.stderr
+    with open(mine / "doc00.txt", "a", encoding="utf-8") as f:
+        f.write("Zebras quietly juggle marmalade.\n")  # new words: the tokenizer trained now differs
+    changed = run_cli("train", *flags, "--out", str(tmp_path / "four"))
+    assert changed.returncode == 2 and "has the corpus changed?" in changed.stderr
 
 
 def test_compare_names_runs_apart_when_their_folders_share_a_name(tmp_path, runs):
@@ -403,6 +408,11 @@ def test_a_run_folders_ngram_file_finds_its_tokenizer_and_a_file_is_no_out_folde
     for extra in ([], ["--force"]):
         proc = run_cli("train", *cli_flags(corpus, data_dir), "--out", str(a_file), *extra)
         assert proc.returncode == 2 and "is a file; a run is a folder" in proc.stderr
+    for family in ("gpt", "ngram"):  # below a file: one line, not NotADirectoryError
+        proc = run_cli("train", "--model", family, *cli_flags(corpus, data_dir), "--out", str(a_file / "sub"))
+        assert proc.returncode == 2 and f"{a_file} is a file, not a folder" in proc.stderr, proc.stderr
+    resumed = run_cli("train", "--out", str(a_file), "--resume")
+    assert resumed.returncode == 2 and "is a file, not a run folder" in resumed.stderr
     assert a_file.read_text(encoding="utf-8") == "keep me"
 
 

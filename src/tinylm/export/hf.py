@@ -65,7 +65,8 @@ written with zero biases (the same function, exactly) and comes back from `impor
 Besides the weights, `export_hf` writes what `AutoTokenizer` and ``generate`` need:
 tokenizer.json (`tinylm.tokenizers.formats`, same ids as ours), tokenizer_config.json and
 special_tokens_map.json (naming bos, eos and pad, and ``clean_up_tokenization_spaces: false``
-so decoding gives our text back byte for byte), and generation_config.json (bos, eos, pad ids).
+so decoding gives our text back byte for byte), and generation_config.json (bos, eos, pad ids, and the ids
+no sample takes as ``suppress_tokens``).
 No BOS is added by the tokenizer: tinylm puts the start token itself (see `tinylm.run.start_ids`).
 
 Import is the reverse: `import_hf` reads config.json, model.safetensors (or a sharded
@@ -105,7 +106,7 @@ from tinylm.model.gpt import GPT
 from tinylm.run import CONFIG_FILE as RUN_CONFIG_FILE
 from tinylm.run import RUN_FILE, checkpoint_path, copy_checkpoint, save_checkpoint, write_run_info
 from tinylm.run import TOKENIZER_FILE as RUN_TOKENIZER_FILE
-from tinylm.tokenizers.base import BOS, EOS, PAD, Tokenizer
+from tinylm.tokenizers.base import BOS, EOS, PAD, Tokenizer, generation_excluded
 from tinylm.tokenizers.bpe import BPETokenizer
 from tinylm.tokenizers.formats import load_hf_tokenizer_json, save_hf_tokenizer_json
 
@@ -395,8 +396,9 @@ def _tokenizer_files(tokenizer: BPETokenizer, block_size: int) -> dict[str, dict
         "clean_up_tokenization_spaces": False,
     }
     special_tokens_map = {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD, "additional_special_tokens": reserved}
+    # suppress_tokens: transformers' generate then never draws what tinylm's samplers never draw (PAD, BOS, ...)
     generation_config = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id,
-                         "pad_token_id": tokenizer.pad_id}
+                         "pad_token_id": tokenizer.pad_id, "suppress_tokens": generation_excluded(tokenizer)}
     return {TOKENIZER_CONFIG_FILE: tokenizer_config, SPECIAL_TOKENS_FILE: special_tokens_map,
             GENERATION_CONFIG_FILE: generation_config}
 

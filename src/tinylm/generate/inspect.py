@@ -1,7 +1,9 @@
 """Looking inside one step: the next-token distribution and the attention weights behind it.
 
 `next_token_candidates` answers "what does the model think comes next?": the most likely tokens
-with their probabilities at a temperature. Dividing the logits by tau before the softmax
+with their probabilities at a temperature, over the tokens a sample may take (never padding,
+BOS, reserved ids or ``<unk>``: `drawable_logits`), so they are the probabilities samples are
+drawn with. Dividing the logits by tau before the softmax
 reshapes the distribution without reordering it: logits (2, 1, -1) give probabilities
 (0.705, 0.259, 0.035) at tau = 1, (0.879, 0.119, 0.002) at tau = 0.5 and (0.547, 0.331, 0.122)
 at tau = 2. `temperature_table` lays several temperatures side by side, which is what
@@ -22,7 +24,7 @@ from torch import Tensor, nn
 from tinylm.config import FAMILY_NAMES
 from tinylm.errors import TinyLMError
 from tinylm.generate.engine import context_start
-from tinylm.generate.sampling import SamplingParams, sampling_distribution
+from tinylm.generate.sampling import SamplingParams, excluded_mask, sampling_distribution
 from tinylm.tokenizers.base import Tokenizer
 
 
@@ -74,23 +76,38 @@ def _in_eval_mode(model: nn.Module, fn, ids: Sequence[int]):
         model.train(was_training)
 
 
+def drawable_logits(model: nn.Module, tokenizer: Tokenizer, ids: Sequence[int]) -> Tensor:
+    """The next-token logits (V,) over the tokenizer's ids as sampling sees them: -inf at the ids no sampler
+    draws (padding, BOS, reserved ids, <unk>; `tinylm.generate.sampling.excluded_mask`), so the
+    probabilities shown are the ones samples are drawn with."""
+    logits = next_token_logits(model, ids)[: tokenizer.vocab_size].clone()  # (V,) ids the tokenizer can show
+    excluded = excluded_mask(tokenizer, tokenizer.vocab_size, device=logits.device)
+    if excluded is not None:
+        logits.masked_fill_(excluded, float("-inf"))
+    return logits
+
+
 def next_token_candidates(model: nn.Module, tokenizer: Tokenizer, ids: Sequence[int], top: int = 10,
                           temperature: float = 1.0) -> list[Candidate]:
     """The ``top`` most likely next tokens after ``ids``, most likely first, with probabilities at ``temperature``."""
-    logits = next_token_logits(model, ids)[: tokenizer.vocab_size]  # (V,) ids the tokenizer can show
-    return _candidates(logits, tokenizer, top, temperature)
+    return _candidates(drawable_logits(model, tokenizer, ids), tokenizer, top, temperature)
+
+
+def top_ids(logits: Tensor, top: int) -> list[int]:
+    """The ``top`` ids of the highest logits, highest first (ties by id), leaving out the ids never drawn (-inf)."""
+    order = torch.argsort(logits, descending=True, stable=True)[:top]  # temperature never changes the order
+    return [int(i) for i in order if logits[i] > float("-inf")]
 
 
 def _candidates(logits: Tensor, tokenizer: Tokenizer, top: int, temperature: float) -> list[Candidate]:
     probs = temperature_probabilities(logits, temperature)  # (V,)
-    order = torch.argsort(logits, descending=True, stable=True)[:top]  # temperature never changes the order
-    return [Candidate(int(i), tokenizer.token_bytes(int(i)), float(logits[i]), float(probs[i])) for i in order]
+    return [Candidate(i, tokenizer.token_bytes(i), float(logits[i]), float(probs[i])) for i in top_ids(logits, top)]
 
 
 def temperature_table(model: nn.Module, tokenizer: Tokenizer, ids: Sequence[int], temperatures: Sequence[float],
                       top: int = 10) -> tuple[list[Candidate], list[list[float]]]:
     """The ``top`` candidates (at temperature 1) and, for each, its probability at each of ``temperatures``."""
-    logits = next_token_logits(model, ids)[: tokenizer.vocab_size]  # one forward pass for every column
+    logits = drawable_logits(model, tokenizer, ids)  # one forward pass for every column
     candidates = _candidates(logits, tokenizer, top, 1.0)
     columns = [temperature_probabilities(logits, t) for t in temperatures]  # each (V,)
     return candidates, [[float(col[c.token_id]) for col in columns] for c in candidates]

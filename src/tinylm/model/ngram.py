@@ -122,6 +122,7 @@ import json
 import math
 import os
 import zipfile
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -629,7 +630,8 @@ class NGramModel:
         try:
             with np.load(path, allow_pickle=False) as npz:
                 arrays = {name: npz[name] for name in npz.files}
-        except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
+        except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error, NotImplementedError) as e:
+            # (zlib.error: deflated data damaged; NotImplementedError: a damaged header naming no known compression)
             reason = str(e).split(";")[0].split(". ")[0]  # numpy's advice (e.g. allow_pickle) is not ours to give
             raise TinyLMError(f"{path} is not a readable n-gram model file ({reason}); count it again") from None
         try:
@@ -645,9 +647,11 @@ class NGramModel:
             )
         try:
             order = int(header["order"])
-            keys = [arrays[f"keys_{j}"].astype(np.int64, copy=False) for j in range(1, order + 1)]
-            counts = [arrays[f"counts_{j}"].astype(np.int64) for j in range(1, order + 1)]
+            keys = [arrays[f"keys_{j}"] for j in range(1, order + 1)]
+            counts = [arrays[f"counts_{j}"] for j in range(1, order + 1)]
             _check_tables(keys, counts, int(header["vocab_size"]))
+            keys = [k.astype(np.int64, copy=False) for k in keys]
+            counts = [c.astype(np.int64) for c in counts]
             return cls(keys, counts, vocab_size=header["vocab_size"], bos_id=header["bos_id"],
                        eos_id=header["eos_id"], smoothing=header["smoothing"], k=header["k"],
                        discount=header["discount"], train_tokens=header["train_tokens"],
@@ -679,7 +683,11 @@ def _check_tables(keys: list[np.ndarray], counts: list[np.ndarray], vocab_size: 
         raise ValueError(f"vocab_size {vocab_size}")
     rows = 1  # order 1 has one context, the empty one
     for j, (k, c) in enumerate(zip(keys, counts), start=1):
-        if k.ndim != 1 or c.shape != k.shape:
+        if k.dtype.kind not in "iu" or c.dtype.kind not in "iu":
+            raise ValueError(f"the tables of order {j} hold {k.dtype} keys and {c.dtype} counts, not integers")
+        if k.ndim != 1 or c.ndim != 1:
+            raise ValueError(f"the tables of order {j} are not flat arrays (shapes {k.shape} and {c.shape})")
+        if c.shape != k.shape:
             raise ValueError(f"order {j} has {k.size} keys but {c.size} counts")
         if k.size and (k[0] < 0 or k[-1] >= rows * vocab_size or np.any(np.diff(k) <= 0)):
             raise ValueError(f"the keys of order {j} are out of order or out of range")

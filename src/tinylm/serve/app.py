@@ -67,7 +67,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tinylm.errors import TinyLMError
-from tinylm.generate.inspect import next_token_logits
+from tinylm.generate.inspect import drawable_logits, top_ids
 from tinylm.serve import protocol
 from tinylm.serve.chat import is_blank_token, reply_text
 from tinylm.serve.protocol import (
@@ -239,14 +239,15 @@ def create_app(run: Any, *, model_name: str | None = None, api_key: str | None =
     @app.post("/next_token")
     async def next_token(body: NextTokenRequest) -> dict[str, Any]:
         """The logits of the token after ``prompt`` (all of them, base64 float32 little-endian, so a page can
-        apply any temperature and filter itself) and the ``top`` most likely tokens at temperature 1."""
+        apply any temperature and filter itself; -inf at the ids no sample takes) and the ``top`` most likely
+        tokens at temperature 1."""
         served.check(body.model)
         ids = served.start_ids + await run_in_threadpool(served.tokenizer.encode, body.prompt)
         # the model reads the last block_size tokens; it runs beside the scheduler (inference only)
-        logits = await run_in_threadpool(next_token_logits, served.model, ids)
-        logits = logits[:served.tokenizer.vocab_size].cpu()  # (V,) ids the tokenizer can show
+        # -inf at the ids no sample takes (padding, BOS, reserved ids, <unk>), so the page charts what the server draws
+        logits = (await run_in_threadpool(drawable_logits, served.model, served.tokenizer, ids)).cpu()  # (V,)
         probs = torch.softmax(logits, dim=-1)  # (V,)
-        order = torch.argsort(logits, descending=True, stable=True)[:body.top].tolist()
+        order = top_ids(logits, body.top)
         return {"model": served.name, "prompt_tokens": len(ids), "vocab_size": len(logits),
                 "logits": base64.b64encode(logits.numpy().astype("<f4").tobytes()).decode("ascii"),
                 "top": [{"id": i, "token": protocol.token_string(served.tokenizer, i),
@@ -531,6 +532,8 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = protocol.validation_message(exc.errors())
+        if param is None and not (await request.body()).strip():  # nothing but whitespace is no JSON either
+            message = protocol.EMPTY_BODY
         content_type = request.headers.get("content-type")
         if param is None and not protocol.is_json_type(content_type or ""):
             # FastAPI reads a body as JSON only when its Content-Type says so; curl -d sends a form's type

@@ -248,6 +248,9 @@ UNION_FIELDS = {"prompt": "a string, a list of strings, a list of token ids or a
                 "stop": "a string or a list of strings", "content": "a string or a list of text parts"}
 
 
+EMPTY_BODY = "the body is empty: send the request as a JSON object"
+
+
 def validation_message(errors: Sequence[dict[str, Any]]) -> tuple[str, str | None]:
     """One readable line and the offending parameter from pydantic's errors (the first one counts)."""
     if not errors:
@@ -262,7 +265,7 @@ def validation_message(errors: Sequence[dict[str, Any]]) -> tuple[str, str | Non
     param = parts[0] if parts else None
     where = "".join(f"[{p}]" if p.isdigit() else f".{p}" for p in parts[1:])
     if param is None and first.get("type") == "missing":
-        return "the body is empty: send the request as a JSON object", None
+        return EMPTY_BODY, None
     if param is None:
         return f"the body must be a JSON object: {first.get('msg', 'invalid')}", None
     if first.get("type") == "missing":

@@ -43,6 +43,7 @@ from tinylm.errors import TinyLMError
 
 API_KEY_ENV = "TINYLM_API_KEY"
 GRACEFUL_TIMEOUT = 5.0  # seconds the requests in flight may run on once the server is asked to stop
+BACKLOG = 2048  # connections the kernel queues before the server accepts them (as uvicorn's default)
 END_MARGIN = 1.0  # end the generations this long before the graceful timeout, so that their answers go out
 
 
@@ -68,6 +69,8 @@ def graceful_server(config: Any, end_all: Callable[[], None]) -> Any:
                 # the second Ctrl+C: uvicorn would stop waiting and cancel the requests in flight; end them now
                 # (from the event loop, not from inside this signal handler), and leave force quit to a third
                 self.ended_early = True
+                print("tinylm: ending the generations still running now (their clients get a 503); "
+                      "Ctrl+C again to force quit", file=sys.stderr, flush=True)
                 self.loop.call_soon_threadsafe(end_all)
                 return
             super().handle_exit(sig, frame)
@@ -88,7 +91,8 @@ def graceful_server(config: Any, end_all: Callable[[], None]) -> Any:
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on host:port (port 0: any free port), or a one-line error saying why not."""
+    """A TCP socket bound to host:port (port 0: any free port), or a one-line error saying why not. The caller
+    calls ``listen(BACKLOG)`` when it is ready to take connections."""
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as e:
@@ -100,7 +104,6 @@ def bind_socket(host: str, port: int) -> socket.socket:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind(address)
-        sock.listen(2048)
     except OSError as e:
         sock.close()
         if e.errno == errno.EADDRINUSE:
@@ -132,7 +135,9 @@ def serve(run_dir: str | os.PathLike, *, host: str = "127.0.0.1", port: int = 80
     from tinylm.run import check_run_dir, load_run
 
     check_run_dir(run_dir)
-    sock = bind_socket(host, port)  # before loading: a port in use is said at once, not after a long load
+    # bound before loading, so a port in use is said at once, not after a long load; listening after it, so
+    # a client that comes meanwhile is refused (and retries) rather than left hanging
+    sock = bind_socket(host, port)
     try:
         run = load_run(run_dir, checkpoint=checkpoint, device=device)
         app = create_app(run, model_name=model_name, api_key=api_key, max_batch_size=max_batch_size,
@@ -140,6 +145,7 @@ def serve(run_dir: str | os.PathLike, *, host: str = "127.0.0.1", port: int = 80
     except BaseException:
         sock.close()
         raise
+    sock.listen(BACKLOG)
     bound_host, bound_port = sock.getsockname()[:2]
     if not is_loopback(bound_host) and not api_key:
         print(f"tinylm: warning: listening on {bound_host}, beyond this machine, with no API key: anyone who can "

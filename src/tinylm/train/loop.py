@@ -165,10 +165,18 @@ def prepare_data(
     existing = data_dir / TOKENIZER_FILE if (data_dir / META_FILE).exists() else None
     if tokenizer is None and existing is not None:
         candidate = load_tokenizer(existing)
-        if _is_requested_tokenizer(candidate, tc) or (
-                _is_requested_tokenizer(candidate, tc, smaller=True)
-                and _train_tokenizer(corpus, tc).fingerprint() == candidate.fingerprint()):
-            # (smaller: the corpus could not fill the vocabulary asked for; training again gives the same tokenizer)
+        if _is_requested_tokenizer(candidate, tc):
+            tokenizer = candidate
+        elif _is_requested_tokenizer(candidate, tc, smaller=True):
+            # the corpus could not fill the vocabulary asked for: reuse it if training again gives the same one
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # "ran out of pairs to merge" was said when the data was made
+                again = _train_tokenizer(corpus, tc)
+            if again.fingerprint() != candidate.fingerprint():
+                raise TinyLMError(
+                    f"{data_dir} holds shards made with a {candidate.kind} tokenizer of {candidate.vocab_size} tokens, "
+                    f"and one trained on {corpus.name} now is another (has the corpus changed?); set --data-dir "
+                    "to another folder")
             tokenizer = candidate
         else:
             raise TinyLMError(
@@ -463,6 +471,9 @@ def check_new_run_folder(out: Path, force: bool) -> None:
     """
     if out.exists() and not out.is_dir():
         raise TinyLMError(f"--out {out} is a file; a run is a folder: choose another --out")
+    blocking = next((p for p in out.parents if p.exists() and not p.is_dir()), None)
+    if blocking is not None:
+        raise TinyLMError(f"--out {out} cannot be made: {blocking} is a file, not a folder; choose another --out")
     if out.exists() and any(out.iterdir()):
         if not force:
             raise TinyLMError(f"{out} already exists; pass --resume to continue that run, --force to start it "
@@ -497,6 +508,8 @@ def data_info(shards: ShardSet) -> dict[str, Any]:
 
 
 def _checkpoint_to_resume(out: Path, resume: bool | str) -> Checkpoint:
+    if out.exists() and not out.is_dir():
+        raise TinyLMError(f"cannot resume: {out} is a file, not a run folder; give the folder the run was written to")
     if not out.is_dir():
         raise TinyLMError(f"cannot resume: {out} does not exist; start the run without --resume")
     which = "latest" if resume is True else str(resume)
