@@ -424,3 +424,13 @@ def test_other_split_patterns_round_trip_through_transformers(tmp_path):
     hf_tok = AutoTokenizer.from_pretrained(tmp_path / "hf")
     assert hf_tok(PROMPT)["input_ids"] == tok.encode(PROMPT)
     assert import_hf(tmp_path / "hf")[1].fingerprint() == tok.fingerprint()
+
+
+def test_a_padded_output_layer_suppresses_the_ids_past_the_tokenizer(tmp_path, tokenizer):
+    """An output layer rounded up past the tokenizer's ids (as for speed): tinylm never samples the extra ids, and
+    neither does transformers with the exported generation config."""
+    model = tiny_model("gpt2", vocab_size=tokenizer.vocab_size + 10)
+    export_hf(model, tokenizer, tmp_path / "hf")
+    generation = json.loads((tmp_path / "hf" / "generation_config.json").read_text())
+    extra = list(range(tokenizer.vocab_size, tokenizer.vocab_size + 10))
+    assert generation["suppress_tokens"] == generation_excluded(tokenizer) + extra

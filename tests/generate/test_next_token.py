@@ -11,6 +11,7 @@ from tinylm.generate.engine import Engine
 from tinylm.generate.inspect import (
     attention_maps,
     format_candidates,
+    left_out,
     next_token_candidates,
     next_token_logits,
     temperature_table,
@@ -94,6 +95,9 @@ def test_candidates_are_the_tokens_a_sample_can_take_with_the_probabilities_it_d
     assert {c.token_id for c in shown} == set(range(tok.vocab_size)) - set(never)
     assert sum(c.probability for c in shown) == pytest.approx(1.0)
     assert shown[0].token_id == tok.encode("b")[0] and shown[0].probability == pytest.approx(2 / (2 + len(shown) - 1))
+    hidden = left_out(model, tok, ids)  # what was left out, at the model's own probabilities
+    assert [i for i, _ in hidden] and {i for i, _ in hidden} == set(never)
+    assert sum(p for _, p in hidden) == pytest.approx(float(probs[ids[-1], never].sum() / probs[ids[-1]].sum()))
     [drawn] = Engine(model, SamplingParams(max_new_tokens=1, temperature=0), tok).generate([ids])
     assert drawn.token_ids == [shown[0].token_id]
     assert drawn.logprobs[0] == pytest.approx(math.log(shown[0].probability))

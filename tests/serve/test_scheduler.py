@@ -396,13 +396,23 @@ def test_the_server_draws_no_padding_or_bos_as_the_library_does(run):
 
     model = PrefersSpecials(run.model)
     params = SamplingParams(max_new_tokens=20, seed=3, num_samples=3)
+    alternatives: list = []
     scheduler = Scheduler(model, tok, max_batch_size=8).start()
     try:
         recorder = Recorder()
         scheduler.submit(Job([run.start_ids], params, on_event=recorder))
         served = recorder.result()
+        listed = Recorder()
+
+        def keep(events):
+            alternatives.extend(t for e in events if isinstance(e, ChoiceEvent) for tok_ in e.tokens for t in tok_.top)
+            listed(events)
+
+        scheduler.submit(Job([run.start_ids], SamplingParams(max_new_tokens=5, seed=1), on_event=keep, logprobs=8))
+        listed.result()
     finally:
         scheduler.close()
+    assert len(alternatives) >= 5 * 8 - 8 and not {t for t, _ in alternatives} & set(banned)  # no -inf alternatives
     library = generate(model, tok, "", params, start_ids=run.start_ids)
     assert served == [(c.text, c.finish_reason) for c in library]
     assert all(t not in banned for c in library for t in c.token_ids)

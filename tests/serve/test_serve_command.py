@@ -128,3 +128,18 @@ def test_an_origin_that_is_not_one_is_refused(origin, capsys):
     assert main(["serve", "--run", "runs/x", "--allow-origin", origin]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "is not an origin" in err[0]
+
+
+def test_two_servers_cannot_share_a_port_even_when_both_reuse_addresses():
+    """Both sockets set SO_REUSEADDR (a restarted server must not wait out TIME_WAIT): on Linux both may bind the
+    port until one listens, so the socket listens as it binds, and the second is refused in one line there."""
+    from tinylm.errors import TinyLMError
+    from tinylm.serve.server import bind_socket
+
+    first = bind_socket("127.0.0.1", 0)
+    try:
+        port = first.getsockname()[1]
+        with pytest.raises(TinyLMError, match=f"port {port} on 127.0.0.1 is already in use"):
+            bind_socket("127.0.0.1", port)
+    finally:
+        first.close()

@@ -53,7 +53,13 @@ lists every token as its GPT-2 byte-level string (the same spelling as tokenizer
 CONTROL and the rest NORMAL, then the bos/eos/padding ids, and ``add_bos_token`` /
 ``add_eos_token`` false (tinylm puts its start token itself). The split regex is not stored:
 llama.cpp hard-codes one per ``tokenizer.ggml.pre`` name, so we name the one that matches
-ours (`LLAMA_CPP_PRE`):
+ours (`LLAMA_CPP_PRE`).
+
+GGUF has no list of tokens never to sample (the Hugging Face export writes ``suppress_tokens``).
+llama.cpp's samplers may draw PAD, BOS or reserved ids, though a trained model gives them
+little mass; with llama.cpp's ``--logit-bias ID-inf`` per id, it leaves them out as tinylm does.
+
+Split patterns:
 
 - our "gpt2" pattern -> "gpt-2": GPT-2's regex.
 - our "gpt4" pattern (cl100k's) -> "dbrx". DBRX's tokenizer *is* cl100k, and llama.cpp's entry

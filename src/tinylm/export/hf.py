@@ -376,8 +376,9 @@ def hf_config(config: GPTConfig, tokenizer: Tokenizer | None = None, dtype: torc
             "attention_dropout": config.dropout, "pretraining_tp": 1}
 
 
-def _tokenizer_files(tokenizer: BPETokenizer, block_size: int) -> dict[str, dict[str, Any]]:
-    """tokenizer_config.json, special_tokens_map.json and generation_config.json for ``tokenizer``."""
+def _tokenizer_files(tokenizer: BPETokenizer, block_size: int, model_vocab: int) -> dict[str, dict[str, Any]]:
+    """tokenizer_config.json, special_tokens_map.json and generation_config.json for ``tokenizer``, with a model
+    of ``model_vocab`` outputs (more than the tokenizer's ids when its output layer is padded)."""
     reserved = [name for name in tokenizer.special_tokens if name not in (BOS, EOS, PAD)]
     added = {
         str(i): {"content": name, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False,
@@ -398,7 +399,9 @@ def _tokenizer_files(tokenizer: BPETokenizer, block_size: int) -> dict[str, dict
     special_tokens_map = {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD, "additional_special_tokens": reserved}
     # suppress_tokens: transformers' generate then never draws what tinylm's samplers never draw (PAD, BOS, ...)
     generation_config = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id,
-                         "pad_token_id": tokenizer.pad_id, "suppress_tokens": generation_excluded(tokenizer)}
+                         "pad_token_id": tokenizer.pad_id,
+                         "suppress_tokens": generation_excluded(tokenizer) + list(range(tokenizer.vocab_size,
+                                                                                         model_vocab))}
     return {TOKENIZER_CONFIG_FILE: tokenizer_config, SPECIAL_TOKENS_FILE: special_tokens_map,
             GENERATION_CONFIG_FILE: generation_config}
 
@@ -454,7 +457,7 @@ def export_hf(model: GPT, tokenizer: Tokenizer | None, out_dir: str | os.PathLik
     _write_json(out_dir / CONFIG_FILE, hf_config(config, tok, state["E.weight"].dtype))
     if tok is not None:
         save_hf_tokenizer_json(tok, out_dir / TOKENIZER_FILE)
-        for name, data in _tokenizer_files(tok, config.block_size).items():
+        for name, data in _tokenizer_files(tok, config.block_size, config.vocab_size).items():
             _write_json(out_dir / name, data)
     return out_dir
 

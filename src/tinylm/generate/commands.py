@@ -16,7 +16,7 @@ from typing import Any, TextIO
 
 from tinylm.errors import TinyLMError
 from tinylm.generate.engine import Completion, generate
-from tinylm.generate.inspect import format_candidates, next_token_candidates, temperature_table
+from tinylm.generate.inspect import format_candidates, left_out, next_token_candidates, temperature_table
 from tinylm.generate.sampling import SamplingParams
 from tinylm.generate.stream import stream
 
@@ -129,4 +129,9 @@ def cmd_next_token(args: Any, out: TextIO | None = None) -> int:
             raise TinyLMError(f"--temperature must be 0 or more, got {args.temperature}")
         candidates = next_token_candidates(run.model, run.tokenizer, ids, args.top, args.temperature)
         out.write(format_candidates(candidates, temperature=args.temperature) + "\n")
+    shown = [(i, p) for i, p in left_out(run.model, run.tokenizer, ids) if p >= 0.0005]
+    if shown:
+        names = ", ".join(f"{run.tokenizer.token_bytes(i).decode('utf-8', 'replace')} {100 * p:.1f}%" for i, p in shown)
+        out.write(f"left out, as no sample takes them (their probability at temperature 1; the rest is rescaled): "
+                  f"{names}\n")
     return 0

@@ -87,6 +87,17 @@ def drawable_logits(model: nn.Module, tokenizer: Tokenizer, ids: Sequence[int]) 
     return logits
 
 
+def left_out(model: nn.Module, tokenizer: Tokenizer, ids: Sequence[int]) -> list[tuple[int, float]]:
+    """The ids no sample takes with the probability the model gives each (at temperature 1), largest first: the
+    mass `drawable_logits` removes before the rest is rescaled."""
+    logits = next_token_logits(model, ids)[: tokenizer.vocab_size]
+    excluded = excluded_mask(tokenizer, tokenizer.vocab_size, device=logits.device)
+    if excluded is None:
+        return []
+    probs = torch.softmax(logits, dim=-1)
+    return sorted(((int(i), float(probs[i])) for i in torch.nonzero(excluded)[:, 0]), key=lambda x: -x[1])
+
+
 def next_token_candidates(model: nn.Module, tokenizer: Tokenizer, ids: Sequence[int], top: int = 10,
                           temperature: float = 1.0) -> list[Candidate]:
     """The ``top`` most likely next tokens after ``ids``, most likely first, with probabilities at ``temperature``."""

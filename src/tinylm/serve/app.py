@@ -34,7 +34,11 @@ not the end-of-text token, not the tokens that only make up a stop string (a tok
 the cut, whose text begins before it, is listed whole), and in a chat reply not the
 whitespace-only tokens before its first visible character. Streamed, each chunk carries the
 tokens whose text begins in it, so the chunks join to the whole response's lists. The usage's
-``completion_tokens`` counts every token generated, listed or not (as OpenAI counts them).
+``completion_tokens`` counts every token generated, listed or not (as OpenAI counts them). A
+generated token's log-probability is under the distribution it was drawn from: the model's,
+renormalised over the ids a sample may take (padding, BOS, reserved ids and ``<unk>`` never
+are), as `tinylm sample` reports it and the playground charts it; an echoed prompt token's is the
+model's over every id, as `tinylm eval` scores text.
 
 Bad requests are answered with OpenAI error JSON and a 4xx status, never a 500 (see
 `tinylm.serve.protocol`); a body larger than ``max_body_bytes`` gets 413 before it is read in

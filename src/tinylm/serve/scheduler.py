@@ -103,7 +103,8 @@ PREFILL_LOGITS = 1 << 26  # most logits one prefill may produce: 256 MB in float
 
 @dataclass(frozen=True)
 class TokenLogprob:
-    """One token with the model's log-probability of it (temperature 1, no filters).
+    """One token with the model's log-probability of it (temperature 1, no filters, over the ids a sample may
+    take).
 
     ``offset``: characters of the text decoded before this token (for the legacy ``text_offset``);
     ``top``: the most likely tokens at that position as (id, logprob), most likely first, when asked.
@@ -546,7 +547,9 @@ class Scheduler:
                 for job in {rows[b].job for b in members}:
                     self._fail_job(job, f"sampling with this request's settings failed: {type(e).__name__}: {e}",
                                    status, outbox)
-        logprobs = token_logprobs(logits, tokens).tolist()  # (B,): the model's own log p of each token
+        # (B,) log p of each token under the distribution it was drawn from: the model's, over the ids a sample may
+        # take (as `tinylm sample` reports them and the playground charts them)
+        logprobs = token_logprobs(logits, tokens).tolist()
         tops = self._top_logprobs(rows, logits)
         for b, (row, token) in enumerate(zip(rows, tokens.tolist())):
             if row.job.failed:  # failed in this step (a failed job's rows never outlive the step)
@@ -607,7 +610,9 @@ class Scheduler:
         k = min(max(rows[b].job.logprobs for b in asking), self.vocab_size)
         logp = torch.log_softmax(logits[asking], dim=-1)  # (b, V)
         values, ids = logp.topk(k, dim=-1)  # (b, k) each
-        return {b: tuple(zip(ids[i, :rows[b].job.logprobs].tolist(), values[i, :rows[b].job.logprobs].tolist()))
+        # the ids no sample takes (-inf) are no alternatives: a row lists fewer when fewer can be drawn
+        return {b: tuple((t, v) for t, v in zip(ids[i, :rows[b].job.logprobs].tolist(),
+                                                values[i, :rows[b].job.logprobs].tolist()) if v > float("-inf"))
                 for i, b in enumerate(asking)}
 
     def _prompt_logprobs(self, row: _Row, logits: Tensor) -> PromptEvent:

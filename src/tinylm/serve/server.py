@@ -21,8 +21,8 @@ A second Ctrl+C, which uvicorn reads as "force quit", ends the generations at on
 way, so the answers still go out and the server stops without waiting out the timeout; a third
 forces it.
 
-The socket is bound before the model is loaded, so a port in use is reported at once, not after
-a long load. Listening on an address other than loopback without an API key prints a warning:
+The socket listens before the model is loaded, so a port in use is reported at once, not after
+a long load (clients that connect meanwhile wait until the server runs). Listening on an address other than loopback without an API key prints a warning:
 anyone who can reach the machine can then use the model.
 """
 
@@ -91,8 +91,11 @@ def graceful_server(config: Any, end_all: Callable[[], None]) -> Any:
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to host:port (port 0: any free port), or a one-line error saying why not. The caller
-    calls ``listen(BACKLOG)`` when it is ready to take connections."""
+    """A listening TCP socket on host:port (port 0: any free port), or a one-line error saying why not.
+
+    It listens at once: with SO_REUSEADDR, two sockets may both bind a port until one listens, so only
+    listening proves the port is ours. Clients that connect before the server runs wait in the backlog.
+    """
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as e:
@@ -104,6 +107,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind(address)
+        sock.listen(BACKLOG)
     except OSError as e:
         sock.close()
         if e.errno == errno.EADDRINUSE:
@@ -135,9 +139,7 @@ def serve(run_dir: str | os.PathLike, *, host: str = "127.0.0.1", port: int = 80
     from tinylm.run import check_run_dir, load_run
 
     check_run_dir(run_dir)
-    # bound before loading, so a port in use is said at once, not after a long load; listening after it, so
-    # a client that comes meanwhile is refused (and retries) rather than left hanging
-    sock = bind_socket(host, port)
+    sock = bind_socket(host, port)  # before loading: a port in use is said at once, not after a long load
     try:
         run = load_run(run_dir, checkpoint=checkpoint, device=device)
         app = create_app(run, model_name=model_name, api_key=api_key, max_batch_size=max_batch_size,
@@ -145,7 +147,6 @@ def serve(run_dir: str | os.PathLike, *, host: str = "127.0.0.1", port: int = 80
     except BaseException:
         sock.close()
         raise
-    sock.listen(BACKLOG)
     bound_host, bound_port = sock.getsockname()[:2]
     if not is_loopback(bound_host) and not api_key:
         print(f"tinylm: warning: listening on {bound_host}, beyond this machine, with no API key: anyone who can "
