@@ -181,11 +181,11 @@ def test_a_request_that_fails_in_sampling_fails_alone(run, monkeypatch):
         assert results[key] == (expected.text, expected.finish_reason), key
 
 
-def test_a_shutdown_answers_the_requests_still_running_and_logs_no_error(run):
-    """Requests still running when the server stops (Ctrl+C, SIGTERM) past the graceful timeout: the one waiting
-    for a whole response gets a 503 in OpenAI's error JSON, the stream gets the error as a chunk and [DONE];
-    uvicorn cancels nothing, so nothing is logged at ERROR (a traceback, "Cancel 2 running task(s)")."""
-    served = ThreadServer(slow_run(run, 0.05), graceful_timeout=0.4)  # 50 ms a step: 55 tokens take 3 s
+def stop_during_two_requests(run, graceful_timeout: float, stop) -> tuple[dict, float, list]:
+    """Two requests on a slow model (50 ms a step: 55 tokens take 3 s), one whole and one streamed; once both run,
+    ``stop(served)`` stops the server. Returns their results, the seconds from the stop until both ended, and what
+    uvicorn logged at ERROR meanwhile."""
+    served = ThreadServer(slow_run(run, 0.05), graceful_timeout=graceful_timeout)
     errors = ErrorLog()
     logging.getLogger("uvicorn.error").addHandler(errors)
     body = {"prompt": "To be", "max_tokens": 55, "temperature": 0}
@@ -205,58 +205,48 @@ def test_a_shutdown_answers_the_requests_still_running_and_logs_no_error(run):
             t.start()
         assert wait_for(lambda: served.scheduler.stats()["active_rows"] == 2)
         started = time.monotonic()
-        served.close()  # what Ctrl+C does: should_exit; the server waits for the requests, then stops
+        stop(served)
         for t in threads:
             t.join(10)
-        assert time.monotonic() - started < 2.0
+        served.thread.join(10)
+        assert not served.thread.is_alive()
+        return results, time.monotonic() - started, errors.records
     finally:
         logging.getLogger("uvicorn.error").removeHandler(errors)
+
+
+def assert_answered_with_503(results: dict) -> None:
+    """The whole response is a 503 in OpenAI's error JSON; the stream has text chunks, that error, then [DONE]."""
     answer = results["whole"]
     assert answer.status_code == 503 and answer.json()["error"]["message"] == "the server is shutting down"
     lines = results["streamed"]
     assert lines[-1] == "data: [DONE]"
     assert json.loads(lines[-2].removeprefix("data: "))["error"]["message"] == "the server is shutting down"
     assert all(json.loads(line[6:])["choices"] for line in lines[:-2])  # text chunks before it
-    assert not errors.records, [r.getMessage() for r in errors.records]
+
+
+def test_a_shutdown_answers_the_requests_still_running_and_logs_no_error(run):
+    """Requests still running when the server stops (Ctrl+C, SIGTERM) past the graceful timeout: the one waiting
+    for a whole response gets a 503 in OpenAI's error JSON, the stream gets the error as a chunk and [DONE];
+    uvicorn cancels nothing, so nothing is logged at ERROR (a traceback, "Cancel 2 running task(s)")."""
+    # what Ctrl+C does: should_exit; the server waits for the requests, then ends them before the timeout
+    results, seconds, errors = stop_during_two_requests(run, 0.4, lambda served: served.close())
+    assert seconds < 2.0
+    assert_answered_with_503(results)
+    assert not errors, [r.getMessage() for r in errors]
 
 
 def test_a_second_ctrl_c_ends_the_requests_at_once_and_still_answers_them(run):
     """Uvicorn reads a second Ctrl+C as "force quit" and would cancel the requests in flight (a plain-text 500, cut
     streams, tracebacks). tinylm ends their generations at once instead: 503 JSON and an error chunk, no waiting
     out the graceful timeout (30 s here), nothing logged at ERROR."""
-    served = ThreadServer(slow_run(run, 0.05), graceful_timeout=30)  # 55 tokens take 3 s
-    errors = ErrorLog()
-    logging.getLogger("uvicorn.error").addHandler(errors)
-    body = {"prompt": "To be", "max_tokens": 55, "temperature": 0}
-    results = {}
-
-    def whole():
-        results["whole"] = httpx.post(served.base_url + "/v1/completions", json=body, timeout=30)
-
-    def streamed():
-        with httpx.stream("POST", served.base_url + "/v1/completions", json={**body, "stream": True},
-                          timeout=30) as response:
-            results["streamed"] = [line for line in response.iter_lines() if line]
-
-    threads = [threading.Thread(target=whole), threading.Thread(target=streamed)]
-    try:
-        for t in threads:
-            t.start()
-        assert wait_for(lambda: served.scheduler.stats()["active_rows"] == 2)
-        started = time.monotonic()
+    def ctrl_c_twice(served):
         served.server.handle_exit(signal.SIGINT, None)  # Ctrl+C: stop taking connections, wait for these
         time.sleep(0.3)
         assert served.scheduler.stats()["active_rows"] == 2  # still generating: the first one waits
         served.server.handle_exit(signal.SIGINT, None)  # Ctrl+C again
-        for t in threads:
-            t.join(10)
-        served.thread.join(10)
-        assert time.monotonic() - started < 2.5 and not served.thread.is_alive()
-    finally:
-        logging.getLogger("uvicorn.error").removeHandler(errors)
-    answer = results["whole"]
-    assert answer.status_code == 503 and answer.json()["error"]["message"] == "the server is shutting down"
-    lines = results["streamed"]
-    assert lines[-1] == "data: [DONE]"
-    assert json.loads(lines[-2].removeprefix("data: "))["error"]["message"] == "the server is shutting down"
-    assert not errors.records, [r.getMessage() for r in errors.records]
+
+    results, seconds, errors = stop_during_two_requests(run, 30, ctrl_c_twice)
+    assert seconds < 2.5
+    assert_answered_with_503(results)
+    assert not errors, [r.getMessage() for r in errors]
