@@ -30,10 +30,11 @@ tokenizer. Two tables are printed:
 
 Table 1 also has the neural models on the same shards, each trained by the same loop
 (`tinylm.train.train`) for the same number of training tokens (``--budget-tokens``, the default
-`tinylm train`'s 1.5M): the `lstm` preset (2 x 256 at lr 1e-2, backpropagation through the whole
-128-token window; ``--lstm-layers``, ``--lstm-width`` and ``--lstm-lr`` override it) and the `tiny`
-Transformer preset. Their "build" is the training
-time; they are scored on the whole validation split. ``--no-neural`` leaves them out.
+`tinylm train`'s 1.5M): the `rnn` preset (a plain tanh RNN, 2 x 256 at lr 1e-2), the `lstm` preset
+(2 x 256 at lr 1e-2; ``--lstm-layers``, ``--lstm-width`` and ``--lstm-lr`` override it), both with
+backpropagation through the whole 128-token window, and the `tiny` Transformer preset. Their
+"build" is the training time; they are scored on the whole validation split. ``--no-neural``
+leaves them out.
 
 nltk is not a tinylm dependency: ``pip install nltk`` to get table 2 (it is skipped otherwise).
 This is a measurement, not a test.
@@ -147,7 +148,7 @@ def ngram_rows(shards: ShardSet, max_order: int, add_k: float) -> tuple[list[Row
 
 def neural_rows(shards: ShardSet, tok: Tokenizer, corpus: str, folder: str, budget: int,
                 lstm: dict[str, Any]) -> list[Row]:
-    """The lstm and tiny presets, trained by `tinylm.train.train` for ``budget`` tokens on these shards.
+    """The rnn, lstm and tiny presets, trained by `tinylm.train.train` for ``budget`` tokens on these shards.
 
     ``lstm``: settings that override the lstm preset's model (n_layer, d_model, lr).
     """
@@ -161,7 +162,8 @@ def neural_rows(shards: ShardSet, tok: Tokenizer, corpus: str, folder: str, budg
     common = {"corpus": corpus, "tokenizer": tok_path, "data_dir": str(shards.path), "max_tokens": budget,
               "sample_tokens": 0, "eval_interval": 10**9}
     rows = []
-    for name, preset, overrides in [("tinylm LSTM", "lstm", lstm), ("tinylm GPT", "tiny", {})]:
+    for name, preset, overrides in [("tinylm RNN", "rnn", {}), ("tinylm LSTM", "lstm", lstm),
+                                    ("tinylm GPT", "tiny", {})]:
         config = resolve_config(preset=preset, overrides={**common, **overrides})
         out = f"{folder}/{preset}"
         lines: list[str] = []
@@ -170,8 +172,8 @@ def neural_rows(shards: ShardSet, tok: Tokenizer, corpus: str, folder: str, budg
         val = evaluate_model(run.model, split_text(shards, "val"), run.tokenizer,
                              block_size=run.config.model.block_size, batch_size=run.config.train.batch_size)
         mc = run.config.model
-        words = (f"LSTM {mc.n_layer} x {mc.d_model}, lr {config.train.lr:g}" if mc.family == "lstm"
-                 else f"{preset} preset: {mc.n_layer} x {mc.d_model}, lr {config.train.lr:g}")
+        shape = f"{mc.n_layer} x {mc.d_model}, lr {config.train.lr:g}"
+        words = f"{mc.family.upper()} {shape}" if mc.family in ("lstm", "rnn") else f"{preset} preset: {shape}"
         n_params = sum(p.numel() for p in {id(p): p for p in run.model.parameters()}.values())
         threads = next((m.group(1) for m in map(re.compile(r"(\d+) CPU threads?").search, lines) if m), "?")
         rows.append(Row(name, words, f"{n_params / 1e6:.2f}M", result.tokens, result.elapsed, val.seconds,
@@ -268,7 +270,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-order", type=int, default=6, help="n-gram orders 1..N on the full split")
     parser.add_argument("--add-k", type=float, default=0.01, help="k for the add-k row")
     parser.add_argument("--no-nltk", action="store_true", help="skip the comparison with nltk")
-    parser.add_argument("--no-neural", action="store_true", help="leave the LSTM and Transformer rows out")
+    parser.add_argument("--no-neural", action="store_true", help="leave the RNN, LSTM and Transformer rows out")
     parser.add_argument("--budget-tokens", type=int, default=1_500_000, help="training tokens for each neural model")
     parser.add_argument("--lstm-layers", type=int, help="override the lstm preset's 2 layers")
     parser.add_argument("--lstm-width", type=int, help="override the lstm preset's width 256")
@@ -297,7 +299,7 @@ def main(argv: list[str] | None = None) -> None:
             rows += neural_rows(shards, tok, args.corpus, tmp, args.budget_tokens, {
                 k: v for k, v in (("n_layer", args.lstm_layers), ("d_model", args.lstm_width), ("lr", args.lstm_lr))
                 if v is not None})
-        title = ("1. n-gram, LSTM and Transformer on the full split: bits per byte of the validation text "
+        title = ("1. n-gram, RNN, LSTM and Transformer on the full split: bits per byte of the validation text "
                  "(* best n-gram order)")
         print_table(title, rows, best)
 

@@ -398,8 +398,8 @@ def _train_config(args: argparse.Namespace):
             raise TinyLMError(f"{args.out} is a run of {FAMILY_NAMES[theirs]} model, not {FAMILY_NAMES[wanted]} one; "
                               f"resume it with its own settings (drop --model), or start the new run in another --out")
     else:
-        # `--model lstm` alone starts from the lstm preset (the tiny run's data, a tuned LSTM)
-        default = "lstm" if settings.get("model.family") == "lstm" else "tiny"
+        # `--model lstm` (or rnn) alone starts from that preset: the tiny run's data, a tuned recurrent model
+        default = settings["model.family"] if settings.get("model.family") in ("lstm", "rnn") else "tiny"
         base = load_preset(args.preset or default) if (args.preset or not args.config) else {}
         init_config = Path(args.init_from or "") / "config.toml"
         if args.init_from and not (args.preset or args.config) and init_config.is_file():
@@ -420,7 +420,7 @@ def _train_config(args: argparse.Namespace):
 
 def _default_run_dir(args: argparse.Namespace) -> Path:
     """runs/<preset or config file name>-<corpus name>, e.g. runs/tiny-shakespeare (runs/lstm-shakespeare
-    for `--model lstm`)."""
+    for `--model lstm`, runs/rnn-shakespeare for `--model rnn`)."""
     settings = _settings(args)
     corpus = str(settings.get("train.corpus", "shakespeare"))
     if args.config and "train.corpus" not in settings:

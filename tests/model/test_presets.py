@@ -28,16 +28,17 @@ def meta_param_count(config: GPTConfig) -> int:
 
 
 def test_the_promised_presets_exist():
-    assert {"tiny", "small", "medium", "gpt2-124m", "llama", "lstm"} <= set(list_presets())
+    assert {"tiny", "small", "medium", "gpt2-124m", "llama", "lstm", "rnn"} <= set(list_presets())
 
 
-def test_the_lstm_preset_is_the_tiny_run_with_a_recurrent_model():
-    tiny, lstm = resolve_config(preset="tiny"), resolve_config(preset="lstm")
-    assert (lstm.model.family, lstm.model.n_layer, lstm.model.d_model, lstm.train.lr) == ("lstm", 2, 256, 1e-2)
+@pytest.mark.parametrize("family", ["lstm", "rnn"])
+def test_the_recurrent_presets_are_the_tiny_run_with_a_recurrent_model(family):
+    tiny, rec = resolve_config(preset="tiny"), resolve_config(preset=family)
+    assert (rec.model.family, rec.model.n_layer, rec.model.d_model, rec.train.lr) == (family, 2, 256, 1e-2)
     # the same data and budget as the default run, so the two compare on the same footing
     for key in ("corpus", "tokenizer_kind", "tokenizer_vocab_size", "batch_size", "max_tokens"):
-        assert getattr(lstm.train, key) == getattr(tiny.train, key)
-    assert lstm.model.block_size == tiny.model.block_size
+        assert getattr(rec.train, key) == getattr(tiny.train, key)
+    assert rec.model.block_size == tiny.model.block_size
 
 
 @pytest.mark.parametrize("name", list_presets())
@@ -175,3 +176,16 @@ def test_the_resolved_config_round_trips_through_toml(tmp_path, name):
     path.write_text(dump_toml(config.to_dict()))
     assert build_config(load_config_file(path)) == config
     assert isinstance(config, Config)
+
+
+@pytest.mark.parametrize("family, preset", [("lstm", "lstm"), ("rnn", "rnn"), ("gpt", "tiny"), ("ngram", "tiny")])
+def test_the_model_flag_alone_starts_from_its_family_s_preset(family, preset):
+    from tinylm.cli import _default_run_dir, _train_config, build_parser
+
+    args = build_parser().parse_args(["train", "--model", family])
+    config = _train_config(args)
+    expected = resolve_config(preset=preset, overrides={"family": family})
+    assert (config.model, config.train) == (expected.model, expected.train)
+    assert _default_run_dir(args).name == f"{'tiny' if family == 'gpt' else family}-shakespeare"
+    flagged = _train_config(build_parser().parse_args(["train", "--model", family, "--lr", "0.002"]))
+    assert flagged.train.lr == 0.002 and flagged.model == expected.model  # flags still override the preset
