@@ -178,7 +178,7 @@ def neural_rows(shards: ShardSet, tok: Tokenizer, corpus: str, folder: str, budg
         threads = next((m.group(1) for m in map(re.compile(r"(\d+) CPU threads?").search, lines) if m), "?")
         rows.append(Row(name, words, f"{n_params / 1e6:.2f}M", result.tokens, result.elapsed, val.seconds,
                         val.tokens, val.loss, val.bits_per_byte,
-                        f"{result.tokens / result.elapsed:,.0f} tok/s training on {threads} threads"))
+                        f"{result.tokens / result.elapsed:,.0f} tok/s training on {threads} thread{'' if threads == '1' else 's'}"))
     return rows
 
 
