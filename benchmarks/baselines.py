@@ -176,7 +176,8 @@ def neural_rows(shards: ShardSet, tok: Tokenizer, corpus: str, folder: str, budg
         words = f"{mc.family.upper()} {shape}" if mc.family in ("lstm", "rnn") else f"{preset} preset: {shape}"
         n_params = sum(p.numel() for p in {id(p): p for p in run.model.parameters()}.values())
         threads = next((m.group(1) for m in map(re.compile(r"(\d+) CPU threads?").search, lines) if m), "?")
-        speed = f"{result.tokens / result.elapsed:,.0f} tok/s training on {threads} thread{'' if threads == '1' else 's'}"
+        plural = "" if threads == "1" else "s"
+        speed = f"{result.tokens / result.elapsed:,.0f} tok/s training on {threads} thread{plural}"
         rows.append(Row(name, words, f"{n_params / 1e6:.2f}M", result.tokens, result.elapsed, val.seconds,
                         val.tokens, val.loss, val.bits_per_byte, speed))
     return rows
