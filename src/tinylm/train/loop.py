@@ -314,15 +314,51 @@ def _default_cpu_threads(processes: int) -> int:
 
     Small models on a few cores are hurt badly by oversubscription: on a 2-core machine with
     another busy process, the tiny preset ran 3-10x slower with 2 threads than with 1
-    (benchmarks/train.py --threads). So cores that are already busy (the 1-minute load
-    average) are left out.
+    (benchmarks/train.py --threads). So cores that are busy now (`_busy_cores`) are left out.
     """
     cores = _available_cpus()
-    try:
-        busy = int(os.getloadavg()[0])
-    except (AttributeError, OSError):  # no load average on this platform
-        busy = 0
+    busy = round(_busy_cores())
     return max(1, min(cores, cores - busy) // processes)
+
+
+def _busy_cores(window: float = 0.25) -> float:
+    """How many of this process's cores are busy now: each one's non-idle share over ``window`` seconds, summed.
+
+    Read from /proc/stat (Linux) for the cores in this process's affinity set. Elsewhere, the
+    1-minute load average; but that counts recent work too, this process's own included, so a
+    second run straight after a first (or the next model of a benchmark) would see the cores it
+    just used as taken.
+    """
+    try:
+        cores = os.sched_getaffinity(0)
+        before = _cpu_times(cores)
+        time.sleep(window)
+        after = _cpu_times(cores)
+        if before.keys() != cores or after.keys() != cores:
+            raise OSError("/proc/stat does not list this process's cores")
+    except (AttributeError, OSError, ValueError):
+        try:
+            return os.getloadavg()[0]
+        except (AttributeError, OSError):  # no load average on this platform
+            return 0.0
+    busy = 0.0
+    for n in cores:
+        total = after[n][0] - before[n][0]
+        if total > 0:
+            busy += 1 - (after[n][1] - before[n][1]) / total
+    return busy
+
+
+def _cpu_times(cores: set[int], stat: str = "/proc/stat") -> dict[int, tuple[int, int]]:
+    """(all time, idle time) in clock ticks of each of ``cores`` since boot, from the kernel's "cpuN" lines."""
+    times = {}
+    with open(stat, encoding="ascii") as f:
+        for line in f:
+            name, *fields = line.split()
+            if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cores:
+                ticks = [int(x) for x in fields[:8]]  # user nice system idle iowait irq softirq steal
+                times[int(name[3:])] = (sum(ticks), ticks[3] + ticks[4])  # waiting for I/O is idle too
+    return times
 
 
 def _available_cpus() -> int:
