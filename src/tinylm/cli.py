@@ -398,8 +398,10 @@ def _train_config(args: argparse.Namespace):
             raise TinyLMError(f"{args.out} is a run of {FAMILY_NAMES[theirs]} model, not {FAMILY_NAMES[wanted]} one; "
                               f"resume it with its own settings (drop --model), or start the new run in another --out")
     else:
-        # `--model lstm` (or rnn) alone starts from that preset: the tiny run's data, a tuned recurrent model
-        default = settings["model.family"] if settings.get("model.family") in ("lstm", "rnn") else "tiny"
+        # `--model lstm` (or rnn) alone starts from that preset: the tiny run's data, a tuned recurrent model;
+        # fine-tuning (--init-from) takes tiny's [train] settings whether or not the family is named
+        family = settings.get("model.family")
+        default = family if family in ("lstm", "rnn") and not args.init_from else "tiny"
         base = load_preset(args.preset or default) if (args.preset or not args.config) else {}
         init_config = Path(args.init_from or "") / "config.toml"
         if args.init_from and not (args.preset or args.config) and init_config.is_file():
@@ -429,7 +431,7 @@ def _default_run_dir(args: argparse.Namespace) -> Path:
         corpus = str(load_config_file(args.config).get("train", {}).get("corpus", corpus))
     recipe = args.preset or (Path(args.config).stem if args.config else "tiny")
     family = str(settings.get("model.family", "gpt"))
-    if family != "gpt":  # runs/lstm-shakespeare beside runs/tiny-shakespeare, not on top of it
+    if family != "gpt" and recipe != family:  # runs/lstm-shakespeare beside runs/tiny-shakespeare, not on top of it
         recipe = family if not (args.preset or args.config) else f"{recipe}-{family}"
     return Path("runs") / f"{recipe}-{Path(corpus.rstrip('/')).stem or 'corpus'}"
 

@@ -288,7 +288,8 @@ class TrainConfig:
         "auto: bfloat16 autocast on a GPU that has it, float32 elsewhere; or float32, bfloat16"))
     compile: bool = field(default=False, metadata=_help("torch.compile the model (worth it on a GPU)"))
     threads: int | None = field(default=None, metadata=_help(
-        "CPU threads per process; unset: PyTorch's default, divided among the processes of this machine"))
+        "CPU threads per process; unset: the cores free now (busy ones left out), divided among the processes "
+        "of this machine"))
     parallel: ParallelKind = field(default="ddp", metadata=_help(
         "under torchrun: ddp (replicate the model) or fsdp (shard weights, gradients and optimizer state)"))
     # -- the sample printed at the end

@@ -189,3 +189,20 @@ def test_the_model_flag_alone_starts_from_its_family_s_preset(family, preset):
     assert _default_run_dir(args).name == f"{'tiny' if family == 'gpt' else family}-shakespeare"
     flagged = _train_config(build_parser().parse_args(["train", "--model", family, "--lr", "0.002"]))
     assert flagged.train.lr == 0.002 and flagged.model == expected.model  # flags still override the preset
+
+
+def test_naming_the_family_changes_neither_fine_tuning_settings_nor_the_folder_twice(tmp_path):
+    """`--model rnn --init-from RUN` fine-tunes with tiny's [train] settings, as `--init-from RUN` does; and
+    `--model rnn --preset rnn` is runs/rnn-shakespeare, not runs/rnn-rnn-shakespeare."""
+    from tinylm.cli import _default_run_dir, _train_config, build_parser
+    from tinylm.config import dump_toml
+
+    source = tmp_path / "r2"
+    source.mkdir()
+    (source / "config.toml").write_text(dump_toml(resolve_config(preset="rnn").to_dict()), encoding="utf-8")
+    named = _train_config(build_parser().parse_args(["train", "--model", "rnn", "--init-from", str(source)]))
+    unnamed = _train_config(build_parser().parse_args(["train", "--init-from", str(source)]))
+    assert named.train == unnamed.train == resolve_config(preset="tiny").train
+    assert named.model == unnamed.model and named.model.family == "rnn"
+    args = build_parser().parse_args(["train", "--model", "rnn", "--preset", "rnn"])
+    assert _default_run_dir(args).name == "rnn-shakespeare"

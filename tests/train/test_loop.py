@@ -162,7 +162,8 @@ def test_default_threads_count_the_cores_busy_now_not_the_load_average(tmp_path,
 
     snapshots = iter([{0: (1000, 850), 1: (100, 80)}, {0: (1400, 950), 1: (300, 280)}])
     monkeypatch.setattr(loop, "_cpu_times", lambda cores: next(snapshots))
-    monkeypatch.setattr(loop.os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(loop.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)  # (Linux only)
+    monkeypatch.setattr(loop.time, "sleep", lambda seconds: None)
     monkeypatch.setattr(loop.os, "getloadavg", lambda: (2.0, 2.0, 2.0))  # as after a run on both cores
     assert loop._busy_cores(window=0) == pytest.approx(0.75 + 0.0)  # cpu0: 300 of 400 ticks busy; cpu1: idle
     snapshots = iter([{0: (0, 0), 1: (0, 0)}, {0: (100, 100), 1: (100, 90)}] * 2)
@@ -170,3 +171,5 @@ def test_default_threads_count_the_cores_busy_now_not_the_load_average(tmp_path,
     assert loop._default_cpu_threads(1) == 2  # the load average (2.0) would have said: no core free
     monkeypatch.setattr(loop, "_cpu_times", lambda cores: {})  # no /proc/stat lines: the load average
     assert loop._busy_cores(window=0) == 2.0 and loop._default_cpu_threads(1) == 1
+    monkeypatch.setattr(loop.os, "getloadavg", lambda: (1.6, 1.0, 1.0))  # whole cores, as before: one is free
+    assert loop._default_cpu_threads(1) == 1 and loop._busy_cores(window=0) == 1.0

@@ -327,7 +327,8 @@ def _busy_cores(window: float = 0.25) -> float:
     Read from /proc/stat (Linux) for the cores in this process's affinity set. Elsewhere, the
     1-minute load average; but that counts recent work too, this process's own included, so a
     second run straight after a first (or the next model of a benchmark) would see the cores it
-    just used as taken.
+    just used as taken. The price of a short sample: a neighbour that is bursty and happens to be
+    idle in the window is not counted (``--threads`` sets the count outright).
     """
     try:
         cores = os.sched_getaffinity(0)
@@ -336,9 +337,9 @@ def _busy_cores(window: float = 0.25) -> float:
         after = _cpu_times(cores)
         if before.keys() != cores or after.keys() != cores:
             raise OSError("/proc/stat does not list this process's cores")
-    except (AttributeError, OSError, ValueError):
+    except (AttributeError, OSError, ValueError, IndexError):
         try:
-            return os.getloadavg()[0]
+            return float(int(os.getloadavg()[0]))  # whole cores: a load of 1.6 leaves the second core free
         except (AttributeError, OSError):  # no load average on this platform
             return 0.0
     busy = 0.0
@@ -355,7 +356,7 @@ def _cpu_times(cores: set[int], stat: str = "/proc/stat") -> dict[int, tuple[int
     with open(stat, encoding="ascii") as f:
         for line in f:
             name, *fields = line.split()
-            if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cores:
+            if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cores and len(fields) >= 5:
                 ticks = [int(x) for x in fields[:8]]  # user nice system idle iowait irq softirq steal
                 times[int(name[3:])] = (sum(ticks), ticks[3] + ticks[4])  # waiting for I/O is idle too
     return times
