@@ -72,15 +72,18 @@ def beam_search(
 ) -> list[Beam]:
     """The best paths found after ``prompt``, best first (at most ``num_beams``).
 
-    ``vocab_size`` limits the search to ids below it, and no path takes an id where ``excluded``
-    (V,) is True (`tinylm.generate.sampling.excluded_mask`); ``keep`` is the window policy's
+    No path takes an id from ``vocab_size`` on, nor one where ``excluded`` (V,) is True
+    (`tinylm.generate.sampling.excluded_mask`); ``keep`` is the window policy's
     ``window_keep`` (see `tinylm.generate.engine.context_start`). ``use_cache=False`` recomputes
     every beam from scratch at every step: the reference the cached search is tested against.
     """
     block_size = model.config.block_size
+    device = next(model.parameters()).device
+    past = excluded_mask(None, model.config.vocab_size, device=device, limit=vocab_size)  # ids from vocab_size on
+    if past is not None:  # they join the excluded ones: one mask for every step
+        excluded = past if excluded is None else excluded | past
     keep = window_keep(SamplingParams(window_keep=keep), block_size)
     stop_ids = set(stop_ids)
-    device = next(model.parameters()).device
     prompt = list(prompt)
     warned = False
 
@@ -107,7 +110,7 @@ def beam_search(
         cache, logits = start_window(alive)  # logits (k, V)
         for step in range(max_new_tokens):
             alive, parents, finished = select_beams(alive, finished, logits, num_beams, length_penalty,
-                                                    stop_ids, vocab_size, excluded)
+                                                    stop_ids, excluded)
             if not alive or step == max_new_tokens - 1:
                 break
             if len(finished) == num_beams:
@@ -128,15 +131,12 @@ def beam_search(
 
 
 def select_beams(alive: list[Beam], finished: list[Beam], logits: Tensor, num_beams: int, length_penalty: float,
-                 stop_ids: set[int], vocab_size: int | None = None,
-                 excluded: Tensor | None = None) -> tuple[list[Beam], list[int], list[Beam]]:
+                 stop_ids: set[int], excluded: Tensor | None = None) -> tuple[list[Beam], list[int], list[Beam]]:
     """One step of the search: (the new beams, the row each came from, the finished paths, best first).
 
     ``logits`` (k, V) are the next-token logits of the k alive beams.
     """
     logp = torch.log_softmax(logits.float(), dim=-1)  # (k, V)
-    if vocab_size is not None and vocab_size < logp.size(-1):
-        logp[:, vocab_size:] = float("-inf")
     if excluded is not None:
         logp.masked_fill_(excluded, float("-inf"))
     sums = torch.tensor([b.logprob for b in alive], dtype=logp.dtype, device=logp.device)  # (k,)
@@ -164,7 +164,7 @@ def beam_search_completions(model: nn.Module, tokenizer: Tokenizer, prompt: Sequ
     device = next(model.parameters()).device
     excluded = excluded_mask(tokenizer, model.config.vocab_size, stop_ids, device)
     beams = beam_search(model, prompt, params.num_beams, params.max_new_tokens, length_penalty=params.length_penalty,
-                        stop_ids=stop_ids, vocab_size=tokenizer.vocab_size, excluded=excluded, keep=params.window_keep)
+                        stop_ids=stop_ids, excluded=excluded, keep=params.window_keep)
     out = []
     for j, beam in enumerate(beams[:params.num_samples]):
         text_ids = beam.tokens[:-1] if beam.stop is not None else beam.tokens

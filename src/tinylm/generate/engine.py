@@ -225,7 +225,8 @@ class Engine:
             self.stop_ids = {tokenizer.eos_id} if tokenizer is not None else set()
         self.vocab_size = vocab_size if vocab_size is not None else (tokenizer.vocab_size if tokenizer else None)
         self.device = next(model.parameters()).device
-        self.excluded = excluded_mask(tokenizer, model.config.vocab_size, self.stop_ids, self.device)  # (V,) or None
+        # (V,) or None: ids past vocab_size, and the tokenizer's padding, BOS, reserved ids and <unk>
+        self.excluded = excluded_mask(tokenizer, model.config.vocab_size, self.stop_ids, self.device, self.vocab_size)
         self.cache: KVCache | None = None
         self.warned = False
 
@@ -271,10 +272,8 @@ class Engine:
         try:
             logits = self._start_window(rows, first=True)  # (B, V)
             for step in range(params.max_new_tokens):
-                if self.vocab_size is not None and self.vocab_size < logits.size(-1):
-                    logits[:, self.vocab_size:] = float("-inf")  # ids the tokenizer cannot decode
                 if self.excluded is not None:
-                    logits.masked_fill_(self.excluded, float("-inf"))  # padding, BOS, reserved ids, <unk>
+                    logits.masked_fill_(self.excluded, float("-inf"))
                 tokens = sample(logits, params, generators)  # (B,)
                 logprobs = token_logprobs(logits, tokens)  # (B,)
                 last_step = step == params.max_new_tokens - 1

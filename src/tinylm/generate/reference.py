@@ -56,8 +56,7 @@ def _one(model: nn.Module, seq: list[int], params: SamplingParams, tokenizer: To
         stop_ids = set(params.stop_ids)
     else:
         stop_ids = {tokenizer.eos_id} if tokenizer is not None else set()
-    vocab_limit = tokenizer.vocab_size if tokenizer is not None else None
-    excluded = excluded_mask(tokenizer, model.config.vocab_size, stop_ids, device)
+    excluded = excluded_mask(tokenizer, model.config.vocab_size, stop_ids, device)  # ids no sample takes
     was_training = model.training
     model.eval()
     tokens: list[int] = []
@@ -72,8 +71,6 @@ def _one(model: nn.Module, seq: list[int], params: SamplingParams, tokenizer: To
             idx = torch.tensor([seq[start:]], dtype=torch.long, device=device)  # (1, T): the whole window
             logits, _ = model(idx)
             logits = logits[:, -1]  # (1, V)
-            if vocab_limit is not None and vocab_limit < logits.size(-1):
-                logits[:, vocab_limit:] = float("-inf")
             if excluded is not None:
                 logits.masked_fill_(excluded, float("-inf"))
             token = sample(logits, params, generator)  # (1,)

@@ -195,20 +195,21 @@ def sampling_distribution(logits: Tensor, params: SamplingParams) -> Tensor:
 
 
 def excluded_mask(tokenizer: Tokenizer | None, width: int, stop_ids: Collection[int] = (),
-                  device: torch.device | str = "cpu") -> Tensor | None:
+                  device: torch.device | str = "cpu", limit: int | None = None) -> Tensor | None:
     """(width,) bool over a model's output ids: True for the ids no sample may take, or None for none.
 
-    Those are the ids past the tokenizer's vocabulary (an output layer padded to a multiple of 64)
-    and the ones it has no text for (`tinylm.tokenizers.base.generation_excluded`: padding, BOS,
-    reserved ids, ``<unk>``), unless they are ``stop_ids``. Every sampler sets their logits to
-    -inf, so the engine, beam search, the naive reference and the server draw alike.
+    Those are the ids from ``limit`` on (default: the tokenizer's vocabulary size; an output layer
+    padded to a multiple of 64 has ids the tokenizer cannot decode) and the ones the tokenizer has
+    no text for (`tinylm.tokenizers.base.generation_excluded`: padding, BOS, reserved ids,
+    ``<unk>``), unless they are ``stop_ids``. Every sampler sets their logits to -inf, so the
+    engine, beam search, the naive reference and the server draw alike.
     """
-    if tokenizer is None:
-        return None
+    if limit is None:
+        limit = tokenizer.vocab_size if tokenizer is not None else width
     mask = torch.zeros(width, dtype=torch.bool)
-    mask[tokenizer.vocab_size:] = True
-    excluded = [i for i in generation_excluded(tokenizer) if i < width and i not in stop_ids]
-    mask[excluded] = True
+    mask[limit:] = True
+    if tokenizer is not None:
+        mask[[i for i in generation_excluded(tokenizer) if i < width and i not in stop_ids]] = True
     return mask.to(device) if bool(mask.any()) else None
 
 

@@ -522,11 +522,10 @@ class Scheduler:
     def _draw(self, rows: list[_Row], logits: Tensor, outbox: dict[Job, list]) -> None:
         """Sample each row's next token from logits (B, V) with its own settings; record it; emit events."""
         logits = logits.float()
-        if self.vocab_size < logits.size(-1):
-            logits[:, self.vocab_size:] = float("-inf")  # ids the tokenizer cannot decode (a padded vocabulary)
         tokens = torch.zeros(len(rows), dtype=torch.long, device=logits.device)  # (B,)
         groups: dict[tuple, list[int]] = defaultdict(list)
-        # padding, BOS, reserved ids, <unk>: what the library's engine leaves out (per row: stop ids may differ)
+        # what the library's engine leaves out (per row: stop ids may differ): ids past the tokenizer's vocabulary
+        # (a padded output layer), padding, BOS, reserved ids, <unk>
         masks = [self._excluded_for(row.job, logits.size(-1)) for row in rows]
         if all(m is masks[0] for m in masks):  # as a rule every row has the same: one operation for the batch
             if masks[0] is not None:
