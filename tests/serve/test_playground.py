@@ -135,6 +135,16 @@ def test_the_page_and_its_script_are_served_from_the_package(server):
     assert script.headers["content-type"].startswith(("application/javascript", "text/javascript"))
 
 
+def assert_refused(page, box: str, value: str, phrase: str, prompt_before: str) -> None:
+    """Generating with ``value`` in ``box`` is refused: the status says ``phrase``, the box is marked invalid,
+    and the prompt is left as it was (no request went out)."""
+    page.fill(box, value)
+    page.click("#generate")
+    page.wait_for_selector("#status[data-state='error']")
+    assert phrase in page.text_content("#status")
+    assert page.get_attribute(box, "aria-invalid") == "true" and page.input_value("#prompt") == prompt_before
+
+
 def test_the_page_recovers_from_a_wrong_key_and_checks_max_tokens(browser, run):
     """Opened without the key the server asks for, the page shows the 401; once the key is entered, the model loads
     and the old error goes. A max-tokens box of 0 is refused with a message (not silently made 64). No request
@@ -154,18 +164,10 @@ def test_the_page_recovers_from_a_wrong_key_and_checks_max_tokens(browser, run):
         assert page.get_attribute("#status", "data-state") != "error" and page.text_content("#status") == ""
 
         before = page.input_value("#prompt")
-        page.fill("#max-tokens", "0")
-        page.click("#generate")
-        page.wait_for_selector("#status[data-state='error']")
-        assert "max tokens" in page.text_content("#status")
-        assert page.get_attribute("#max-tokens", "aria-invalid") == "true" and page.input_value("#prompt") == before
+        assert_refused(page, "#max-tokens", "0", "max tokens", before)
         page.fill("#max-tokens", "2")
         page.wait_for_function("document.querySelector('#status').dataset.state !== 'error'")
-        page.fill("#seed", "1.5")  # not silently seed 1
-        page.click("#generate")
-        page.wait_for_selector("#status[data-state='error']")
-        assert "seed must be a whole number" in page.text_content("#status")
-        assert page.get_attribute("#seed", "aria-invalid") == "true" and page.input_value("#prompt") == before
+        assert_refused(page, "#seed", "1.5", "seed must be a whole number", before)  # not silently seed 1
         page.fill("#seed", "")
         page.click("#generate")
         page.wait_for_selector("#status[data-state='done']", timeout=30_000)
