@@ -55,7 +55,7 @@ from typing import Any, Literal
 
 from tinylm.errors import TinyLMError
 
-MLPKind = Literal["gelu", "swiglu"]
+MLPKind = Literal["gelu", "swiglu", "relu2"]
 NormKind = Literal["layernorm", "rmsnorm"]
 NormPosition = Literal["pre", "post"]
 PositionKind = Literal["learned", "sinusoidal", "rope", "none"]
@@ -63,8 +63,10 @@ AttentionKind = Literal["sdpa", "reference", "tiled"]
 TokenizerKind = Literal["bpe", "char", "word"]
 DecodeErrors = Literal["strict", "replace", "ignore"]
 BatchMode = Literal["packed", "documents"]
-OptimizerKind = Literal["adamw", "sgd"]
-DecayKind = Literal["cosine", "linear", "constant"]
+OptimizerKind = Literal["adamw", "sgd", "muon"]
+DecayKind = Literal["cosine", "linear", "constant", "wsd"]
+DecayShape = Literal["linear", "1-sqrt"]
+MuonAdjustLR = Literal["original", "match_rms_adamw"]
 DtypeKind = Literal["auto", "float32", "bfloat16"]
 ParallelKind = Literal["ddp", "fsdp"]
 ModelFamily = Literal["gpt", "lstm", "rnn", "ngram"]
@@ -112,6 +114,24 @@ class GPTConfig:
     - ``attention`` "sdpa" (PyTorch's fused kernel), "reference" (the definition written out) or
       "tiled" (online softmax over key blocks of ``tile_size``, the FlashAttention idea). All three
       compute the same function; the tests pin them equal.
+
+    Options from the modern small-model recipes (modded-nanogpt, nanochat), each off by default
+    unless a preset turns it on (`benchmarks/recipe.py` measures each one):
+
+    - ``mlp = "relu2"``: y = ReLU(x W_1)^2 W_2, no gate, hidden width 4 d.
+    - ``qk_norm``: RMSNorm (with a learned gain per head coordinate) on every head's q and k before
+      RoPE, as in Qwen3 and OLMo 2: the scores q.k stay bounded whatever the weights grow to.
+    - ``zero_init_projections``: W_o and the MLP's W_2 start at zero, so every block starts as the
+      identity and the residual stream is the embedding alone at step 0.
+    - ``logit_softcap`` c: the logits become c tanh(u / c), always inside (-c, c) (Gemma 2).
+    - ``value_embed``: a second embedding table E_v, (|V|, n_kv_head d_h), whose row for the current
+      token is added to every layer's values with a learned per-layer weight (modded-nanogpt's
+      value embeddings, shared by all layers).
+    - ``bigram_hash`` B > 0: an embedding of B rows for the pair (previous token, this token),
+      hashed to row 1 + (prev * 1000003 + cur) mod (B - 1), added to E[x]; row 0 serves the first
+      position of a window, which has no previous token. It starts at zero.
+    - ``head_init_std``: the initial standard deviation of an untied head (0: zeros); unset:
+      ``init_std``.
     """
 
     family: ModelFamily = "gpt"
@@ -134,6 +154,12 @@ class GPTConfig:
     init_std: float = 0.02
     attention: AttentionKind = "sdpa"
     tile_size: int = 64
+    qk_norm: bool = False
+    zero_init_projections: bool = False
+    logit_softcap: float | None = None
+    value_embed: bool = False
+    bigram_hash: int = 0
+    head_init_std: float | None = None
     bptt: int | None = None
     order: int = 5
     smoothing: SmoothingKind = "kn"
@@ -160,7 +186,7 @@ class GPTConfig:
         """The MLP's hidden width: d_ff, or 4 d for gelu and 8/3 d rounded up to a multiple of 64 for swiglu."""
         if self.d_ff is not None:
             return self.d_ff
-        if self.mlp == "gelu":
+        if self.mlp in ("gelu", "relu2"):
             return 4 * self.d_model
         return SWIGLU_MULTIPLE * math.ceil(8 * self.d_model / 3 / SWIGLU_MULTIPLE)
 
@@ -180,6 +206,16 @@ class GPTConfig:
                               "use kn for order 1")
         if not 0.0 <= self.dropout < 1.0:
             raise TinyLMError(f"dropout is a probability in [0, 1), got {self.dropout}")
+        if self.logit_softcap is not None and not (math.isfinite(self.logit_softcap) and self.logit_softcap > 0):
+            raise TinyLMError(f"logit_softcap must be a positive number (or left unset for no cap), got {self.logit_softcap}")
+        if self.bigram_hash < 0 or self.bigram_hash == 1:
+            raise TinyLMError(f"bigram_hash is a number of buckets: 0 (off) or 2 or more, got {self.bigram_hash}")
+        if self.head_init_std is not None:
+            if not (math.isfinite(self.head_init_std) and self.head_init_std >= 0):
+                raise TinyLMError(f"head_init_std must be 0 (zeros) or a positive number, got {self.head_init_std}")
+            if self.tie_embeddings:
+                raise TinyLMError("head_init_std initialises an untied output head; with tie_embeddings the head is "
+                                  "the embedding E: add --no-tie-embeddings or leave head_init_std unset")
         for name in ("init_std", "norm_eps", "rope_theta"):
             if not getattr(self, name) > 0:
                 raise TinyLMError(f"{name} must be positive, got {getattr(self, name)}")
@@ -256,11 +292,35 @@ class TrainConfig:
     max_tokens: int | None = field(default=None, metadata=_help(
         "training tokens to see, rounded up to whole steps of batch_size * grad_accum * block_size"))
     # -- optimizer and schedule
-    optimizer: OptimizerKind = field(default="adamw", metadata=_help("adamw, or sgd (with momentum)"))
-    lr: float = field(default=1e-3, metadata=_help("the peak learning rate, reached at the end of warmup"))
+    optimizer: OptimizerKind = field(default="adamw", metadata=_help(
+        "adamw, sgd (with momentum), or muon (torch.optim.Muon for the blocks' weight matrices, AdamW for the "
+        "rest: embeddings, head, norms)"))
+    lr: float = field(default=1e-3, metadata=_help(
+        "the peak learning rate, reached at the end of warmup (with muon: of the AdamW groups)"))
+    muon_lr: float = field(default=0.02, metadata=_help(
+        "with muon: the peak learning rate of the blocks' weight matrices"))
+    muon_momentum: float = field(default=0.95, metadata=_help("with muon: Muon's (Nesterov) momentum"))
+    muon_momentum_warmup: int = field(default=0, metadata=_help(
+        "with muon: steps over which Muon's momentum rises linearly from 0.85 to muon_momentum (0: none)"))
+    muon_adjust_lr: MuonAdjustLR = field(default="original", metadata=_help(
+        "with muon: how the update is scaled for a matrix's shape: original (sqrt(max(1, rows/cols)), Keller "
+        "Jordan's) or match_rms_adamw (0.2 sqrt(max(rows, cols)), Moonshot's)"))
+    muon_weight_decay: float | None = field(default=None, metadata=_help(
+        "with muon: the Muon matrices' decoupled weight decay; unset: weight_decay"))
+    embed_lr: float | None = field(default=None, metadata=_help(
+        "the peak learning rate of the embedding tables (token, position, value and bigram embeddings); "
+        "unset: lr"))
+    head_lr: float | None = field(default=None, metadata=_help(
+        "the peak learning rate of an untied output head; unset: lr"))
     min_lr: float | None = field(default=None, metadata=_help("the learning rate at the last step; unset: lr / 10"))
     warmup_steps: int = field(default=100, metadata=_help("steps of linear warmup from lr / warmup_steps to lr"))
-    decay: DecayKind = field(default="cosine", metadata=_help("after warmup, from lr down to min_lr at the last step"))
+    decay: DecayKind = field(default="cosine", metadata=_help(
+        "after warmup, from lr down to min_lr at the last step: cosine, linear, constant, or wsd (warmup-stable-"
+        "decay: lr held, then decay_shape down to min_lr over the last decay_fraction of the steps)"))
+    decay_fraction: float = field(default=0.2, metadata=_help(
+        "with wsd: the share of all steps, at the end, over which the rate decays"))
+    decay_shape: DecayShape = field(default="linear", metadata=_help(
+        "with wsd: the decay's shape, linear or 1-sqrt (lr * (1 - sqrt(p)), which drops fastest at first)"))
     weight_decay: float = field(default=0.1, metadata=_help(
         "decoupled weight decay (AdamW) or L2 (SGD), on matrices and embeddings only, never on norms and biases"))
     beta1: float = field(default=0.9, metadata=_help("AdamW's first-moment decay"))
@@ -314,9 +374,20 @@ class TrainConfig:
             raise TinyLMError(f"lr must be a positive number, got {self.lr}")
         if self.min_lr is not None and not 0 <= self.min_lr <= self.lr:
             raise TinyLMError(f"min_lr must be between 0 and lr ({self.lr}), got {self.min_lr}")
-        for name in ("beta1", "beta2", "momentum"):
+        for name in ("muon_lr", "embed_lr", "head_lr"):
+            value = getattr(self, name)
+            if value is not None and not (math.isfinite(value) and value > 0):
+                raise TinyLMError(f"{name} must be a positive number, got {value}")
+        if not 0.0 < self.decay_fraction <= 1.0:
+            raise TinyLMError(f"decay_fraction is a share of the steps in (0, 1], got {self.decay_fraction}")
+        if self.muon_momentum_warmup < 0:
+            raise TinyLMError(f"muon_momentum_warmup must be 0 or more, got {self.muon_momentum_warmup}")
+        for name in ("beta1", "beta2", "momentum", "muon_momentum"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise TinyLMError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+        if self.muon_weight_decay is not None and not (math.isfinite(self.muon_weight_decay)
+                                                       and self.muon_weight_decay >= 0):
+            raise TinyLMError(f"muon_weight_decay must be 0 or a positive number, got {self.muon_weight_decay}")
         for name in ("weight_decay", "grad_clip", "sample_temperature"):
             if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
                 raise TinyLMError(f"{name} must be 0 or a positive number, got {getattr(self, name)}")

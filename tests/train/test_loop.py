@@ -173,3 +173,16 @@ def test_default_threads_count_the_cores_busy_now_not_the_load_average(tmp_path,
     assert loop._busy_cores(window=0) == 2.0 and loop._default_cpu_threads(1) == 1
     monkeypatch.setattr(loop.os, "getloadavg", lambda: (1.6, 1.0, 1.0))  # whole cores, as before: one is free
     assert loop._default_cpu_threads(1) == 1 and loop._busy_cores(window=0) == 1.0
+
+
+def test_muon_stops_and_resumes_bitwise(tmp_path, corpus, data_dir):
+    cfg = tiny_config(corpus, data_dir, optimizer="muon", muon_lr=0.05, muon_momentum_warmup=6, decay="wsd",
+                      embed_lr=0.01, checkpoint_interval=3)
+    straight = train(cfg, tmp_path / "straight", **QUIET)
+    train(cfg, tmp_path / "halves", stop_after=4, **QUIET)
+    second = train(None, tmp_path / "halves", resume=True, **QUIET)
+    a, b = tensors(straight.checkpoint), tensors(second.checkpoint)
+    assert a.keys() == b.keys() and any("momentum_buffer" in k for k in a)  # Muon's state is in the checkpoint
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    assert train_losses(tmp_path / "straight") == train_losses(tmp_path / "halves")

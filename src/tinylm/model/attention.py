@@ -201,6 +201,11 @@ class CausalSelfAttention(nn.Module):
         self.W_k = nn.Linear(d, self.n_kv_head * hs, bias=config.bias)
         self.W_v = nn.Linear(d, self.n_kv_head * hs, bias=config.bias)
         self.W_o = nn.Linear(self.n_head * hs, d, bias=config.bias)
+        # QK-norm: each head's q and k normalized (RMSNorm over d_h, one gain per coordinate)
+        self.q_norm = nn.RMSNorm(hs, eps=config.norm_eps) if config.qk_norm else None
+        self.k_norm = nn.RMSNorm(hs, eps=config.norm_eps) if config.qk_norm else None
+        # value embeddings: how much of the token's value vector this layer adds to v
+        self.ve_weight = nn.Parameter(torch.ones(1)) if config.value_embed else None
         self.implementation = config.attention
         self.tile_size = config.tile_size
         self.dropout = config.dropout
@@ -212,6 +217,7 @@ class CausalSelfAttention(nn.Module):
         key_padding_mask: Tensor | None = None,
         kv_cache: KVCacheLayer | None = None,
         need_weights: bool = False,
+        ve: Tensor | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """x (B, T, d) -> (y (B, T, d), attention weights (B, nh, T, T_k) if ``need_weights`` else None).
 
@@ -223,7 +229,12 @@ class CausalSelfAttention(nn.Module):
         hs = self.head_dim
         q = self.W_q(x).view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
         k = self.W_k(x).view(B, T, self.n_kv_head, hs).transpose(1, 2)  # (B, n_kv, T, hs)
-        v = self.W_v(x).view(B, T, self.n_kv_head, hs).transpose(1, 2)  # (B, n_kv, T, hs)
+        v = self.W_v(x)  # (B, T, n_kv * hs)
+        if self.ve_weight is not None and ve is not None:
+            v = v + self.ve_weight * ve  # the token's own value vector, shared by all layers
+        v = v.view(B, T, self.n_kv_head, hs).transpose(1, 2)  # (B, n_kv, T, hs)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)  # each head's vectors to RMS 1 (times the gains)
         if rope is not None:
             cos, sin = rope
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)

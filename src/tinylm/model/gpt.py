@@ -62,17 +62,19 @@ def make_norm(config: GPTConfig) -> nn.Module:
 
 
 class MLP(nn.Module):
-    """The per-position feed-forward network: GELU (GPT-2) or SwiGLU (Llama).
+    """The per-position feed-forward network: GELU (GPT-2), SwiGLU (Llama) or ReLU^2 (modded-nanogpt).
 
     gelu:   y = GELU(x W_1) W_2, with GELU in GPT-2's tanh approximation ("gelu_new" in Hugging
             Face), so GPT-2 weights give GPT-2's outputs.
     swiglu: y = (SiLU(x W_1) * (x W_3)) W_2: a gated unit, x W_3 scaled elementwise by a gate.
+    relu2:  y = ReLU(x W_1)^2 W_2 (So et al., 2021, "Primer"): as cheap as GELU, sparser.
     """
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         d, d_ff = config.d_model, config.hidden_dim
         self.swiglu = config.mlp == "swiglu"
+        self.relu2 = config.mlp == "relu2"
         self.W_1 = nn.Linear(d, d_ff, bias=config.bias)
         if self.swiglu:
             self.W_3 = nn.Linear(d, d_ff, bias=config.bias)
@@ -81,6 +83,8 @@ class MLP(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if self.swiglu:
             hidden = F.silu(self.W_1(x)) * self.W_3(x)  # (B, T, d_ff)
+        elif self.relu2:
+            hidden = F.relu(self.W_1(x)).square()  # (B, T, d_ff)
         else:
             hidden = F.gelu(self.W_1(x), approximate="tanh")  # (B, T, d_ff)
         return self.W_2(hidden)  # (B, T, d)
@@ -105,15 +109,16 @@ class Block(nn.Module):
         key_padding_mask: Tensor | None = None,
         kv_cache: KVCacheLayer | None = None,
         need_weights: bool = False,
+        ve: Tensor | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         # The residual form h + f(h) lets each sublayer learn a correction to h rather than a whole
         # new representation, and gives gradients a direct path through a deep stack.
         if self.pre_norm:
-            a, weights = self.attn(self.norm_1(h), rope, key_padding_mask, kv_cache, need_weights)
+            a, weights = self.attn(self.norm_1(h), rope, key_padding_mask, kv_cache, need_weights, ve)
             h = h + self.dropout(a)  # (B, T, d)
             h = h + self.dropout(self.mlp(self.norm_2(h)))  # (B, T, d)
         else:
-            a, weights = self.attn(h, rope, key_padding_mask, kv_cache, need_weights)
+            a, weights = self.attn(h, rope, key_padding_mask, kv_cache, need_weights, ve)
             h = self.norm_1(h + self.dropout(a))  # (B, T, d)
             h = self.norm_2(h + self.dropout(self.mlp(h)))  # (B, T, d)
         return h, weights
@@ -139,6 +144,9 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         # post-norm blocks already end in a norm; pre-norm leaves the stream unnormalized
         self.norm_f = make_norm(config) if config.norm_position == "pre" else nn.Identity()
+        # optional extra embeddings: the token's value vector (shared by all layers), the hashed pair
+        self.V_emb = nn.Embedding(config.vocab_size, config.kv_heads * config.head_dim) if config.value_embed else None
+        self.bigram = nn.Embedding(config.bigram_hash, d) if config.bigram_hash else None
         self.lm_head = nn.Linear(d, config.vocab_size, bias=False)  # u = h @ lm_head.weight.T
         if config.tie_embeddings:
             # W_head = E^T: the same matrix reads tokens in and scores them out
@@ -156,7 +164,14 @@ class GPT(nn.Module):
                 nn.init.normal_(module.weight, mean=0.0, std=std)
         for block in self.blocks:
             for residual_projection in (block.attn.W_o, block.mlp.W_2):
-                nn.init.normal_(residual_projection.weight, mean=0.0, std=std / math.sqrt(2 * self.config.n_layer))
+                if self.config.zero_init_projections:
+                    nn.init.zeros_(residual_projection.weight)
+                else:
+                    nn.init.normal_(residual_projection.weight, mean=0.0, std=std / math.sqrt(2 * self.config.n_layer))
+        if self.bigram is not None:
+            nn.init.zeros_(self.bigram.weight)  # the model starts as if it had no bigram table
+        if not self.config.tie_embeddings and self.config.head_init_std is not None:
+            nn.init.normal_(self.lm_head.weight, mean=0.0, std=self.config.head_init_std)
 
     def forward(
         self,
@@ -179,6 +194,9 @@ class GPT(nn.Module):
         """
         h, _ = self._run(idx, attention_mask, position_ids, kv_cache, need_weights=False)
         logits = self.lm_head(h)  # (B, T, |V|)
+        if self.config.logit_softcap is not None:
+            cap = self.config.logit_softcap
+            logits = cap * torch.tanh(logits / cap)  # (B, T, |V|), every entry in (-cap, cap)
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
@@ -195,6 +213,31 @@ class GPT(nn.Module):
         """
         _, weights = self._run(idx, attention_mask, position_ids, None, need_weights=True)
         return weights
+
+    def bigram_ids(self, idx: Tensor, key_padding_mask: Tensor | None = None, kv_cache=None) -> Tensor:
+        """The bigram table's row for each position of ``idx`` (B, T): 1 + (prev * 1000003 + cur) mod (B - 1).
+
+        The previous token is the one before in ``idx``; for the first position it is the last token
+        the cache has read (``kv_cache.last_tokens``), and where there is none (a window's start, or
+        padding before) the row is 0.
+        """
+        buckets = self.config.bigram_hash
+        prev = torch.roll(idx, 1, dims=1)  # (B, T): prev[:, t] = idx[:, t - 1], wrapped at t = 0
+        has_prev = torch.ones_like(idx, dtype=torch.bool)
+        has_prev[:, 0] = False
+        last = getattr(kv_cache, "last_tokens", None) if kv_cache is not None else None
+        if last is not None and kv_cache.length > 0:
+            prev[:, 0] = last.to(idx.device)  # (B,): the token each row read last
+            has_prev[:, 0] = True
+        if key_padding_mask is not None:  # (B, T_k): a padded previous position is no previous token
+            T = idx.size(1)
+            if key_padding_mask.size(1) > T:
+                before = key_padding_mask[:, -T - 1:-1]  # (B, T)
+            else:
+                before = F.pad(key_padding_mask[:, :-1], (1, 0), value=False)  # (B, T)
+            has_prev &= before
+        ids = 1 + (prev.long() * 1000003 + idx.long()) % (buckets - 1)  # (B, T), in 1..B-1
+        return torch.where(has_prev, ids, torch.zeros_like(ids))
 
     def _run(
         self,
@@ -235,6 +278,9 @@ class GPT(nn.Module):
             position_ids = position_ids[None]  # (1, T), broadcast over the batch
 
         h = self.E(idx)  # (B, T, d)
+        if self.bigram is not None:
+            h = h + self.bigram(self.bigram_ids(idx, key_padding_mask, kv_cache))  # (B, T, d)
+        ve = self.V_emb(idx) if self.V_emb is not None else None  # (B, T, n_kv * hs)
         if self.pos_emb is not None:
             h = h + self.pos_emb(position_ids)  # (B, T, d)
         h = self.dropout(h)
@@ -242,7 +288,7 @@ class GPT(nn.Module):
         all_weights: list[Tensor] = []
         for i, block in enumerate(self.blocks):
             layer_cache = kv_cache[i] if kv_cache is not None else None
-            h, weights = block(h, rope, key_padding_mask, layer_cache, need_weights)
+            h, weights = block(h, rope, key_padding_mask, layer_cache, need_weights, ve)
             if weights is not None:
                 all_weights.append(weights)
         return self.norm_f(h), all_weights  # (B, T, d)

@@ -86,8 +86,14 @@ from tinylm.run import (
 from tinylm.tokenizers.base import Tokenizer, load_tokenizer
 from tinylm.train.batches import BatchSource, micro_batches
 from tinylm.train.distributed import Distributed, wrap_model
-from tinylm.train.optim import load_named_optimizer_state, make_optimizer, named_optimizer_state
-from tinylm.train.schedule import lr_at
+from tinylm.train.optim import (
+    load_named_optimizer_state,
+    make_optimizer,
+    named_optimizer_state,
+    optimizers_of,
+    set_schedule,
+)
+from tinylm.train.schedule import lr_at, momentum_at
 
 # [train] settings that may differ when a run is resumed: they change what is logged, where it
 # runs and how fast, never which batches are drawn or how the weights are updated.
@@ -693,7 +699,7 @@ class _Trainer:
         # the fused AdamW kernel (CUDA, and CPU, where it is 3-5% faster per step than the
         # for-loop version: benchmarks/train.py) for plain tensors; sharded (DTensor)
         # parameters take the default path
-        fused = self.device.type in ("cuda", "cpu") and tc.optimizer == "adamw" and not self.fsdp
+        fused = self.device.type in ("cuda", "cpu") and tc.optimizer in ("adamw", "muon") and not self.fsdp
         self.optimizer = make_optimizer(model, tc, fused=fused)
         self.ddp = wrapped if ctx.active and not self.fsdp else None
         self.step_model = torch.compile(wrapped) if tc.compile else wrapped
@@ -723,7 +729,7 @@ class _Trainer:
             options = StateDictOptions(full_state_dict=True)
             set_model_state_dict(self.model, ckpt.model_state(), options=options)
             if optimizer_state is not None:
-                set_optimizer_state_dict(self.model, self.optimizer, optimizer_state, options=options)
+                set_optimizer_state_dict(self.model, optimizers_of(self.optimizer), optimizer_state, options=options)
         elif optimizer_state is not None:
             load_named_optimizer_state(self.model, self.optimizer, optimizer_state)
         rng = ckpt.rng_state()
@@ -852,9 +858,9 @@ class _Trainer:
         try:
             while self.step < stop:
                 step = self.step
-                lr = lr_at(step, lr=tc.lr, min_lr=tc.final_lr, warmup=tc.warmup_steps, total=self.total, decay=tc.decay)
-                for group in self.optimizer.param_groups:
-                    group["lr"] = lr
+                lr = self._lr(step, tc.lr)
+                set_schedule(self.optimizer, lambda peak: self._lr(step, peak),
+                             momentum_at(step, momentum=tc.muon_momentum, warmup=tc.muon_momentum_warmup))
                 loss_sum, n_targets, norm = self._train_step(step)
                 pending.append((step, loss_sum, n_targets, norm, lr))
                 self.step += 1
@@ -896,6 +902,13 @@ class _Trainer:
             return self._result("stopped", last_loss, None, "")
         return self._finish(last_loss)
 
+    def _lr(self, step: int, peak: float) -> float:
+        """The schedule at ``step`` for a group whose peak rate is ``peak`` (its floor: the same share of it)."""
+        tc = self.tc
+        floor = tc.final_lr if peak == tc.lr else tc.final_lr * peak / tc.lr
+        return lr_at(step, lr=peak, min_lr=floor, warmup=tc.warmup_steps, total=self.total,
+                     decay=tc.decay, fraction=tc.decay_fraction, shape=tc.decay_shape)
+
     # -- evaluation, checkpoints, the end
 
     def _evaluate(self, max_tokens: int) -> EvalResult:
@@ -932,7 +945,7 @@ class _Trainer:
             # every process takes part in gathering the shards; process 0 receives them
             options = StateDictOptions(full_state_dict=True, cpu_offload=True)
             return (get_model_state_dict(self.model, options=options),
-                    get_optimizer_state_dict(self.model, self.optimizer, options=options))
+                    get_optimizer_state_dict(self.model, optimizers_of(self.optimizer), options=options))
         return self.model.state_dict(), named_optimizer_state(self.model, self.optimizer)
 
     def _rng_state(self) -> dict[str, torch.Tensor]:

@@ -1,23 +1,46 @@
-"""The optimizer: AdamW (or SGD with momentum) with two parameter groups, decayed and not.
+"""The optimizer: AdamW, SGD with momentum, or Muon for the hidden matrices beside AdamW for the rest.
 
-Weight decay pulls every weight toward zero a little at each step (AdamW: w <- w - lr * wd * w,
+Every trainable parameter falls in one of four roles (`parameter_roles`):
+
+    embedding  the tables of `nn.Embedding` modules: the token embedding E (and so a tied head),
+               learned positions, value and bigram embeddings
+    head       an untied output head, ``lm_head.weight``
+    matrix     every other parameter with 2 or more dimensions: the blocks' W_q, W_k, W_v, W_o,
+               the MLP's W_1, W_2, W_3 (an RNN's or LSTM's weight matrices)
+    vector     every 1-dimensional parameter: norm gains, biases, the per-layer scalars
+
+**Weight decay** pulls every weight toward zero a little at each step (AdamW: w <- w - lr * wd * w,
 "decoupled" from the gradient; SGD: an L2 penalty added to the gradient). It is meant for the
-matrices that *mix* coordinates: the rule here, as in nanoGPT, is
+parameters that *mix* coordinates (embeddings, head, matrices) and never for the vectors: a norm's
+gain sets the scale of a whole coordinate and a bias an offset; shrinking them toward 0 does not
+make the function simpler, it only fights the normalization.
 
-    decay      every parameter with 2 or more dimensions: the linear layers' weight matrices
-               (W_q, W_k, W_v, W_o, the MLP's W_1, W_2, W_3, an untied head) and the embedding
-               tables (E, learned positions)
-    no decay   every 1-dimensional parameter: norm gains (LayerNorm/RMSNorm weight), LayerNorm
-               and linear biases
+**Learning rates per role.** ``lr`` is the peak rate of the matrices and vectors (AdamW, SGD), of
+the embeddings unless ``embed_lr`` is set, and of an untied head unless ``head_lr`` is set.
 
-Why not the vectors: a norm's gain sets the scale of a whole coordinate and a bias an offset;
-shrinking them toward 0 does not make the function simpler, it only fights the normalization.
-A tied output head is the embedding E itself, listed (and decayed) once.
+**Muon** (``optimizer = "muon"``; Jordan et al., 2024) trains the matrices with PyTorch's own
+`torch.optim.Muon`: the momentum of the gradient is orthogonalized by a few Newton-Schulz
+iterations (every singular value pushed to about 1) before the step, so a matrix moves by the same
+amount in every direction its gradient points in, instead of mostly along the few directions
+that dominate it. It is meant for hidden weight matrices only; the embeddings (a lookup, not a
+linear map on a dense input), the head and the vectors stay with AdamW, each group at its own rate
+(``muon_lr`` for the matrices). The two optimizers step together as one `OptimizerChain`.
 
-`parameter_groups` returns the names too, so the choice can be printed and tested.
+Every group records its peak rate as ``peak_lr``; the training loop sets each group's ``lr`` to
+the schedule's value for that peak before every step (`set_schedule`), so warmup and decay apply
+to all groups alike, each floor at the same fraction of its own peak.
+
+Usage::
+
+    optimizer = make_optimizer(model, config.train)
+    set_schedule(optimizer, lambda peak: peak / 2)        # every group at half its peak rate
+    optimizer.step(); optimizer.zero_grad()
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -25,34 +48,123 @@ from torch import nn
 from tinylm.config import TrainConfig
 from tinylm.errors import TinyLMError
 
+ROLES = ("embedding", "head", "matrix", "vector")
+
+
+def parameter_roles(model: nn.Module) -> dict[str, str]:
+    """Each trainable parameter's name -> its role: embedding, head, matrix or vector (module docstring)."""
+    embedding_ids = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    head = getattr(model, "lm_head", None)
+    head_id = id(head.weight) if isinstance(head, nn.Linear) else None
+    roles = {}
+    for name, p in model.named_parameters():  # named_parameters lists a shared (tied) tensor once
+        if not p.requires_grad:
+            continue
+        if id(p) in embedding_ids:
+            roles[name] = "embedding"
+        elif id(p) == head_id:
+            roles[name] = "head"
+        else:
+            roles[name] = "matrix" if p.dim() >= 2 else "vector"
+    return roles
+
 
 def parameter_groups(model: nn.Module) -> tuple[list[str], list[str]]:
     """The names of the trainable parameters that get weight decay, and of those that don't."""
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():  # named_parameters lists a shared (tied) tensor once
-        if p.requires_grad:
-            (decay if p.dim() >= 2 else no_decay).append(name)
-    return decay, no_decay
+    roles = parameter_roles(model)
+    return [n for n, r in roles.items() if r != "vector"], [n for n, r in roles.items() if r == "vector"]
 
 
-def make_optimizer(model: nn.Module, config: TrainConfig, fused: bool = False) -> torch.optim.Optimizer:
-    """AdamW or SGD over ``model``'s parameters in two groups (see the module docstring).
+class OptimizerChain:
+    """Several optimizers stepped as one: ``param_groups`` lists all their groups, in order.
 
-    The learning rate is set by the training loop before every step (`lr_at`), so the value
-    given here is only the starting one. ``fused`` picks PyTorch's fused CUDA kernel for AdamW.
+    What the training loop and the checkpoints use of an optimizer (``step``, ``zero_grad``,
+    ``param_groups``, ``state``); each optimizer keeps its own state for its own parameters.
     """
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        self.optimizers = optimizers
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return [g for opt in self.optimizers for g in opt.param_groups]
+
+    @property
+    def state(self) -> dict:
+        return {p: s for opt in self.optimizers for p, s in opt.state.items()}
+
+    def step(self) -> None:
+        for opt in self.optimizers:
+            opt.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=set_to_none)
+
+
+def optimizers_of(optimizer: torch.optim.Optimizer | OptimizerChain) -> list[torch.optim.Optimizer]:
+    """The plain optimizers behind ``optimizer`` (itself, or a chain's members)."""
+    return list(optimizer.optimizers) if isinstance(optimizer, OptimizerChain) else [optimizer]
+
+
+def _groups(model: nn.Module, config: TrainConfig) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(optimizer kind, param group) pairs; parameters of equal settings share one group, in model order."""
+    roles = parameter_roles(model)
     params = dict(model.named_parameters())
-    decay, no_decay = parameter_groups(model)
-    groups = [
-        {"params": [params[n] for n in decay], "weight_decay": config.weight_decay},
-        {"params": [params[n] for n in no_decay], "weight_decay": 0.0},
-    ]
-    if config.optimizer == "adamw":
-        return torch.optim.AdamW(groups, lr=config.lr, betas=(config.beta1, config.beta2), eps=1e-8,
-                                 fused=fused or None)
-    if config.optimizer == "sgd":
-        return torch.optim.SGD(groups, lr=config.lr, momentum=config.momentum)
-    raise TinyLMError(f"unknown optimizer {config.optimizer!r}; expected adamw or sgd")
+    muon = config.optimizer == "muon"
+    fallback = "adamw" if muon else config.optimizer
+    settings = {
+        "embedding": (fallback, config.embed_lr or config.lr, config.weight_decay),
+        "head": (fallback, config.head_lr or config.lr, config.weight_decay),
+        "matrix": ("muon", config.muon_lr,
+                   config.weight_decay if config.muon_weight_decay is None else config.muon_weight_decay)
+        if muon else (fallback, config.lr, config.weight_decay),
+        "vector": (fallback, config.lr, 0.0),
+    }
+    groups: dict[tuple[str, float, float], dict[str, Any]] = {}
+    for name, role in roles.items():
+        kind, lr, wd = settings[role]
+        group = groups.setdefault((kind, lr, wd), {"params": [], "lr": lr, "peak_lr": lr, "weight_decay": wd,
+                                                   "roles": []})
+        group["params"].append(params[name])
+        if role not in group["roles"]:
+            group["roles"].append(role)
+    for (kind, _, _), group in groups.items():
+        group["roles"] = ",".join(group["roles"])
+        yield kind, group
+
+
+def make_optimizer(model: nn.Module, config: TrainConfig, fused: bool = False) -> torch.optim.Optimizer | OptimizerChain:
+    """AdamW, SGD, or Muon with AdamW, over ``model``'s parameters in groups by role (module docstring).
+
+    The learning rate is set by the training loop before every step (`set_schedule`), so the
+    value given here is only the starting one. ``fused`` picks PyTorch's fused AdamW kernel.
+    """
+    if config.optimizer not in ("adamw", "sgd", "muon"):
+        raise TinyLMError(f"unknown optimizer {config.optimizer!r}; expected adamw, sgd or muon")
+    by_kind: dict[str, list[dict[str, Any]]] = {}
+    for kind, group in _groups(model, config):
+        by_kind.setdefault(kind, []).append(group)
+    optimizers = []
+    if "muon" in by_kind:
+        optimizers.append(torch.optim.Muon(by_kind["muon"], lr=config.muon_lr, momentum=config.muon_momentum,
+                                           nesterov=True, adjust_lr_fn=config.muon_adjust_lr))
+    if "adamw" in by_kind:
+        optimizers.append(torch.optim.AdamW(by_kind["adamw"], lr=config.lr, betas=(config.beta1, config.beta2),
+                                            eps=1e-8, fused=fused or None))
+    if "sgd" in by_kind:
+        optimizers.append(torch.optim.SGD(by_kind["sgd"], lr=config.lr, momentum=config.momentum))
+    return optimizers[0] if len(optimizers) == 1 else OptimizerChain(optimizers)
+
+
+def set_schedule(optimizer: torch.optim.Optimizer | OptimizerChain, rate: Callable[[float], float],
+                 muon_momentum: float | None = None) -> None:
+    """Every group's ``lr`` to ``rate(peak_lr)``; Muon's groups' momentum to ``muon_momentum`` if given."""
+    for opt in optimizers_of(optimizer):
+        for group in opt.param_groups:
+            group["lr"] = rate(group["peak_lr"])
+            if muon_momentum is not None and isinstance(opt, torch.optim.Muon):
+                group["momentum"] = muon_momentum
 
 
 def _parameter_order(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
@@ -61,28 +173,41 @@ def _parameter_order(model: nn.Module, optimizer: torch.optim.Optimizer) -> list
     return [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
 
 
-def named_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+def named_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer | OptimizerChain) -> dict:
     """``optimizer.state_dict()`` keyed by parameter name instead of position.
 
     This is the form FSDP's state-dict helpers use too, so a checkpoint's optimizer state reads
-    the same whether it was written by one process, DDP or FSDP, and can be resumed by any.
+    the same whether it was written by one process, DDP or FSDP, and can be resumed by any. A
+    chain's optimizers write their groups one after another, each group naming its parameters.
     """
-    sd = optimizer.state_dict()
-    order = _parameter_order(model, optimizer)
-    return {
-        "state": {order[i]: entry for i, entry in sd["state"].items()},
-        "param_groups": [{**g, "params": [order[i] for i in g["params"]]} for g in sd["param_groups"]],
-    }
+    state: dict[str, Any] = {}
+    groups: list[dict[str, Any]] = []
+    for opt in optimizers_of(optimizer):
+        sd = opt.state_dict()
+        order = _parameter_order(model, opt)
+        state.update({order[i]: entry for i, entry in sd["state"].items()})
+        groups += [{**g, "params": [order[i] for i in g["params"]]} for g in sd["param_groups"]]
+    return {"state": state, "param_groups": groups}
 
 
-def load_named_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+def load_named_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer | OptimizerChain,
+                               state: dict) -> None:
     """The inverse of `named_optimizer_state`: load name-keyed state into ``optimizer``."""
-    index = {name: i for i, name in enumerate(_parameter_order(model, optimizer))}
+    saved_groups = list(state["param_groups"])
     try:
-        optimizer.load_state_dict({
-            "state": {index[name]: entry for name, entry in state["state"].items()},
-            "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in state["param_groups"]],
-        })
+        for opt in optimizers_of(optimizer):
+            mine, saved_groups = saved_groups[:len(opt.param_groups)], saved_groups[len(opt.param_groups):]
+            index = {name: i for i, name in enumerate(_parameter_order(model, opt))}
+            names = [n for g in mine for n in g["params"]]
+            peaks = [g["peak_lr"] for g in opt.param_groups]  # the configuration's rates, not the saved ones
+            opt.load_state_dict({
+                "state": {index[n]: state["state"][n] for n in names if n in state["state"]},
+                "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in mine],
+            })
+            for group, peak in zip(opt.param_groups, peaks):
+                group["peak_lr"] = peak
+        if saved_groups:
+            raise ValueError(f"{len(saved_groups)} parameter groups more than this optimizer has")
     except (KeyError, ValueError) as e:
         raise TinyLMError(f"the saved optimizer state does not fit this model and optimizer ({e}); "
                           "resume with the run's own settings") from None

@@ -1,4 +1,4 @@
-"""The learning-rate schedule: linear warmup, then cosine or linear decay to a floor.
+"""The learning-rate schedule: linear warmup, then a decay to a floor (cosine, linear, or warmup-stable-decay).
 
 Steps are counted from 0; ``lr_at(step, ...)`` is the rate used by the optimizer step with that
 index. With peak ``lr``, floor ``min_lr``, ``warmup`` steps and ``total`` steps in all:
@@ -6,14 +6,24 @@ index. With peak ``lr``, floor ``min_lr``, ``warmup`` steps and ``total`` steps 
     warmup   step < warmup:   lr * (step + 1) / warmup          (reaches lr at step warmup - 1)
     decay    step >= warmup:  p = (step - warmup) / (total - 1 - warmup), in [0, 1]
              cosine:  min_lr + (lr - min_lr) * (1 + cos(pi p)) / 2
-             linear:  lr - (lr - min_lr) * p
+             linear:  lr - (lr - min_lr) * p                     (with min_lr = 0: linear decay to zero)
              constant: lr
+    wsd      warmup, then lr held ("stable") until the last ``fraction`` of all steps, over which
+             q = (step - start) / (total - 1 - start) runs from 0 to 1 (start = total - round(fraction * total),
+             never inside the warmup) and the rate falls to min_lr:
+             linear:  lr - (lr - min_lr) * q
+             1-sqrt:  min_lr + (lr - min_lr) * (1 - sqrt(q))
 
-so the decay starts at the peak on the first step after warmup and lands exactly on min_lr at
-the last step, total - 1. Why warm up: Adam's second-moment estimate is poor for the first
-steps, so full-size updates then can throw a fresh model far off; a few hundred steps of
-growing rates let the estimates settle. Why decay: near the end, smaller steps average out the
-noise of the mini-batch gradient and settle into a lower loss.
+so every decay starts at the peak and lands exactly on min_lr at the last step, total - 1. Why
+warm up: Adam's second-moment estimate is poor for the first steps, so full-size updates then can
+throw a fresh model far off; a few steps of growing rates let the estimates settle. Why decay:
+near the end, smaller steps average out the noise of the mini-batch gradient and settle into a
+lower loss. Why warmup-stable-decay (Hu et al., 2024, "MiniCPM"; Hägele et al., 2024): a high
+rate for longer makes faster progress, and a short final decay collects it; the stable phase does
+not depend on the run's length, so a run can be extended before its decay starts.
+
+`momentum_at` is Muon's momentum warm-up (modded-nanogpt's): from 0.85 up to its value over the
+first ``warmup`` steps, which damps the first, noisiest updates.
 """
 
 from __future__ import annotations
@@ -22,10 +32,13 @@ import math
 
 from tinylm.errors import TinyLMError
 
-DECAYS = ("cosine", "linear", "constant")
+DECAYS = ("cosine", "linear", "constant", "wsd")
+WSD_SHAPES = ("linear", "1-sqrt")
+MOMENTUM_START = 0.85
 
 
-def lr_at(step: int, *, lr: float, min_lr: float, warmup: int, total: int, decay: str = "cosine") -> float:
+def lr_at(step: int, *, lr: float, min_lr: float, warmup: int, total: int, decay: str = "cosine",
+          fraction: float = 0.2, shape: str = "linear") -> float:
     """The learning rate for optimizer step ``step`` (0-based) of ``total`` (see the module docstring)."""
     if decay not in DECAYS:
         raise TinyLMError(f"unknown decay {decay!r}; expected one of {', '.join(DECAYS)}")
@@ -33,8 +46,26 @@ def lr_at(step: int, *, lr: float, min_lr: float, warmup: int, total: int, decay
         return lr * (step + 1) / warmup
     if decay == "constant":
         return lr
+    if decay == "wsd":
+        if shape not in WSD_SHAPES:
+            raise TinyLMError(f"unknown decay shape {shape!r}; expected one of {', '.join(WSD_SHAPES)}")
+        start = max(total - round(fraction * total), warmup)
+        span = total - 1 - start
+        if step < start:
+            return lr
+        q = 1.0 if span <= 0 else min((step - start) / span, 1.0)
+        if shape == "1-sqrt":
+            return min_lr + (lr - min_lr) * (1.0 - math.sqrt(q))
+        return lr - (lr - min_lr) * q
     span = total - 1 - warmup
     progress = 1.0 if span <= 0 else min(max((step - warmup) / span, 0.0), 1.0)
     if decay == "linear":
         return lr - (lr - min_lr) * progress
     return min_lr + (lr - min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def momentum_at(step: int, *, momentum: float, warmup: int) -> float:
+    """Muon's momentum at ``step``: MOMENTUM_START rising linearly to ``momentum`` over ``warmup`` steps, then held."""
+    if warmup <= 0 or step >= warmup or momentum <= MOMENTUM_START:
+        return momentum
+    return MOMENTUM_START + (momentum - MOMENTUM_START) * step / warmup
