@@ -35,6 +35,9 @@ CONFIGS: dict[str, dict] = {
                       rope_theta=500.0),
     "llama-mha-bias-untied": dict(mlp="swiglu", norm="rmsnorm", positions="rope", bias=True, tie_embeddings=False,
                                   n_head=2, d_ff=80),
+    # the recipe's options that change only the starting weights export as they are
+    "llama-recipe-inits": dict(mlp="swiglu", norm="rmsnorm", positions="rope", bias=False, zero_init_projections=True,
+                               tie_embeddings=False, head_init_std=0.0),
 }
 
 

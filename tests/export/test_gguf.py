@@ -223,6 +223,10 @@ def test_export_run_writes_a_runs_model_as_gguf(tmp_path, tokenizer):
 def test_refusals(tmp_path, tokenizer):
     with pytest.raises(TinyLMError, match="positions = 'sinusoidal'"):
         export_gguf(tiny_model("gpt2", positions="sinusoidal"), tokenizer, tmp_path / "a.gguf")
+    for option, words in ((dict(qk_norm=True), "qk_norm = true"), (dict(logit_softcap=15.0), "logit_softcap = 15"),
+                          (dict(value_embed=True), "value_embed = true"), (dict(bigram_hash=8), "bigram_hash = 8")):
+        with pytest.raises(TinyLMError, match=f"{words} \\(neither"):
+            export_gguf(tiny_model("llama-gqa", **option), tokenizer, tmp_path / "a.gguf")
     char = CharTokenizer.train("abc")
     with pytest.raises(TinyLMError, match="a char tokenizer cannot go into a GGUF file"):
         export_gguf(tiny_model("gpt2", vocab_size=char.vocab_size), char, tmp_path / "b.gguf")

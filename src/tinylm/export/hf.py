@@ -154,7 +154,18 @@ def architecture_problems(config: GPTConfig) -> dict[Architecture, list[str]]:
         llama.append(f"mlp = {config.mlp!r} (Llama's MLP is 'swiglu')")
     if config.kv_heads != config.n_head:
         gpt2.append(f"n_kv_head = {config.kv_heads} (GPT-2 has no grouped-query attention: n_kv_head = n_head)")
-    return {"gpt2": gpt2, "llama": llama}
+    # the recipe's options that neither architecture has (zero-init projections and an untied head's
+    # init change only the starting weights, so they export)
+    unsupported = []
+    if config.qk_norm:
+        unsupported.append("qk_norm = true (neither normalizes q and k)")
+    if config.logit_softcap is not None:
+        unsupported.append(f"logit_softcap = {config.logit_softcap:g} (neither caps its logits)")
+    if config.value_embed:
+        unsupported.append("value_embed = true (neither has value embeddings)")
+    if config.bigram_hash:
+        unsupported.append(f"bigram_hash = {config.bigram_hash} (neither has a bigram-hash embedding)")
+    return {"gpt2": gpt2 + unsupported, "llama": llama + unsupported}
 
 
 def architecture_for(config: GPTConfig) -> Architecture:
