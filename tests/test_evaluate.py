@@ -10,8 +10,9 @@ import torch
 from torch import nn
 
 from tinylm.data import load_corpus, prepare
-from tinylm.evaluate import evaluate, restrict, window_starts
-from tinylm.model import GPT, GPTConfig
+from tinylm.errors import TinyLMError
+from tinylm.evaluate import evaluate, evaluate_model, evaluate_tokens, restrict, split_text, window_starts
+from tinylm.model import GPT, GPTConfig, NGramLM, NGramModel, build_model
 from tinylm.tokenizers import CharTokenizer
 
 TEXT = ("Now is the winter of our discontent\nMade glorious summer by this sun of York;\n" * 3).strip()
@@ -88,3 +89,110 @@ def test_a_budget_evaluates_evenly_spaced_windows_and_prorates_the_bytes(shards)
     same = restrict(whole, starts, meta["tokens"], meta["bytes"])
     assert same.loss_sum == pytest.approx(part.loss_sum, rel=1e-9) and same.bytes == pytest.approx(part.bytes)
     assert window_starts(n, 8, 10 * n).tolist() == list(range(0, n, 8))  # a budget above the split: all of it
+
+
+# ----- sliding windows ---------------------------------------------------------------------------
+
+
+def tiny_network(family: str, vocab_size: int, block_size: int) -> nn.Module:
+    torch.manual_seed(0)
+    config = GPTConfig(family=family, vocab_size=vocab_size, block_size=block_size, n_layer=1, d_model=16,
+                       n_head=2)
+    return build_model(config).eval()
+
+
+@torch.no_grad()
+def sliding_by_hand(model: nn.Module, data: np.ndarray, eos: int, block_size: int, stride: int) -> dict[int, float]:
+    """-log p of every target, window by window, from the definition: target t is scored by the first window
+    that holds it, window j holding targets j*stride .. j*stride + block_size - 1, and it is predicted from
+    that window's tokens up to it (an EOS before the first token of the split)."""
+    stream = np.concatenate(([eos], data))  # stream[t] is the token just before target t
+    sums: dict[int, float] = {}
+    for t in range(len(data)):
+        j = max(0, math.ceil((t - block_size + 1) / stride))  # the first window with j*stride + block_size > t
+        start = j * stride
+        assert start <= t < start + block_size and t - start + 1 >= min(t + 1, block_size - stride + 1)
+        x = torch.tensor(stream[start : t + 1]).unsqueeze(0)  # (1, t - start + 1)
+        out = model(x)
+        logits = out[0] if isinstance(out, tuple) else out  # (1, T, |V|)
+        logp = torch.log_softmax(logits[0, -1].double(), dim=-1)
+        sums[start] = sums.get(start, 0.0) - float(logp[data[t]])
+    return sums
+
+
+@pytest.mark.parametrize("family", ["gpt", "lstm", "rnn"])
+@pytest.mark.parametrize("block_size,stride", [(8, 3), (8, 1), (8, 7), (5, 5)])
+def test_sliding_windows_score_each_target_as_a_loop_over_its_window_does(shards, family, block_size, stride):
+    model = tiny_network(family, shards.vocab_size, block_size)
+    data = np.asarray(shards.tokens("val"), dtype=np.int64)[:29]  # short: 29 is no multiple of any stride here
+    result = evaluate_tokens(model, data, 100, shards.eos_id, block_size=block_size, stride=stride, batch_size=2)
+    expected = sliding_by_hand(model, data, shards.eos_id, block_size, stride)
+    assert result.window_starts.tolist() == sorted(expected)
+    torch.testing.assert_close(torch.from_numpy(result.window_losses),
+                               torch.tensor(list(expected.values()), dtype=torch.float64), rtol=1e-5, atol=1e-5)
+    assert result.tokens == len(data) and not result.prorated
+    assert result.window_tokens[0] == block_size and (result.window_tokens[1:-1] == stride).all()
+
+
+def test_stride_block_size_is_the_disjoint_evaluation_bit_for_bit(shards):
+    model = tiny_network("gpt", shards.vocab_size, 16)
+    for max_tokens in (0, 40):  # all of it (with the short tail window), and a budget
+        default = evaluate(model, shards, "val", block_size=16, batch_size=3, max_tokens=max_tokens)
+        same = evaluate(model, shards, "val", block_size=16, batch_size=3, max_tokens=max_tokens, stride=16)
+        assert same.loss_sum == default.loss_sum and same.bits_per_byte == default.bits_per_byte
+        for field in ("window_starts", "window_losses", "window_tokens"):
+            assert np.array_equal(getattr(same, field), getattr(default, field))
+        assert {**same.report(), "seconds": 0} == {**default.report(), "seconds": 0}
+        assert default.report()["windows"] == "disjoint" and default.report()["stride"] == 16
+
+
+def test_any_stride_scores_every_target_once(shards):
+    # a model that ignores its context gives each target the same -log p whatever window it is read in, so
+    # the sum over the split is the same for every stride only if every target is scored exactly once
+    model = Unigram(shards.vocab_size)
+    data = np.asarray(shards.tokens("val"), dtype=np.int64)
+    logp = torch.log_softmax(model.logits.detach().double(), dim=-1).numpy()
+    meta = shards.meta["splits"]["val"]
+    for block_size in (16, 7, len(data), len(data) + 5):
+        for stride in sorted({1, 2, 5, block_size - 1, block_size} - {0}):
+            result = evaluate(model, shards, "val", block_size=block_size, batch_size=4, stride=stride)
+            assert result.tokens == int(result.window_tokens.sum()) == len(data) == meta["tokens"]
+            assert result.loss_sum == pytest.approx(-logp[data].sum(), rel=1e-6)
+            assert not result.prorated and result.bytes == meta["bytes"]  # each target's bytes counted once
+            assert result.windows == ("disjoint" if stride == block_size else "sliding")
+
+
+def test_the_stride_is_checked_against_the_block_size(shards):
+    model = Unigram(shards.vocab_size)
+    for stride in (0, -3, 17):
+        with pytest.raises(TinyLMError, match=rf"stride {stride} is out of range: give 1 to 16, the block_size"):
+            evaluate(model, shards, "val", block_size=16, stride=stride)
+
+
+def test_a_budget_with_a_stride_takes_evenly_spaced_windows_of_stride_targets(shards):
+    model = tiny_network("gpt", shards.vocab_size, 8)
+    meta = shards.meta["splits"]["val"]
+    n = meta["tokens"]
+    starts = window_starts(n, 8, 30, stride=3)
+    assert len(starts) == 10 and starts[0] == 3 and (starts % 3 == 0).all() and (starts + 8 <= n).all()
+    part = evaluate(model, shards, "val", block_size=8, batch_size=4, max_tokens=30, stride=3)
+    assert part.prorated and part.tokens == 30 and (part.window_tokens == 3).all()
+    assert part.bytes == pytest.approx(meta["bytes"] * 30 / n)
+    whole = evaluate(model, shards, "val", block_size=8, batch_size=4, stride=3)
+    same = restrict(whole, starts, n, meta["bytes"])
+    assert same.loss_sum == pytest.approx(part.loss_sum, rel=1e-6) and same.tokens == 30
+    # a split too short for a window of stride targets: the budget can only take all of it
+    assert window_starts(10, 8, 4, stride=3).tolist() == [0, 3] and window_starts(5, 8, 3).tolist() == [0]
+
+
+def test_an_ngram_model_is_scored_the_same_whatever_the_stride(shards):
+    ngram = NGramModel.fit_shards(shards, 3)
+    model = NGramLM(ngram, GPTConfig(family="ngram", vocab_size=ngram.vocab_size, block_size=16, order=3))
+    text, tok = split_text(shards, "val"), shards.tokenizer()
+    default = evaluate_model(model, text, tok, block_size=16)
+    for stride in (1, 16, 1000):  # no windows: not bounded by a block_size either
+        result = evaluate_model(model, text, tok, block_size=16, stride=stride)
+        assert result.loss_sum == default.loss_sum and result.tokens == default.tokens
+        assert result.report()["windows"] == "none" and result.report()["stride"] is None
+    with pytest.raises(TinyLMError, match="stride 0 is out of range: give a positive integer"):
+        evaluate_model(model, text, tok, block_size=16, stride=0)

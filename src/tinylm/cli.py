@@ -11,6 +11,7 @@ stderr with exit status 2 and no traceback; so is a bad flag value.
     tinylm train                                   # the tiny preset on Shakespeare, into runs/tiny-shakespeare
     tinylm train --preset tiny --max-steps 200 --lr 2e-3 --out runs/quick
     tinylm eval runs/quick
+    tinylm eval runs/quick --stride 64             # sliding windows: more context for every target
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ def _number(kind: type, what: str, ok: Callable[[float], bool]) -> Callable[[str
 
 
 _positive_int = _number(int, "a positive integer", lambda v: v >= 1)
+_integer = _number(int, "an integer", lambda v: True)  # a range the library checks (it knows the bounds)
 _nonneg_float = _number(float, "a number >= 0", lambda v: v >= 0)
 _probability = _number(float, "a number between 0 and 1", lambda v: 0.0 <= v <= 1.0)
 _fraction = _number(float, "a number strictly between 0 and 1", lambda v: 0.0 < v < 1.0)
@@ -504,15 +506,15 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.corpus and args.split != "val":
         raise TinyLMError("--split picks a split of the run's shards; --corpus evaluates on a whole corpus instead")
     result = evaluate_run(run, args.split, checkpoint=args.checkpoint, max_tokens=args.tokens or 0,
-                          batch_size=args.batch_size, data_dir=args.data_dir, corpus=_load_corpus(args),
-                          tokenizer=args.tokenizer, device=args.device)
+                          stride=args.stride, batch_size=args.batch_size, data_dir=args.data_dir,
+                          corpus=_load_corpus(args), tokenizer=args.tokenizer, device=args.device)
     if args.json:
         print(json.dumps({"run": str(run), **result.report()}))
         return 0
     scope = "bytes prorated from a subset" if result.prorated else "all of it"
     where = f"the corpus {args.corpus}" if args.corpus else f"the {args.split} split"
-    print(f"{run} on {where}: loss {result.loss:.4f} nats per token, perplexity {result.perplexity:.2f}, "
-          f"{result.bits_per_byte:.4f} bits per byte")
+    print(f"{run} on {where} ({result.describe_windows()}): loss {result.loss:.4f} nats per token, "
+          f"perplexity {result.perplexity:.2f}, {result.bits_per_byte:.4f} bits per byte")
     print(f"  {result.tokens:,} tokens, {result.bytes:,.0f} bytes ({scope}), {result.seconds:.1f} s")
     if result.unknown_tokens:
         print(f"  {result.unknown_tokens:,} of the tokens are <unk>, standing for {result.unknown_bytes:,.0f} bytes the "
@@ -527,7 +529,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         raise TinyLMError("--split picks a split of each run's shards; --corpus evaluates on a whole corpus instead")
     check_plot_path(args.plot)
     rows = compare_runs(args.runs, split=args.split, corpus=_load_corpus(args), max_tokens=args.tokens or 0,
-                        device=args.device)
+                        stride=args.stride, device=args.device)
     chart = plot_comparison(rows, args.plot)
     if args.json:
         print(json.dumps({"chart": str(chart), "runs": [
@@ -587,6 +589,14 @@ def _show_help(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace]
 
 
 # ----- the parser -------------------------------------------------------------------------------
+
+
+STRIDE_HELP = (
+    "sliding windows: a window of block_size tokens every S tokens, scoring only the targets no window before it "
+    "scored (1 <= S <= block_size), so each target is scored once with at least block_size - S + 1 tokens of "
+    "context; costs about block_size / S times more (default: disjoint windows, the same as S = block_size). An "
+    "LSTM or RNN restarts its state in each window, so it gains context too; an n-gram model reads its own "
+    "context whatever S. With --tokens: evenly spaced windows of S scored targets each")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -714,7 +724,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("eval", help="loss, perplexity and bits per byte of a trained run (any model family)",
                        description="Evaluate a trained run (Transformer, LSTM, RNN or n-gram) on a split of the "
                        "token shards it was trained on, or on any corpus: mean loss per token, perplexity, bits per "
-                       "byte of the original text, the tokens and bytes counted, and the time it took.")
+                       "byte of the original text, the tokens and bytes counted, and the time it took. A network "
+                       "reads the text in disjoint windows of its block_size unless --stride slides them.")
     p.add_argument("run", nargs="?", help=argparse.SUPPRESS)
     p.add_argument("--run", dest="run_flag", metavar="DIR",
                    help="the run folder (e.g. runs/tiny-shakespeare), or an n-gram model file (.npz)")
@@ -725,6 +736,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", help="for an n-gram .npz file: the tokenizer JSON it was counted with")
     p.add_argument("--tokens", type=_positive_int, help="evaluate evenly spaced windows of about this many tokens "
                    "(default: the whole split; an n-gram model always scores all of it, in seconds)")
+    p.add_argument("--stride", type=_integer, metavar="S", help=STRIDE_HELP)
     p.add_argument("--batch-size", type=_positive_int, help="sequences per batch (default: the run's batch_size)")
     p.add_argument("--data-dir", help="the run's shard folder, if it has moved since training")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps (default: cpu)")
@@ -741,6 +753,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_corpus_flags(p, default=None, what="evaluate every run on this corpus instead of its split:")
     p.add_argument("--tokens", type=_positive_int, help="evaluate about this many tokens per network "
                    "(default: all; n-gram models always score all)")
+    p.add_argument("--stride", type=_integer, metavar="S", help=STRIDE_HELP)
     p.add_argument("--plot", default="compare.png", metavar="PATH", help="the bar chart (default: compare.png)")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps (default: cpu)")
     p.add_argument("--json", action="store_true", help="print the table as JSON, best first (the chart is still "

@@ -12,9 +12,14 @@ text alone (a hash of each document), so runs trained on the same corpus with th
 the byte counts agree and says so when they do not. ``--corpus`` evaluates every run on one
 given text instead (tokenized with each run's own tokenizer).
 
+How the networks read it: in disjoint windows of each run's block_size by default, or in sliding
+windows with ``stride`` (`tinylm.evaluate`: more context per target, usually a lower loss for the
+same model); the table and the chart say which. An n-gram model reads its own context either way.
+
 Usage::
 
     rows = compare_runs(["runs/ngram", "runs/lstm", "runs/tiny"])
+    rows = compare_runs(["runs/lstm", "runs/tiny"], stride=64)     # sliding windows
     print(format_table(rows)); plot_comparison(rows, "compare.png")
 """
 
@@ -28,7 +33,7 @@ from pathlib import Path
 
 from tinylm.data.corpora import Corpus
 from tinylm.errors import TinyLMError
-from tinylm.evaluate import EvalResult, corpus_text, evaluate_model, split_text
+from tinylm.evaluate import EvalResult, check_stride, corpus_text, evaluate_model, split_text, window_size
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -50,17 +55,22 @@ def compare_runs(
     split: str = "val",
     corpus: str | Corpus | None = None,
     max_tokens: int = 0,
+    stride: int | None = None,
     device: str = "cpu",
 ) -> list[Compared]:
-    """Evaluate every run (`tinylm.run.load_run`) on its ``split``, or all on ``corpus``."""
+    """Evaluate every run (`tinylm.run.load_run`) on its ``split``, or all on ``corpus``; ``stride``: sliding
+    windows for every network (1..its block_size; None: disjoint windows)."""
     from tinylm.data.shards import ShardSet
     from tinylm.run import load_run
 
     if not runs:
         raise TinyLMError("give at least one run folder to compare")
+    names = run_labels(runs)
+    loaded = [load_run(path, device=device) for path in runs]  # every run and stride checked before any work
+    for run, name in zip(loaded, names):
+        check_stride(stride, window_size(run.model, run.config.model.block_size), f" of {name}")
     rows = []
-    for path, name in zip(runs, run_labels(runs)):
-        run = load_run(path, device=device)
+    for path, name, run in zip(runs, names, loaded):
         if corpus is not None:
             text = corpus_text(corpus, run.tokenizer)
         else:
@@ -70,7 +80,8 @@ def compare_runs(
                                   "--corpus, or prepare the data again")
             text = split_text(ShardSet.open(folder), split)
         result = evaluate_model(run.model, text, run.tokenizer, block_size=run.config.model.block_size,
-                                batch_size=run.config.train.batch_size, max_tokens=max_tokens, device=device)
+                                batch_size=run.config.train.batch_size, max_tokens=max_tokens, stride=stride,
+                                device=device)
         rows.append(Compared(name, run.family, _size(run.model),
                              f"{run.tokenizer.kind} |V|={run.tokenizer.vocab_size}", result))
     return rows
@@ -108,6 +119,31 @@ def same_text(rows: Sequence[Compared]) -> bool:
     return len({round(r.result.bytes) for r in rows if not r.result.prorated}) <= 1
 
 
+def windows_label(rows: Sequence[Compared]) -> str:
+    """How the networks among ``rows`` read the text, for the chart's title: "disjoint windows", "sliding
+    windows, stride 8", or "no windows" when all are n-gram models."""
+    kinds = sorted({"disjoint windows" if r.result.windows == "disjoint"
+                    else f"sliding windows, stride {r.result.stride}" for r in rows if r.result.windows != "none"})
+    return " and ".join(kinds) if kinds else "no windows"
+
+
+def _windows_line(rows: Sequence[Compared]) -> str:
+    """The table's line saying how the text was read (the chart's title says it shortly)."""
+    label = windows_label(rows)
+    ngram = "; n-gram models read their own context" if any(r.result.windows == "none" for r in rows) else ""
+    if label == "no windows":
+        return "windows: none (n-gram models read their own context)"
+    if label == "disjoint windows":
+        return ("windows: disjoint, each network's block_size long (a target sees only the tokens before it in its "
+                f"own window){ngram}")
+    if " and " not in label:
+        stride = next(r.result.stride for r in rows if r.result.windows == "sliding")
+        least = "block_size" if stride == 1 else f"block_size - {stride - 1}"
+        return (f"windows: sliding, each network's block_size long, stride {stride} (every target scored once, "
+                f"with at least {least} tokens of context after the first window){ngram}")
+    return f"windows: {label}: these rows were not evaluated the same way{ngram}"
+
+
 def format_table(rows: Sequence[Compared]) -> str:
     """The comparison as a plain-text table, best bits per byte first."""
     header = ("run", "family", "size", "tokenizer", "tokens", "bytes", "loss/token", "perplexity", "bits/byte",
@@ -121,6 +157,7 @@ def format_table(rows: Sequence[Compared]) -> str:
     out = ["  ".join(c.ljust(w) if i < 4 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths)))
            for line in lines]
     out.insert(1, "  ".join("-" * w for w in widths))
+    out.append(_windows_line(rows))
     if not same_text(rows):
         out.append("note: these models were evaluated on texts of different sizes (their validation splits "
                    "differ); use --corpus to evaluate all of them on one text")
@@ -160,4 +197,4 @@ def plot_comparison(rows: Sequence[Compared], path: str | os.PathLike) -> Path:
     if text in ("val", "train"):
         text = f"the {text} split" if same_text(rows) else f"each run's own {text} split (they differ)"
     return plot_bits_per_byte(labels, [r.result.bits_per_byte for r in rows], path,
-                              title=f"bits per byte on {text}")
+                              title=f"bits per byte on {text} ({windows_label(rows)})")

@@ -30,9 +30,23 @@ same way, its state starting from zero in each window: that is how it was traine
 windows of ``block_size``), and it puts every network on the same footing. An n-gram model is scored by its own vectorised scorer instead, its context
 restarting after each EOS as in counting.
 
+Sliding windows (``stride`` S, 1 <= S <= block_size; Hugging Face's "Perplexity of fixed-length
+models"). In disjoint windows a target early in its window sees few tokens, so the loss is higher
+than the model's with its whole context. With a stride, window j holds the targets j*S up to
+min(j*S + block_size, N) - 1 (so windows overlap by block_size - S), but scores only those no
+window before it has scored: window 0 all of them, every later one its last S (the last window
+fewer). The targets already scored are masked with -100, as in the guide. Every target is still
+scored exactly once, with block_size - S + 1 to block_size tokens of context (counting the one
+just before it; fewer only in window 0, which starts the split). S = block_size is the disjoint
+evaluation exactly; S = 1 gives every target after window 0 a full window of context, at
+block_size times the cost. An LSTM or RNN restarts its state at each window too, so it also gets the longer
+context. An n-gram model has no windows: any stride scores it the same (the result says "none").
+
 A budget (``max_tokens``) evaluates evenly spaced windows instead of all of them, which is what
-training does every few hundred steps. The bytes are then prorated, B * (tokens evaluated / N),
-since only the whole split has a known byte count; the result says so (``EvalResult.prorated``).
+training does every few hundred steps; with a stride, evenly spaced ones among the windows that
+score S targets each (not window 0, which scores all of its own). The bytes are then prorated,
+B * (tokens evaluated / N), since only the whole split has a known byte count; the result says so
+(``EvalResult.prorated``).
 
 Under ``torchrun`` every process evaluates its share of the windows and the sums are added up
 across processes, so each gets the same result.
@@ -41,6 +55,7 @@ Usage::
 
     result = evaluate(model, shards, "val", block_size=256, batch_size=32)
     print(result.loss, result.perplexity, result.bits_per_byte)
+    result = evaluate(model, shards, "val", block_size=256, stride=64)   # sliding windows
     result = evaluate_run("runs/tiny-shakespeare")          # a trained run, on its own data
 """
 
@@ -63,13 +78,15 @@ from torch import Tensor
 from tinylm.data.corpora import Corpus, load_corpus
 from tinylm.data.shards import ShardSet
 from tinylm.errors import TinyLMError
+from tinylm.model import IGNORE_INDEX, NGramLM
 from tinylm.run import load_run
 from tinylm.tokenizers.base import Tokenizer
 
 
 @dataclass
 class EvalResult:
-    """Sums and their ratios for one evaluation; ``window_losses`` are the per-window sums (nats)."""
+    """Sums and their ratios for one evaluation; ``window_losses`` are the per-window sums (nats) over the
+    ``window_tokens`` targets each window scored."""
 
     split: str
     loss_sum: float  # total -log p over every target, in nats
@@ -82,6 +99,8 @@ class EvalResult:
     seconds: float = 0.0  # how long the evaluation took
     unknown_tokens: int = 0  # <unk> targets among them
     unknown_bytes: float = 0.0  # the bytes those stand for, charged 8 bits each (prorated like bytes)
+    block_size: int | None = None  # the windows' length; None: no windows (an n-gram model)
+    stride: int | None = None  # targets from one window's start to the next; block_size: disjoint windows
 
     @property
     def loss(self) -> float:
@@ -97,6 +116,21 @@ class EvalResult:
         """(loss_sum / ln 2 + 8 x unknown_bytes) / bytes: the text's code length per byte (module docstring)."""
         return (self.loss_sum / math.log(2) + 8 * self.unknown_bytes) / self.bytes
 
+    @property
+    def windows(self) -> str:
+        """How the text was cut: "disjoint" windows, "sliding" ones (stride < block_size), or "none" (n-gram)."""
+        if self.block_size is None:
+            return "none"
+        return "disjoint" if self.stride == self.block_size else "sliding"
+
+    def describe_windows(self) -> str:
+        """The windows in words, for a report: "sliding windows of 32 tokens, stride 8"."""
+        if self.windows == "none":
+            return "an n-gram's own context, no windows"
+        if self.windows == "disjoint":
+            return f"disjoint windows of {self.block_size} tokens"
+        return f"sliding windows of {self.block_size} tokens, stride {self.stride}"
+
     def report(self) -> dict[str, Any]:
         """Everything `tinylm eval --json` prints; an infinite loss is the string "inf" (JSON has no infinity)."""
         def number(x: float) -> float | str:
@@ -107,6 +141,7 @@ class EvalResult:
                 "bytes": self.bytes if self.prorated else round(self.bytes),  # a count, unless prorated
                 "prorated": self.prorated, "unknown_tokens": self.unknown_tokens,
                 "unknown_bytes": self.unknown_bytes if self.prorated else round(self.unknown_bytes),
+                "windows": self.windows, "block_size": self.block_size, "stride": self.stride,
                 "seconds": self.seconds}
 
     def as_dict(self, prefix: str = "val_") -> dict[str, float | int | bool]:
@@ -129,19 +164,63 @@ def unknown_pieces(tokens: np.ndarray, n_bytes: int, tokenizer: Tokenizer | None
     return n_unk, max(int(n_bytes) - int(lengths[tokens].sum()), 0)
 
 
-def window_starts(n_tokens: int, block_size: int, max_tokens: int = 0) -> np.ndarray:
+def check_stride(stride: int | None, block_size: int | None, whose: str = "") -> int | None:
+    """The step between window starts: ``block_size`` (disjoint windows) for None, else ``stride``, which must be
+    1..block_size. ``block_size`` None is a model without windows (an n-gram): any positive stride is accepted
+    and none is used. ``whose`` names the run in the error ("of runs/quick")."""
+    if block_size is None:
+        if stride is not None and stride < 1:
+            raise TinyLMError(f"stride {stride} is out of range: give a positive integer (an n-gram model{whose} "
+                              "has no windows, so every stride scores it the same)")
+        return None
+    if stride is None:
+        return block_size
+    if not (isinstance(stride, (int, np.integer)) and 1 <= stride <= block_size):
+        raise TinyLMError(f"stride {stride} is out of range: give 1 to {block_size}, the block_size{whose} "
+                          f"(stride {block_size} is disjoint windows)")
+    return int(stride)
+
+
+def window_size(model: object, block_size: int) -> int | None:
+    """The length of the windows ``model`` is evaluated in: ``block_size``, or None for an n-gram model."""
+    return None if isinstance(model, NGramLM) else block_size
+
+
+def window_starts(n_tokens: int, block_size: int, max_tokens: int = 0, *, stride: int | None = None) -> np.ndarray:
     """First target index of each window to evaluate: all of them, or evenly spaced ones within a budget.
 
-    Windows start at multiples of ``block_size``; the last covers the remainder. With ``max_tokens``
-    > 0 and fewer tokens than the split, ceil(max_tokens / block_size) full windows spread evenly
-    over the split are chosen (always the same ones for the same split and sizes).
+    Windows start at multiples of ``stride`` (default ``block_size``: disjoint windows) and hold up to
+    ``block_size`` targets; the last one reaches the end of the split (see `window_spans` for what each
+    scores). With ``max_tokens`` > 0 and fewer tokens than the split, ceil(max_tokens / stride) of the
+    windows that score exactly ``stride`` targets are chosen, spread evenly over the split (always the
+    same ones for the same split and sizes): the full windows, less window 0 of a sliding evaluation
+    (it scores all block_size of its targets, most with less context than the others).
     """
-    starts = np.arange(0, n_tokens, block_size)
+    stride = check_stride(stride, block_size)
+    # window j ends at min(j*S + block_size, n): the last one is the first to reach the end
+    starts = stride * np.arange(math.ceil(max(n_tokens - block_size, 0) / stride) + 1)
     if max_tokens <= 0 or max_tokens >= n_tokens:
         return starts
-    n_full = n_tokens // block_size  # only full windows in a subset, so every window has block_size targets
-    wanted = min(math.ceil(max_tokens / block_size), n_full)
-    return starts[np.unique(np.linspace(0, n_full - 1, wanted).round().astype(np.int64))]
+    even = np.flatnonzero((starts + block_size <= n_tokens) & ((starts > 0) | (stride == block_size)))
+    if len(even) == 0:  # a split shorter than one window (plus a stride): all of it is the only sample
+        return starts
+    wanted = min(math.ceil(max_tokens / stride), len(even))
+    return starts[even[np.unique(np.linspace(0, len(even) - 1, wanted).round().astype(np.int64))]]
+
+
+def window_spans(starts: np.ndarray, n_tokens: int, block_size: int, stride: int | None = None
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """For windows starting at ``starts`` (`window_starts`): how many targets each holds, and how many of its
+    first targets it skips because the window before it scored them.
+
+    Window j (start j*S) holds the targets j*S .. min(j*S + block_size, n) - 1; window j - 1 ended at
+    (j-1)*S + block_size, so the first block_size - S are already scored, and window 0 skips none. The
+    windows' scored targets then tile the split: every target once.
+    """
+    stride = check_stride(stride, block_size)
+    lengths = np.minimum(block_size, n_tokens - starts)
+    skips = np.where(starts == 0, 0, block_size - stride)
+    return lengths, skips
 
 
 def _window(data: np.ndarray, start: int, length: int, context: int) -> tuple[np.ndarray, np.ndarray]:
@@ -180,6 +259,7 @@ def evaluate_tokens(
     split: str = "val",
     batch_size: int = 32,
     max_tokens: int = 0,
+    stride: int | None = None,
     device: torch.device | str = "cpu",
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     rank: int = 0,
@@ -192,6 +272,9 @@ def evaluate_tokens(
     stands for ``split_bytes`` UTF-8 bytes of text. ``model(x)`` takes token ids (B, T) and
     returns logits (B, T, |V|), or a tuple whose first element is the logits (as `GPT` does).
     ``max_tokens`` > 0 evaluates evenly spaced windows within that budget instead of everything.
+    ``stride`` (1..block_size) evaluates in sliding windows that start every ``stride`` targets, each
+    target scored once with at least block_size - stride + 1 tokens of context; None (or block_size)
+    is disjoint windows.
     ``autocast`` is a context manager factory for mixed precision. With ``world_size`` > 1
     (inside an initialised process group) each process takes every world_size-th batch and the
     sums are all-reduced. ``tokenizer`` (the stream's) lets bits per byte charge ``<unk>`` tokens
@@ -204,8 +287,9 @@ def evaluate_tokens(
     n_tokens = len(data)
     if n_tokens == 0:
         raise TinyLMError("there are no tokens to evaluate")
-    starts = window_starts(n_tokens, block_size, max_tokens)
-    lengths = np.minimum(block_size, n_tokens - starts)
+    stride = check_stride(stride, block_size)
+    starts = window_starts(n_tokens, block_size, max_tokens, stride=stride)
+    lengths, skips = window_spans(starts, n_tokens, block_size, stride)
     # full windows in batches, the one short tail window (if evaluated) as a batch of its own
     full = np.flatnonzero(lengths == block_size)
     batches = [full[i : i + batch_size] for i in range(0, len(full), batch_size)]
@@ -225,11 +309,15 @@ def evaluate_tokens(
             index = batches[b if keep else 0]
             pairs = [_window(data, int(starts[i]), int(lengths[i]), context) for i in index]
             x = torch.from_numpy(np.stack([p[0] for p in pairs])).to(device)  # (B, T)
-            y = torch.from_numpy(np.stack([p[1] for p in pairs])).to(device)  # (B, T)
+            y = np.stack([p[1] for p in pairs])  # (B, T)
+            for row, i in enumerate(index):
+                y[row, : skips[i]] = IGNORE_INDEX  # scored by the window before (sliding windows only)
+            y = torch.from_numpy(y).to(device)  # (B, T)
             with autocast():
                 out = model(x)
             logits = out[0] if isinstance(out, tuple) else out  # (B, T, |V|)
-            nll = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="none")  # (B*T,)
+            nll = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=IGNORE_INDEX,
+                                  reduction="none")  # (B*T,), 0 where masked
             if keep:
                 losses[torch.from_numpy(index).to(device)] = nll.view(len(index), -1).double().sum(dim=1)
     finally:
@@ -240,14 +328,15 @@ def evaluate_tokens(
 
         dist.all_reduce(losses)  # each window was filled in by exactly one process, zeros elsewhere
     window_losses = losses.cpu().numpy()
-    tokens = int(lengths.sum())
+    scored = (lengths - skips).astype(np.int64)  # targets per window
+    tokens = int(scored.sum())
     prorated = tokens != n_tokens
     n_bytes = split_bytes * tokens / n_tokens if prorated else float(split_bytes)
     n_unk, unk_bytes = unknown_pieces(data, split_bytes, tokenizer)
     share = tokens / n_tokens
     return EvalResult(split, float(window_losses.sum()), tokens, n_bytes, prorated,
-                      starts, window_losses, lengths.astype(np.int64), time.perf_counter() - started,
-                      round(n_unk * share), unk_bytes * share)
+                      starts, window_losses, scored, time.perf_counter() - started,
+                      round(n_unk * share), unk_bytes * share, block_size, stride)
 
 
 def restrict(result: EvalResult, starts: np.ndarray, n_split_tokens: int, split_bytes: int) -> EvalResult:
@@ -261,7 +350,8 @@ def restrict(result: EvalResult, starts: np.ndarray, n_split_tokens: int, split_
     share = tokens / result.tokens  # the unknown pieces, prorated like the bytes
     return EvalResult(result.split, float(result.window_losses[keep].sum()), tokens, n_bytes, prorated,
                       result.window_starts[keep], result.window_losses[keep], result.window_tokens[keep],
-                      result.seconds, round(result.unknown_tokens * share), result.unknown_bytes * share)
+                      result.seconds, round(result.unknown_tokens * share), result.unknown_bytes * share,
+                      result.block_size, result.stride)
 
 
 @dataclass
@@ -300,15 +390,16 @@ def evaluate_model(
     block_size: int,
     batch_size: int = 32,
     max_tokens: int = 0,
+    stride: int | None = None,
     device: str = "cpu",
 ) -> EvalResult:
     """Evaluate any family: a network (`GPT`, `RecurrentLM`) by windows, an n-gram (`NGramLM`) by its own scorer.
 
     The n-gram model scores the whole text in a few vectorised passes, its context restarting
-    after each EOS as in counting (``max_tokens`` does not apply: it is fast enough for all of it).
+    after each EOS as in counting (``max_tokens`` does not apply: it is fast enough for all of it;
+    ``stride`` changes nothing, every target already has its whole n-gram context).
     """
-    from tinylm.model import NGramLM
-
+    check_stride(stride, window_size(model, block_size))
     if len(text.tokens) == 0:
         raise TinyLMError(f"the {text.name} text is empty: there is nothing to evaluate")
     if isinstance(model, NGramLM):
@@ -319,7 +410,8 @@ def evaluate_model(
         return EvalResult(text.name, result.loss_sum, n, float(text.bytes), False, np.zeros(1, dtype=np.int64),
                           np.array([result.loss_sum]), np.array([n]), time.perf_counter() - started, n_unk, unk_bytes)
     return evaluate_tokens(model, text.tokens, text.bytes, tokenizer.eos_id, split=text.name, block_size=block_size,
-                           batch_size=batch_size, max_tokens=max_tokens, device=device, tokenizer=tokenizer)
+                           batch_size=batch_size, max_tokens=max_tokens, stride=stride, device=device,
+                           tokenizer=tokenizer)
 
 
 def evaluate_run(
@@ -328,6 +420,7 @@ def evaluate_run(
     *,
     checkpoint: str = "best",
     max_tokens: int = 0,
+    stride: int | None = None,
     batch_size: int | None = None,
     data_dir: str | None = None,
     corpus: str | Corpus | None = None,
@@ -340,7 +433,8 @@ def evaluate_run(
     have been made with the run's tokenizer), or on any ``corpus`` (a name or path, as for
     training, or a `Corpus` from `tinylm.data.load_corpus` to choose its glob, JSONL field and
     UTF-8 error policy), tokenized with the run's tokenizer. A bare n-gram file has no tokenizer of its
-    own: give ``data_dir`` (its shards carry one) or ``tokenizer`` (a tokenizer JSON file).
+    own: give ``data_dir`` (its shards carry one) or ``tokenizer`` (a tokenizer JSON file). ``stride``:
+    sliding windows, 1..the run's block_size (`evaluate_tokens`); None is disjoint windows.
     """
     path = Path(run_dir)
     if path.is_file() and path.suffix != ".npz":
@@ -357,6 +451,7 @@ def evaluate_run(
         model, tok = run.model, run.tokenizer
         block_size, batch = run.config.model.block_size, run.config.train.batch_size
         recorded = run.info.get("data", {}).get("dir")
+    check_stride(stride, window_size(model, block_size), f" of {run_dir}")  # before the text is read
     if corpus is not None:
         text = corpus_text(corpus, tok)
     else:
@@ -373,7 +468,7 @@ def evaluate_run(
                               "give the run's own data folder, or evaluate on a corpus with --corpus")
         text = split_text(shards, split)
     return evaluate_model(model, text, tok, block_size=block_size, batch_size=batch_size or batch,
-                          max_tokens=max_tokens, device=device)
+                          max_tokens=max_tokens, stride=stride, device=device)
 
 
 def _ngram_file(path: Path, data_dir: str | None, tokenizer: str | None):

@@ -11,6 +11,7 @@ import pytest
 import torch
 from trainkit import cli_flags, run_cli, tiny_config
 
+from tinylm.cli import main
 from tinylm.data.shards import ShardSet
 from tinylm.evaluate import evaluate_run
 from tinylm.model import NGramLM, NGramModel, RecurrentLM
@@ -432,3 +433,86 @@ def test_eval_and_compare_print_json_for_scripts(tmp_path, runs):
         r["bits_per_byte"] for r in table["runs"] if r["run"] == n))
     assert next(r for r in table["runs"] if r["run"] == "lstm")["loss"] == report["loss"]
     assert table["chart"] == str(tmp_path / "c.png") and (tmp_path / "c.png").exists()
+
+
+def eval_json(capsys, *argv: str) -> dict:
+    """`tinylm eval ... --json` in this process (the runs are tiny: no interpreter start per call)."""
+    capsys.readouterr()
+    assert main(["eval", *argv, "--json"]) == 0, capsys.readouterr().err
+    return json.loads(capsys.readouterr().out)
+
+
+def test_eval_with_a_stride_scores_every_target_once_in_every_family(runs, data_dir, capsys):
+    split = ShardSet.open(data_dir).meta["splits"]["val"]
+    for family, out in runs.items():
+        default = eval_json(capsys, "--run", str(out))
+        sliding = eval_json(capsys, "--run", str(out), "--stride", "8")
+        disjoint = eval_json(capsys, "--run", str(out), "--stride", "32")  # the block_size: the default exactly
+        assert {**disjoint, "seconds": 0} == {**default, "seconds": 0}
+        for report in (default, sliding):
+            assert report["tokens"] == split["tokens"] and report["bytes"] == split["bytes"]
+            assert not report["prorated"]
+        if family == "ngram":  # no windows: the stride changes nothing, and the report says so
+            assert default["windows"] == sliding["windows"] == "none" and sliding["stride"] is None
+            assert sliding["loss"] == default["loss"]
+        else:
+            assert (default["windows"], default["block_size"], default["stride"]) == ("disjoint", 32, 32)
+            assert (sliding["windows"], sliding["block_size"], sliding["stride"]) == ("sliding", 32, 8)
+            assert sliding["loss"] != default["loss"] and math.isfinite(sliding["bits_per_byte"])
+    capsys.readouterr()
+    assert main(["eval", "--run", str(runs["lstm"]), "--stride", "8"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert "on the val split (sliding windows of 32 tokens, stride 8): loss" in first
+
+
+def test_eval_and_compare_refuse_a_stride_outside_the_block_size_in_one_line(tmp_path, runs, capsys):
+    proc = run_cli("eval", "--run", str(runs["gpt"]), "--stride", "0")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        f"tinylm: error: stride 0 is out of range: give 1 to 32, the block_size of {runs['gpt']} "
+        "(stride 32 is disjoint windows)"]
+    chart = tmp_path / "c.png"
+    for argv, needle in [
+        (["eval", "--run", str(runs["rnn"]), "--stride", "33"], "stride 33 is out of range: give 1 to 32"),
+        (["eval", str(runs["gpt"]), "--stride", "-1"], "stride -1 is out of range: give 1 to 32"),
+        (["compare", str(runs["ngram"]), str(runs["gpt"]), "--stride", "40", "--plot", str(chart)],
+         "stride 40 is out of range: give 1 to 32, the block_size of gpt"),
+        (["eval", "--run", str(runs["ngram"]), "--stride", "0"], "stride 0 is out of range: give a positive integer"),
+    ]:
+        capsys.readouterr()
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and needle in err[0], err
+    assert not chart.exists()  # refused before any run was evaluated
+    with pytest.raises(SystemExit) as exit_info:  # not a number: argparse's one line
+        main(["eval", "--run", str(runs["gpt"]), "--stride", "eight"])
+    assert exit_info.value.code == 2 and "--stride: expected an integer, got 'eight'" in capsys.readouterr().err
+
+
+def test_compare_with_a_stride_says_so_in_the_table_the_json_and_the_chart(tmp_path, runs, capsys, monkeypatch):
+    import tinylm.explain.plots as plots
+
+    titles = []
+    draw = plots.plot_bits_per_byte
+
+    def titled(*args, title=None):
+        titles.append(title)
+        return draw(*args, title=title)
+
+    monkeypatch.setattr(plots, "plot_bits_per_byte", titled)
+    chart = str(tmp_path / "c.png")
+    names = [str(runs[f]) for f in ("gpt", "ngram", "lstm")]
+    capsys.readouterr()
+    assert main(["compare", *names, "--plot", chart]) == 0
+    assert "windows: disjoint, each network's block_size long" in capsys.readouterr().out
+    assert main(["compare", *names, "--stride", "8", "--plot", chart]) == 0
+    table = capsys.readouterr().out
+    assert "windows: sliding, each network's block_size long, stride 8 (every target scored once, with at least " \
+           "block_size - 7 tokens of context after the first window); n-gram models read their own context" in table
+    assert main(["compare", *names, "--stride", "8", "--plot", chart, "--json"]) == 0
+    rows = {r["run"]: r for r in json.loads(capsys.readouterr().out)["runs"]}
+    assert {name: (r["windows"], r["stride"]) for name, r in rows.items()} == {
+        "gpt": ("sliding", 8), "lstm": ("sliding", 8), "ngram": ("none", None)}
+    assert rows["lstm"]["loss"] == eval_json(capsys, "--run", str(runs["lstm"]), "--stride", "8")["loss"]
+    assert titles == ["bits per byte on the val split (disjoint windows)"] + \
+        ["bits per byte on the val split (sliding windows, stride 8)"] * 2
