@@ -71,6 +71,7 @@ TOKENIZER_FILE = "tokenizer.json"
 RUN_FILE = "run.json"
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "loss.png"
+SCHEDULE_FILE = "schedule.png"  # each optimizer group's learning rate, step by step
 NGRAM_FILE = "ngram.npz"
 CHECKPOINTS = "checkpoints"
 

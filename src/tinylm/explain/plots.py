@@ -1,5 +1,6 @@
-"""Pictures of runs, drawn with matplotlib into PNG files (no display needed): loss curves, and
-the bits per byte of several models side by side (`tinylm compare`).
+"""Pictures of runs, drawn with matplotlib into PNG files (no display needed): loss curves, the
+learning-rate schedule of each optimizer group, and the bits per byte of several models side by
+side (`tinylm compare`).
 
 `plot_loss_curve` reads the rows of a run's metrics.jsonl: training lines (``kind`` "train":
 the mean training loss since the previous line) and evaluation lines (``kind`` "eval": the
@@ -43,6 +44,42 @@ def plot_loss_curve(
     ax.grid(True, alpha=0.3)
     if train or val:
         ax.legend()
+    return _save(fig, ax, path, title)
+
+
+def plot_schedule(
+    rates: Mapping[str, list[float]], path: str | os.PathLike, title: str | None = None,
+    momentum: list[float] | None = None,
+) -> Path:
+    """Each optimizer group's learning rate against the step (``rates``: label -> one rate a step) into ``path``.
+
+    Groups whose peaks differ by orders of magnitude (Muon's matrices beside AdamW's embeddings)
+    share a logarithmic axis; Muon's momentum, when it warms up, is drawn on a second axis.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 4.2), dpi=110)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    peaks = [max(r) for r in rates.values() if r and max(r) > 0]
+    for label, values in rates.items():
+        ax.plot(range(1, len(values) + 1), values, label=label, linewidth=1.5)
+    if peaks and max(peaks) / min(peaks) > 10:
+        ax.set_yscale("log")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("learning rate")
+    ax.grid(True, alpha=0.3)
+    handles, labels = ax.get_legend_handles_labels()
+    if momentum is not None:
+        twin = ax.twinx()
+        twin.plot(range(1, len(momentum) + 1), momentum, color="tab:gray", linestyle="--", linewidth=1.2,
+                  label="Muon momentum")
+        twin.set_ylabel("momentum")
+        more_handles, more_labels = twin.get_legend_handles_labels()
+        handles, labels = handles + more_handles, labels + more_labels
+    if handles:
+        ax.legend(handles, labels, fontsize=9)
     return _save(fig, ax, path, title)
 
 

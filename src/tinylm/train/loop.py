@@ -69,6 +69,7 @@ from tinylm.run import (
     CONFIG_FILE,
     METRICS_FILE,
     PLOT_FILE,
+    SCHEDULE_FILE,
     RUN_FILE,
     TOKENIZER_FILE,
     Checkpoint,
@@ -759,6 +760,26 @@ class _Trainer:
         # lines logged after the checkpoint we resume from describe steps that will be done again
         rows = read_metrics(out / METRICS_FILE)
         write_metrics(out / METRICS_FILE, [r for r in rows if r.get("step", 0) <= self.step])
+        self._plot_schedule()
+
+    def _plot_schedule(self) -> None:
+        """schedule.png: every optimizer group's rate at every step of the run, known before the first."""
+        from tinylm.explain.plots import plot_schedule
+
+        tc = self.tc
+        rates: dict[str, list[float]] = {}
+        for opt in optimizers_of(self.optimizer):
+            kind = type(opt).__name__
+            for group in opt.param_groups:
+                label = f"{group.get('roles', 'parameters')} ({kind}, peak {group['peak_lr']:.3g})"
+                rates[label] = [self._lr(step, group["peak_lr"]) for step in range(self.total)]
+        momentum = None
+        if tc.optimizer == "muon" and tc.muon_momentum_warmup:
+            momentum = [momentum_at(step, momentum=tc.muon_momentum, warmup=tc.muon_momentum_warmup)
+                        for step in range(self.total)]
+        decay = {"wsd": f"warmup-stable-decay ({tc.decay_shape}, last {tc.decay_fraction:.0%})"}.get(tc.decay, tc.decay)
+        plot_schedule(rates, self.out / SCHEDULE_FILE, momentum=momentum,
+                      title=f"{self.out.name}: {tc.warmup_steps} warmup steps, then {decay}")
 
     def _header(self) -> None:
         mc, tc, meta = self.config.model, self.tc, self.shards.meta
@@ -773,8 +794,13 @@ class _Trainer:
         per_step = tokens_per_step(self.config)
         accum = f" x {tc.grad_accum} micro-batches" if tc.grad_accum > 1 else ""
         decay = f"{tc.decay} to {tc.final_lr:.2e}" if tc.decay != "constant" else "constant"
+        if tc.decay == "wsd":
+            decay = f"held, then {tc.decay_shape} decay over the last {tc.decay_fraction:.0%} to {tc.final_lr:.2e}"
+        rates = ", ".join(f"{g.get('roles', 'all')} {g['peak_lr']:.2e}" for g in self.optimizer.param_groups)
+        optimizer = (f"muon (matrices, momentum {tc.muon_momentum:g}) + adamw, lr {rates}" if tc.optimizer == "muon"
+                     else f"{tc.optimizer} lr {tc.lr:.2e}")
         log(f"training: {self.total:,} steps of {tc.batch_size}{accum} x {mc.block_size} tokens = {per_step:,} tokens "
-            f"({self.total * per_step:,} in all), {tc.optimizer} lr {tc.lr:.2e}, {tc.warmup_steps} warmup steps, "
+            f"({self.total * per_step:,} in all), {optimizer}, {tc.warmup_steps} warmup steps, "
             f"then {decay}; {tc.batch_mode} batches")
         procs = f"{self.ctx.world_size} processes ({tc.parallel})" if self.ctx.active else "1 process"
         threads = torch.get_num_threads()
