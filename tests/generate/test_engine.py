@@ -43,6 +43,32 @@ def test_cached_greedy_generation_equals_the_reference_for_110_steps(positions, 
     assert len(set(cached[0].token_ids)) >= 5  # a varied continuation, not one token repeated
 
 
+@pytest.mark.parametrize("options", [{"bigram_hash": 101}, {"value_embed": True, "qk_norm": True, "mlp": "relu2",
+                                                            "logit_softcap": 3.0}])
+def test_cached_generation_equals_the_reference_with_the_recipe_options(options):
+    model = tiny_gpt(positions="rope", n_kv_head=2, **options)
+    if "bigram_hash" in options:
+        with torch.no_grad():
+            model.bigram.weight.normal_(0, 1.0)  # it starts at zero; a table that matters
+    prompts = [[3, 14, 15, 92, 65, 35, 89], [7, 7]]
+    cached = Engine(model, GREEDY).generate(prompts)
+    assert_same_completions(cached, reference_generate(model, prompts, GREEDY))
+    params = SamplingParams(max_new_tokens=40, temperature=0.9, top_k=20, seed=3, num_samples=2)
+    assert_same_completions(Engine(model, params).generate(prompts), reference_generate(model, prompts, params))
+
+
+def test_a_bigram_model_whose_cache_forgets_the_last_token_is_caught(monkeypatch):
+    model = tiny_gpt(positions="rope", bigram_hash=101)
+    with torch.no_grad():
+        model.bigram.weight.normal_(0, 1.0)
+    prompt = [[3, 14, 15, 92, 65, 35, 89]]
+    expected = reference_generate(model, prompt, GREEDY)[0].token_ids
+    from tinylm.generate.cache import KVCache
+
+    monkeypatch.setattr(KVCache, "last_tokens", property(lambda self: None, lambda self, value: None), raising=False)
+    assert Engine(model, GREEDY).generate(prompt)[0].token_ids != expected
+
+
 @pytest.mark.parametrize("positions", ["learned", "sinusoidal", "rope"])
 def test_the_comparison_catches_a_cache_that_gets_positions_wrong(positions, monkeypatch):
     """The equality above has teeth: an engine that feeds every new token at position 0 is caught."""

@@ -417,3 +417,23 @@ def test_the_server_draws_no_padding_or_bos_as_the_library_does(run):
     assert served == [(c.text, c.finish_reason) for c in library]
     assert all(t not in banned for c in library for t in c.token_ids)
     assert all("<|" not in text for text, _ in served)
+
+
+def test_a_bigram_hash_model_keeps_each_rows_last_token_through_merges(run):
+    # the bigram table needs the token before each new one; a row joining a running batch brings its own
+    import dataclasses
+    from types import SimpleNamespace
+
+    from tinylm.model import GPT
+
+    torch.manual_seed(0)
+    model = GPT(dataclasses.replace(run.model.config, bigram_hash=97, init_std=0.1)).eval()
+    with torch.no_grad():
+        model.bigram.weight.normal_(0, 1.0)  # a table that matters (it starts at zero)
+    bigram_run = SimpleNamespace(model=model, tokenizer=run.tokenizer, start_ids=run.start_ids)
+    together, _ = run_jobs(bigram_run, max_batch_size=32, start_first=False)
+    alone, _ = run_jobs(bigram_run, max_batch_size=1)
+    assert together == alone
+    for i, prompt in enumerate(PROMPTS):
+        expected = generate(model, run.tokenizer, prompt, settings(i), start_ids=run.start_ids)
+        assert together[i] == [(c.text, c.finish_reason) for c in expected]

@@ -82,6 +82,9 @@ class KVCache(Sequence[StaticKVCacheLayer]):
 
     def __init__(self, layers: Sequence[StaticKVCacheLayer]) -> None:
         self.layers = list(layers)
+        # each row's last token read (B,), kept by a model with a bigram-hash embedding (`GPT.bigram_ids`):
+        # the next token's pair starts with it
+        self.last_tokens: Tensor | None = None
 
     @classmethod
     def for_model(cls, model: nn.Module, batch: int, max_len: int) -> KVCache:
@@ -127,7 +130,10 @@ class KVCache(Sequence[StaticKVCacheLayer]):
     def reorder(self, rows: Tensor) -> None:
         for layer in self.layers:
             layer.reorder(rows)
+        if self.last_tokens is not None:
+            self.last_tokens = self.last_tokens.index_select(0, rows)
 
     def reset(self) -> None:
         for layer in self.layers:
             layer.reset()
+        self.last_tokens = None

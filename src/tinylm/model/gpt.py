@@ -190,7 +190,8 @@ class GPT(nn.Module):
         - ``position_ids`` (T,) or (B, T): each token's position. By default 0, 1, ... counted over
           the real tokens only (so a left-padded row starts at 0) and continuing after the cache.
         - ``kv_cache``: one `KVCacheLayer` per block; the keys and values of these T tokens are
-          appended to it and attention runs over everything stored.
+          appended to it and attention runs over everything stored. With a bigram-hash table the
+          cache also keeps each row's last token (``last_tokens``), the first half of the next pair.
         """
         h, _ = self._run(idx, attention_mask, position_ids, kv_cache, need_weights=False)
         logits = self.lm_head(h)  # (B, T, |V|)
@@ -285,6 +286,10 @@ class GPT(nn.Module):
             h = h + self.pos_emb(position_ids)  # (B, T, d)
         h = self.dropout(h)
         rope = self.rope(position_ids) if self.rope is not None else None  # 2 x (B or 1, 1, T, hs)
+        if self.bigram is not None and kv_cache is not None:
+            # the next call's first pair starts with each row's last token (rows are left-padded:
+            # the last column is real)
+            kv_cache.last_tokens = idx[:, -1].detach()  # (B,)
         all_weights: list[Tensor] = []
         for i, block in enumerate(self.blocks):
             layer_cache = kv_cache[i] if kv_cache is not None else None

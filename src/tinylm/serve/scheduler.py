@@ -674,6 +674,9 @@ class Scheduler:
             if k.size(0) != len(rows):  # `update` would broadcast one row over all of them without a word
                 raise RuntimeError(f"merging {len(rows)} rows gathered keys for {k.size(0)}")
             target.update(k, v)
+        lasts = [b.cache.last_tokens for b, _, _ in parts]
+        if all(t is not None for t in lasts):  # a bigram-hash model: each row's last token goes with it
+            cache.last_tokens = torch.cat([t[keep] for t, (_, keep, _) in zip(lasts, parts)])
         return _Batch(rows, cache, mask, L, padded=not bool(mask[:, :L].all()))
 
     def _deliver(self, outbox: dict[Job, list]) -> None:
