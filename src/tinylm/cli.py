@@ -832,8 +832,8 @@ def build_parser() -> argparse.ArgumentParser:
     # tinylm export / import
     p = sub.add_parser("export", help="write a trained run for transformers (hf) or llama.cpp (gguf)",
                        description="Export a trained run: a Hugging Face folder (config.json, model.safetensors, "
-                       "tokenizer.json) in the GPT-2 or Llama layout, or a GGUF file for llama.cpp. A configuration "
-                       "neither architecture can express is refused with what does not map.")
+                       "tokenizer.json) in the GPT-2, Llama or Qwen3 layout, or a GGUF file for llama.cpp. A "
+                       "configuration no architecture can express is refused with what does not map.")
     p.add_argument("--run", required=True, help="the run folder")
     p.add_argument("--format", required=True, choices=["hf", "gguf"], help="hf or gguf")
     p.add_argument("--out", required=True, help="output folder (hf) or .gguf file")
@@ -842,7 +842,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="overwrite --out if it exists")
     p.set_defaults(func=cmd_export, parser=p)
 
-    p = sub.add_parser("import", help="turn a local Hugging Face GPT-2 or Llama checkpoint into a tinylm run",
+    p = sub.add_parser("import", help="turn a local Hugging Face GPT-2, Llama or Qwen3 checkpoint into a tinylm run",
                        description="Import a local transformers checkpoint (config.json, model.safetensors, "
                        "tokenizer.json in tinylm's byte-level layout) as a run folder that sample, eval, serve "
                        "and train --init-from can use.")

@@ -1,8 +1,9 @@
 """Tiny random models and a throwaway BPE tokenizer, shared by the export tests.
 
-The models are GPT-2-style and Llama-style configurations of two layers and width 32, with every
-parameter drawn at random (biases and norm gains included: a fresh model has zero biases and unit
-gains, which would hide a bias or a norm written to the wrong place).
+The models are GPT-2-style, Llama-style and Qwen3-style (Llama with QK-norm) configurations of two
+layers and width 32, with every parameter drawn at random (biases and norm gains included: a fresh
+model has zero biases and unit gains, which would hide a bias or a norm, q_norm and k_norm among
+them, written to the wrong place or not at all).
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ def make_tokenizer(pattern: str = "gpt4") -> BPETokenizer:
     return train_bpe([inspect.getsource(textwrap)], vocab_size=VOCAB_SIZE, pattern=pattern, n_reserved=2, workers=1)
 
 
-# The configurations the exporters must handle exactly; every one maps to GPT-2 or Llama.
+# The configurations the exporters must handle exactly; every one maps to GPT-2, Llama or Qwen3, as the
+# first word of its name says.
 CONFIGS: dict[str, dict] = {
     "gpt2": dict(),  # learned positions, LayerNorm, GELU, bias, tied head
     "gpt2-nobias-untied": dict(bias=False, tie_embeddings=False, d_ff=48, norm_eps=1e-6),
@@ -38,6 +40,10 @@ CONFIGS: dict[str, dict] = {
     # the recipe's options that change only the starting weights export as they are
     "llama-recipe-inits": dict(mlp="swiglu", norm="rmsnorm", positions="rope", bias=False, zero_init_projections=True,
                                tie_embeddings=False, head_init_std=0.0),
+    "qwen3-gqa": dict(mlp="swiglu", norm="rmsnorm", positions="rope", bias=False, n_kv_head=2, norm_eps=1e-6,
+                      rope_theta=500.0, qk_norm=True),
+    "qwen3-mha-untied": dict(mlp="swiglu", norm="rmsnorm", positions="rope", bias=False, qk_norm=True,
+                             tie_embeddings=False, n_head=2, d_ff=80),
 }
 
 

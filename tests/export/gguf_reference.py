@@ -2,11 +2,13 @@
 
 Everything comes from the file: the hyperparameters from its metadata (by llama.cpp's key names),
 the weights by llama.cpp's tensor names, and the computation follows llama.cpp's graphs for
-"gpt2" and "llama" (src/models/gpt2.cpp and llama.cpp): in particular the llama graph rotates
-*neighbouring* coordinates (2i, 2i+1) of each head (LLAMA_ROPE_TYPE_NORM), with angle
-position * freq_base^(-2i / rope.dimension_count). Nothing here imports tinylm's model code, so a
-wrong name, a missing key, a bad transpose or a wrong q/k permutation in the exporter shows up as
-different logits. Computed in float64.
+"gpt2", "llama" and "qwen3" (src/models/gpt2.cpp, llama.cpp and qwen3.cpp): in particular the
+llama graph rotates *neighbouring* coordinates (2i, 2i+1) of each head (LLAMA_ROPE_TYPE_NORM),
+with angle position * freq_base^(-2i / rope.dimension_count), while the qwen3 graph normalizes
+each head's q and k (RMSNorm over the head, gains attn_q_norm and attn_k_norm) and then rotates
+coordinate i with i + n_rot/2 (LLAMA_ROPE_TYPE_NEOX), at the same angles. Nothing here imports
+tinylm's model code, so a wrong name, a missing key, a bad transpose or a wrong q/k permutation
+in the exporter shows up as different logits. Computed in float64.
 """
 
 from __future__ import annotations
@@ -53,6 +55,9 @@ class GGUFModel:
             v = v.view(T, n_kv, hs).transpose(0, 1)
             if self.arch == "llama":
                 q, k = self.rope_neighbours(q), self.rope_neighbours(k)
+            elif self.arch == "qwen3":
+                q, k = self.norm(q, p + "attn_q_norm"), self.norm(k, p + "attn_k_norm")  # over each head's hs
+                q, k = self.rope_halves(q), self.rope_halves(k)
             # ggml broadcasts kv head j over query heads j * (nh / n_kv) ... (j + 1) * (nh / n_kv) - 1
             k = k.repeat_interleave(n_head // n_kv, dim=0)
             v = v.repeat_interleave(n_head // n_kv, dim=0)
@@ -83,15 +88,29 @@ class GGUFModel:
         eps = self.hp("attention.layer_norm_rms_epsilon")
         return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps) * self.t[name + ".weight"]
 
-    def rope_neighbours(self, x: torch.Tensor) -> torch.Tensor:
-        """llama.cpp's NORM rope on (nh, T, hs): pair (2i, 2i+1) turned by pos * base^(-2i/n_rot)."""
+    def angles(self, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of pos * base^(-2i/n_rot) for pair i = 0 .. n_rot/2 - 1: (T, n_rot/2) each."""
         n_rot, base = self.hp("rope.dimension_count"), self.hp("rope.freq_base")
-        T = x.shape[1]
         theta = base ** (-torch.arange(0, n_rot, 2, dtype=torch.float64) / n_rot)  # (n_rot/2,)
         angle = torch.arange(T, dtype=torch.float64)[:, None] * theta  # (T, n_rot/2)
-        cos, sin = angle.cos(), angle.sin()
+        return angle.cos(), angle.sin()
+
+    def rope_neighbours(self, x: torch.Tensor) -> torch.Tensor:
+        """llama.cpp's NORM rope on (nh, T, hs): pair (2i, 2i+1) turned by pos * base^(-2i/n_rot)."""
+        n_rot = self.hp("rope.dimension_count")
+        cos, sin = self.angles(x.shape[1])
         even, odd = x[..., 0:n_rot:2], x[..., 1:n_rot:2]
         out = x.clone()
         out[..., 0:n_rot:2] = even * cos - odd * sin
         out[..., 1:n_rot:2] = even * sin + odd * cos
+        return out
+
+    def rope_halves(self, x: torch.Tensor) -> torch.Tensor:
+        """llama.cpp's NEOX rope on (nh, T, hs): pair (i, i + n_rot/2) turned by pos * base^(-2i/n_rot)."""
+        half = self.hp("rope.dimension_count") // 2
+        cos, sin = self.angles(x.shape[1])
+        first, second = x[..., :half], x[..., half:2 * half]
+        out = x.clone()
+        out[..., :half] = first * cos - second * sin
+        out[..., half:2 * half] = first * sin + second * cos
         return out

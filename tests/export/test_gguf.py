@@ -4,24 +4,28 @@ Three kinds of evidence:
 
 1. The file read back with ``gguf.GGUFReader`` holds exactly our tensors once the documented
    layout changes are undone *by hand in the test* (q, k, v rows split out of GPT-2's fused
-   attn_qkv; Llama's W_q and W_k rows put back from neighbour pairs to rotate-half pairs), and
-   the metadata llama.cpp reads (hyperparameters, tokenizer) with the values we expect.
-2. `gguf_reference.GGUFModel` runs the file the way llama.cpp's graphs do (neighbour-pair RoPE,
-   its tensor names and metadata keys, nothing from tinylm's model code) and must give our
-   logits and our greedy tokens.
+   attn_qkv; Llama's W_q and W_k rows put back from neighbour pairs to rotate-half pairs; Qwen3's
+   as they are, with the q and k norm gains), and the metadata llama.cpp reads (hyperparameters,
+   tokenizer) with the values we expect.
+2. `gguf_reference.GGUFModel` runs the file the way llama.cpp's graphs do (neighbour-pair RoPE for
+   llama, QK-norm then rotate-half RoPE for qwen3, its tensor names and metadata keys, nothing
+   from tinylm's model code) and must give our logits and our greedy tokens.
 3. llama.cpp itself, through `llama-cpp-python`, where it is installed: same token ids for text,
    same greedy continuation. Skipped otherwise, with the reason.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import sys
+
 import numpy as np
 import pytest
 import torch
 from exportkit import CONFIGS, PROMPT, greedy, make_tokenizer, tiny_model
 
+import tinylm.export.gguf as gguf_export
 from tinylm.errors import TinyLMError
 from tinylm.export import export_gguf
 from tinylm.export.hf import rope_deinterleave, rope_interleave
@@ -81,20 +85,24 @@ def test_the_file_holds_our_tensors_after_the_documented_reshapes(tmp_path, toke
             for kind in ("weight", "bias") if c.bias else ("weight",):
                 expected[g + f"attn_q.{kind}"] = state[b + f"attn.W_q.{kind}"]
                 expected[g + f"attn_k.{kind}"] = state[b + f"attn.W_k.{kind}"]
-                t[g + f"attn_q.{kind}"] = neighbours_to_halves(t[g + f"attn_q.{kind}"], c.n_head)
-                t[g + f"attn_k.{kind}"] = neighbours_to_halves(t[g + f"attn_k.{kind}"], c.kv_heads)
+                if name.startswith("llama"):  # llama.cpp's llama graph rotates neighbours; its qwen3 graph, halves
+                    t[g + f"attn_q.{kind}"] = neighbours_to_halves(t[g + f"attn_q.{kind}"], c.n_head)
+                    t[g + f"attn_k.{kind}"] = neighbours_to_halves(t[g + f"attn_k.{kind}"], c.kv_heads)
                 for ours, theirs in (("attn.W_v", "attn_v"), ("attn.W_o", "attn_output"), ("mlp.W_1", "ffn_gate"),
                                      ("mlp.W_3", "ffn_up"), ("mlp.W_2", "ffn_down")):
                     expected[g + f"{theirs}.{kind}"] = state[b + f"{ours}.{kind}"]
             expected[g + "attn_norm.weight"] = state[b + "norm_1.weight"]
             expected[g + "ffn_norm.weight"] = state[b + "norm_2.weight"]
+            if name.startswith("qwen3"):
+                expected[g + "attn_q_norm.weight"] = state[b + "attn.q_norm.weight"]  # (d_h,): one gain per coordinate
+                expected[g + "attn_k_norm.weight"] = state[b + "attn.k_norm.weight"]
     assert set(t) == set(expected)
     for key, value in expected.items():
         assert t[key].dtype == np.float32 and types[key] == int(gguf.GGMLQuantizationType.F32)
         assert np.array_equal(t[key], value), key
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama-mha-bias-untied"])
+@pytest.mark.parametrize("name", ["gpt2", "llama-mha-bias-untied", "qwen3-mha-untied"])
 def test_every_tensor_is_one_gguf_lists_for_the_architecture(tmp_path, tokenizer, name):
     export_gguf(tiny_model(name), tokenizer, tmp_path / "m.gguf")
     meta, t, _ = read(tmp_path / "m.gguf")
@@ -117,13 +125,13 @@ def test_the_q_and_k_permutation_is_llama_cpps_on_a_worked_example():
     assert np.array_equal(neighbours_to_halves(rope_interleave(w, 2).numpy(), 2), w.numpy())
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama-gqa"])
+@pytest.mark.parametrize("name", ["gpt2", "llama-gqa", "qwen3-gqa"])
 def test_the_metadata_llama_cpp_reads(tmp_path, tokenizer, name):
     model = tiny_model(name)
     c = model.config
     export_gguf(model, tokenizer, tmp_path / "m.gguf", name="tiny-test")
     meta, _, _ = read(tmp_path / "m.gguf")
-    arch = "gpt2" if name == "gpt2" else "llama"
+    arch = name.split("-")[0]
     expected = {
         "general.architecture": arch, "general.name": "tiny-test", "general.file_type": 0,
         f"{arch}.vocab_size": c.vocab_size, f"{arch}.context_length": 64, f"{arch}.embedding_length": 32,
@@ -137,9 +145,9 @@ def test_the_metadata_llama_cpp_reads(tmp_path, tokenizer, name):
     if arch == "gpt2":
         expected["gpt2.attention.layer_norm_epsilon"] = pytest.approx(1e-5)
     else:
-        expected.update({"llama.attention.layer_norm_rms_epsilon": pytest.approx(1e-6), "llama.rope.freq_base": 500.0,
-                         "llama.rope.dimension_count": 8, "llama.attention.key_length": 8,
-                         "llama.attention.value_length": 8})
+        expected.update({f"{arch}.attention.layer_norm_rms_epsilon": pytest.approx(1e-6),
+                         f"{arch}.rope.freq_base": 500.0, f"{arch}.rope.dimension_count": 8,
+                         f"{arch}.attention.key_length": 8, f"{arch}.attention.value_length": 8})
     for key, value in expected.items():
         assert meta[key] == value, key
     # the tokens and merges are tokenizer.json's (which the `tokenizers` tests check against HF)
@@ -201,6 +209,30 @@ def test_without_the_q_k_permutation_the_reference_disagrees(tmp_path, tokenizer
         assert (GGUFModel(tmp_path / "m.gguf").logits(ids) - model(torch.tensor([ids]))[0][0]).abs().max() > 0.1
 
 
+def test_qwen3_q_and_k_are_not_permuted_and_the_reference_disagrees_if_they_were(tmp_path, tokenizer, monkeypatch):
+    """llama.cpp's qwen3 graph rotates halves, as we do: given llama's neighbour permutation, it computes another model."""
+    model = tiny_model("qwen3-gqa").double()
+    ids = tokenizer.encode(PROMPT)
+    export_gguf(model, tokenizer, tmp_path / "right.gguf")
+    original = gguf_export.gguf_rules
+    heads = {"attn_q.weight": model.config.n_head, "attn_k.weight": model.config.kv_heads}
+
+    def as_llama(config, arch):  # the same rules, with the permutation of q's and k's rows that llama gets
+        rules = []
+        for rule in original(config, arch):
+            kind = rule.theirs.split(".", 2)[-1]  # "attn_q.weight" of "blk.0.attn_q.weight"
+            rules.append(dataclasses.replace(rule, transform="rope_interleave", heads=heads[kind]) if kind in heads
+                         else rule)
+        return rules
+
+    monkeypatch.setattr(gguf_export, "gguf_rules", as_llama)
+    export_gguf(model, tokenizer, tmp_path / "permuted.gguf")
+    with torch.no_grad():
+        ours = model(torch.tensor([ids]))[0][0]
+        assert (GGUFModel(tmp_path / "right.gguf").logits(ids) - ours).abs().max() < 1e-4
+        assert (GGUFModel(tmp_path / "permuted.gguf").logits(ids) - ours).abs().max() > 0.1
+
+
 def test_export_run_writes_a_runs_model_as_gguf(tmp_path, tokenizer):
     from tinylm.export import export_hf, export_run, import_hf_into_run
 
@@ -223,9 +255,13 @@ def test_export_run_writes_a_runs_model_as_gguf(tmp_path, tokenizer):
 def test_refusals(tmp_path, tokenizer):
     with pytest.raises(TinyLMError, match="positions = 'sinusoidal'"):
         export_gguf(tiny_model("gpt2", positions="sinusoidal"), tokenizer, tmp_path / "a.gguf")
-    for option, words in ((dict(qk_norm=True), "qk_norm = true"), (dict(logit_softcap=15.0), "logit_softcap = 15"),
-                          (dict(value_embed=True), "value_embed = true"), (dict(bigram_hash=8), "bigram_hash = 8")):
-        with pytest.raises(TinyLMError, match=f"{words} \\(neither"):
+    for option, words in ((dict(logit_softcap=15.0), "logit_softcap = 15 \\(neither"),
+                          (dict(value_embed=True), "value_embed = true \\(neither"),
+                          (dict(bigram_hash=8), "bigram_hash = 8 \\(neither"),
+                          # llama.cpp's qwen3 graph has no biases at all, and transformers' Qwen3 none in its MLP
+                          (dict(qk_norm=True, bias=True), "bias = true \\(Qwen3's MLP has no biases\\)"),
+                          (dict(qk_norm=True, positions="learned"), "positions = 'learned' \\(Qwen3 rotates")):
+        with pytest.raises(TinyLMError, match=words):
             export_gguf(tiny_model("llama-gqa", **option), tokenizer, tmp_path / "a.gguf")
     char = CharTokenizer.train("abc")
     with pytest.raises(TinyLMError, match="a char tokenizer cannot go into a GGUF file"):
@@ -265,7 +301,7 @@ LLAMA_CPP_SKIP = None if importlib.util.find_spec("llama_cpp") else (
 
 
 @pytest.mark.skipif(LLAMA_CPP_SKIP is not None, reason=LLAMA_CPP_SKIP or "")
-@pytest.mark.parametrize("name", ["gpt2", "llama-gqa", "llama-mha-bias-untied"])
+@pytest.mark.parametrize("name", ["gpt2", "llama-gqa", "llama-mha-bias-untied", "qwen3-gqa", "qwen3-mha-untied"])
 def test_llama_cpp_tokenizes_like_us_and_continues_greedily_like_us(tmp_path, tokenizer, name):
     from llama_cpp import Llama
 

@@ -1,12 +1,13 @@
 """Export to and import from Hugging Face `transformers`, with `transformers` itself as the oracle.
 
 Export: a tiny random tinylm model written by `export_hf` must load with
-``AutoModelForCausalLM.from_pretrained`` and ``AutoTokenizer`` and give the same logits (within
-1e-4, float32 on the CPU), the same 20-token greedy continuation and the same token ids. Import:
-tiny random GPT2LMHeadModel and LlamaForCausalLM built with `transformers`' own config classes
-and ``save_pretrained`` must give the same logits in tinylm. Export then import must give back
-every tensor bit for bit. Configurations neither architecture computes, and incomplete folders,
-must fail with messages that say what is wrong.
+``AutoModelForCausalLM.from_pretrained`` (no weight missing or unexpected) and ``AutoTokenizer``
+and give the same logits (within 1e-4, float32 on the CPU), the same 20-token greedy
+continuation and the same token ids. Import: tiny random GPT2LMHeadModel, LlamaForCausalLM and
+Qwen3ForCausalLM built with `transformers`' own config classes and ``save_pretrained`` must give
+the same logits in tinylm. Export then import must give back every tensor bit for bit.
+Configurations no architecture computes, and incomplete folders, must fail with messages that
+say what is wrong.
 """
 
 from __future__ import annotations
@@ -37,9 +38,14 @@ from transformers import (  # noqa: E402
     LlamaConfig,
     LlamaForCausalLM,
     PreTrainedTokenizerFast,
+    Qwen3Config,
+    Qwen3ForCausalLM,
 )
 
 ATOL = 1e-4
+
+# the transformers class of each architecture, written out here rather than taken from the exporter
+CLASSES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 
 def ours(model: GPT):
@@ -57,10 +63,12 @@ def theirs(hf_model):
 def test_transformers_loads_the_export_and_computes_the_same_logits_and_greedy_tokens(tmp_path, tokenizer, name):
     model = tiny_model(name)
     export_hf(model, tokenizer, tmp_path / "hf")
-    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
-    expected_class = "GPT2LMHeadModel" if name.startswith("gpt2") else "LlamaForCausalLM"
-    assert type(hf).__name__ == expected_class
+    hf, loading = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
+    hf.eval()
+    assert type(hf).__name__ == CLASSES[name.split("-")[0]]
     assert hf.dtype == torch.float32
+    # every weight it has came from the file (none left at its init) and every tensor in the file was used
+    assert loading["missing_keys"] == loading["unexpected_keys"] == loading["mismatched_keys"] == set()
 
     ids = torch.tensor([tokenizer.encode(PROMPT)])
     with torch.no_grad():
@@ -132,6 +140,26 @@ def test_the_safetensors_file_writes_tied_weights_once_and_gpt2_matrices_transpo
     assert torch.equal(c_fc, b1.W_1.weight.T)
 
 
+def test_qwen3_writes_the_q_and_k_norms_and_a_config_without_sliding_window(tmp_path, tokenizer):
+    model = tiny_model("qwen3-mha-untied")
+    export_hf(model, tokenizer, tmp_path / "hf")
+    with safe_open(tmp_path / "hf" / "model.safetensors", framework="pt") as f:
+        names = set(f.keys())
+        q_norm = f.get_tensor("model.layers.1.self_attn.q_norm.weight")
+        k_norm = f.get_tensor("model.layers.0.self_attn.k_norm.weight")
+    assert names == {rule.theirs for rule in hf_rules(model.config)}
+    assert len(names) == 1 + 2 * 11 + 2  # embed_tokens; 11 per block (9 of Llama's, q_norm, k_norm); norm, lm_head
+    assert q_norm.shape == (16,) and torch.equal(q_norm, model.blocks[1].attn.q_norm.weight)
+    assert torch.equal(k_norm, model.blocks[0].attn.k_norm.weight)
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["model_type"] == "qwen3" and config["architectures"] == ["Qwen3ForCausalLM"]
+    assert config["head_dim"] == 16 and config["num_key_value_heads"] == 2 and config["intermediate_size"] == 80
+    assert config["use_sliding_window"] is False and config["attention_bias"] is False
+    assert config["layer_types"] == ["full_attention"] * 2
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert hf.config.sliding_window is None and hf.config.rms_norm_eps == model.config.norm_eps
+
+
 def test_untied_llama_writes_its_head_and_no_gpt2_names(tmp_path, tokenizer):
     model = tiny_model("llama-mha-bias-untied")
     export_hf(model, tokenizer, tmp_path / "hf")
@@ -196,7 +224,7 @@ def test_export_refuses_to_overwrite_and_refuses_non_bpe_tokenizers(tmp_path, to
     assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == ["config.json", "model.safetensors"]
 
 
-# ----- configurations neither architecture computes ---------------------------------------------------
+# ----- configurations no architecture computes ---------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -211,7 +239,15 @@ def test_export_refuses_to_overwrite_and_refuses_non_bpe_tokenizers(tmp_path, to
         (dict(mlp="swiglu"), ["mlp = 'swiglu' (GPT-2's MLP is 'gelu')"]),
         (dict(mlp="swiglu", norm="rmsnorm", positions="learned"), ["positions = 'learned' (Llama rotates"]),
         (dict(mlp="relu2"), ["mlp = 'relu2' (GPT-2's MLP is 'gelu')", "mlp = 'relu2' (Llama's MLP is 'swiglu')"]),
-        (dict(qk_norm=True), ["qk_norm = true (neither normalizes q and k)"]),
+        # QK-norm is Qwen3's: a QK-norm model is weighed against GPT-2 and Qwen3, and refused for what they lack
+        (dict(qk_norm=True), ["neither GPT-2 nor Qwen3", "qk_norm = true (GPT-2 does not normalize q and k)",
+                              "positions = 'learned' (Qwen3 rotates q and k: 'rope')", "mlp = 'gelu' (Qwen3's"]),
+        (dict(qk_norm=True, mlp="swiglu", norm="rmsnorm", positions="rope"),
+         ["neither GPT-2 nor Qwen3", "as Qwen3ForCausalLM: bias = true (Qwen3's MLP has no biases)"]),
+        (dict(qk_norm=True, mlp="swiglu", norm="rmsnorm", positions="rope", bias=False, norm_position="post"),
+         ["norm_position = 'post' (Qwen3 normalizes each sublayer's input: 'pre')"]),
+        (dict(qk_norm=True, mlp="swiglu", norm="rmsnorm", positions="rope", bias=False, logit_softcap=30.0),
+         ["as Qwen3ForCausalLM: logit_softcap = 30 (neither caps its logits)"]),
         (dict(logit_softcap=30.0), ["logit_softcap = 30 (neither caps its logits)"]),
         (dict(value_embed=True), ["value_embed = true (neither has value embeddings)"]),
         (dict(bigram_hash=64), ["bigram_hash = 64 (neither has a bigram-hash embedding)"]),
@@ -222,7 +258,9 @@ def test_configurations_neither_architecture_computes_are_refused_by_name(tmp_pa
     with pytest.raises(TinyLMError) as info:
         export_hf(model, tokenizer, tmp_path / "hf")
     message = str(info.value)
-    assert message.startswith("this model cannot be exported: neither GPT-2 nor Llama computes it")
+    weighed = "Qwen3" if changes.get("qk_norm") else "Llama"  # the Llama-shaped one the qk_norm switch picks
+    assert message.startswith(f"this model cannot be exported: neither GPT-2 nor {weighed} computes it")
+    assert "\n" not in message
     for words in named:
         assert words in message
     assert not (tmp_path / "hf").exists()  # refused before anything is written
@@ -232,6 +270,9 @@ def test_architecture_for_picks_the_one_that_fits():
     assert architecture_for(tiny_config("gpt2")) == "gpt2"
     assert architecture_for(tiny_config("llama-gqa")) == "llama"
     assert architecture_for(tiny_config("llama-gqa", bias=True, n_kv_head=1)) == "llama"
+    assert architecture_for(tiny_config("qwen3-gqa")) == "qwen3"
+    assert architecture_for(tiny_config("llama-gqa", qk_norm=True)) == "qwen3"
+    assert architecture_for(tiny_config("qwen3-gqa", qk_norm=False)) == "llama"
 
 
 # ----- import from transformers ----------------------------------------------------------------------
@@ -252,6 +293,15 @@ def hf_llama(tie: bool = False, **changes) -> LlamaForCausalLM:
     return randomize(LlamaForCausalLM(config))
 
 
+def hf_qwen3(tie: bool = False, **changes) -> Qwen3ForCausalLM:
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=302, hidden_size=32, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+                         rms_norm_eps=1e-6, rope_theta=1000.0,
+                         tie_word_embeddings=tie, bos_token_id=297, eos_token_id=298, **changes)
+    return randomize(Qwen3ForCausalLM(config))  # q_norm and k_norm gains random too: "norm" is in their names
+
+
 def save_hf(model, folder, tokenizer, **kwargs) -> None:
     model.save_pretrained(folder, **kwargs)
     save_hf_tokenizer_json(tokenizer, folder / "tokenizer.json")
@@ -260,8 +310,8 @@ def save_hf(model, folder, tokenizer, **kwargs) -> None:
 @pytest.mark.parametrize(
     "make",
     [hf_gpt2, lambda: hf_gpt2(tie=False, n_inner=40, layer_norm_epsilon=1e-6), hf_llama, lambda: hf_llama(tie=True),
-     lambda: hf_llama(attention_bias=True, mlp_bias=True)],
-    ids=["gpt2", "gpt2-untied", "llama-gqa", "llama-tied", "llama-bias"],
+     lambda: hf_llama(attention_bias=True, mlp_bias=True), hf_qwen3, lambda: hf_qwen3(tie=True)],
+    ids=["gpt2", "gpt2-untied", "llama-gqa", "llama-tied", "llama-bias", "qwen3-gqa", "qwen3-tied"],
 )
 def test_a_transformers_checkpoint_imports_with_the_same_logits(tmp_path, tokenizer, make):
     hf = make().eval()
@@ -269,6 +319,7 @@ def test_a_transformers_checkpoint_imports_with_the_same_logits(tmp_path, tokeni
     model, tok, config = import_hf(tmp_path / "hf")
     assert tok.fingerprint() == tokenizer.fingerprint()
     assert config.tie_embeddings == hf.config.tie_word_embeddings
+    assert config.qk_norm == (hf.config.model_type == "qwen3")
     ids = torch.tensor([tokenizer.encode(PROMPT)])
     with torch.no_grad():
         torch.testing.assert_close(model(ids)[0], hf(ids).logits, atol=ATOL, rtol=0)
@@ -345,7 +396,8 @@ def test_a_shard_missing_from_a_sharded_checkpoint_is_named(tmp_path, tokenizer)
     "changes, message",
     [
         (dict(model_type="bert", architectures=["BertForMaskedLM"]), "describes a bert model .* tinylm imports "
-                                                                     "GPT2LMHeadModel and LlamaForCausalLM"),
+                                                                     "GPT2LMHeadModel, LlamaForCausalLM and "
+                                                                     "Qwen3ForCausalLM checkpoints only"),
         (dict(activation_function="gelu"), "activation_function is 'gelu'"),
         (dict(scale_attn_by_inverse_layer_idx=True), "scale_attn_by_inverse_layer_idx"),
         (dict(n_embd=48), r"'transformer.wte.weight' is \(302, 32\), but config.json implies \(302, 48\)"),
@@ -372,6 +424,28 @@ def test_llama_variants_tinylm_does_not_compute_are_refused(tmp_path, tokenizer)
         with pytest.raises(TinyLMError, match=message):
             import_hf(tmp_path / "hf")
         (tmp_path / "hf" / "config.json").write_text(original)
+
+
+def test_qwen3_variants_tinylm_does_not_compute_are_refused(tmp_path, tokenizer):
+    save_hf(hf_qwen3(), tmp_path / "hf", tokenizer)
+    original = (tmp_path / "hf" / "config.json").read_text()
+    without_head_dim = {k: v for k, v in json.loads(original).items() if k != "head_dim"}
+    for changes, message in [
+        (dict(use_sliding_window=True, sliding_window=16), "turns on a sliding window"),
+        (dict(layer_types=["full_attention", "sliding_attention"]), "turns on a sliding window"),
+        (dict(attention_bias=True), "attention_bias is true, but its MLP has no biases"),
+        (dict(head_dim=16), "head_dim is 16, not hidden_size / num_attention_heads = 8"),
+        (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1000.0, "factor": 4.0}), "RoPE is scaled"),
+    ]:
+        edit_config(tmp_path / "hf", **changes)
+        with pytest.raises(TinyLMError, match=f"{message}.*variant of Qwen3ForCausalLM"):
+            import_hf(tmp_path / "hf")
+        (tmp_path / "hf" / "config.json").write_text(original)
+    # Qwen3Config reads a missing head_dim as 128, not hidden_size / heads: so does the import
+    assert Qwen3Config.from_dict(without_head_dim).head_dim == 128
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(without_head_dim))
+    with pytest.raises(TinyLMError, match="head_dim is 128"):
+        import_hf(tmp_path / "hf")
 
 
 def test_a_tokenizer_in_gpt2s_byte_order_is_refused_with_the_reason(gpt2_folder, tokenizer):

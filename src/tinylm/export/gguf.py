@@ -5,28 +5,30 @@ whole tokenizer) followed by named tensors. We write it with `gguf`, the Python 
 llama.cpp maintains, and take the tensor names from its own table (``gguf.TENSOR_NAMES``), so a
 renamed tensor upstream shows up here as a failing test rather than a file llama.cpp rejects.
 
-**Architecture.** llama.cpp's "gpt2" and "llama" graphs are the same two architectures as in
-`tinylm.export.hf`, and `architecture_for` decides between them (or refuses) the same way.
+**Architecture.** llama.cpp's "gpt2", "llama" and "qwen3" graphs are the same three architectures
+as in `tinylm.export.hf`, and `architecture_for` decides between them (or refuses) the same way.
 
 **Tensors.** ggml lists a tensor's dimensions fastest-first, the reverse of numpy, so a matrix
 that llama.cpp describes as ``{n_embd, n_ff}`` is the numpy array (n_ff, n_embd): exactly an
 ``nn.Linear`` weight (out, in). So our weights go in as they are, with no GPT-2 style transpose:
 
-==========================  ==================================  ================================
-tinylm                      gpt2                                 llama
-==========================  ==================================  ================================
-E                           token_embd                           token_embd
-pos_emb.P                   position_embd                        -
-blocks.i.norm_1             blk.i.attn_norm (weight, bias)       blk.i.attn_norm
-W_q, W_k, W_v               blk.i.attn_qkv (rows q; k; v)        blk.i.attn_q, attn_k (permuted,
-                                                                 see below), attn_v
-W_o                         blk.i.attn_output                    blk.i.attn_output
-blocks.i.norm_2             blk.i.ffn_norm                       blk.i.ffn_norm
-mlp.W_1, W_3, W_2           ffn_up (= W_1), ffn_down (= W_2)     ffn_gate (W_1), ffn_up (W_3),
-                                                                 ffn_down (W_2)
-norm_f                      output_norm                          output_norm
-lm_head                     output (untied only)                 output (untied only)
-==========================  ==================================  ================================
+===================  ==============================  ================================  ========================
+tinylm               gpt2                            llama                             qwen3
+===================  ==============================  ================================  ========================
+E                    token_embd                      token_embd                        as llama
+pos_emb.P            position_embd                   -                                 -
+blocks.i.norm_1      blk.i.attn_norm (weight, bias)  blk.i.attn_norm                   as llama
+W_q, W_k, W_v        blk.i.attn_qkv (rows q; k; v)   blk.i.attn_q, attn_k (permuted,   attn_q, attn_k (as they
+                                                     see below), attn_v                are), attn_v
+attn.q_norm, k_norm  -                               -                                 blk.i.attn_q_norm,
+                                                                                       attn_k_norm, (d_h,)
+W_o                  blk.i.attn_output               blk.i.attn_output                 as llama
+blocks.i.norm_2      blk.i.ffn_norm                  blk.i.ffn_norm                    as llama
+mlp.W_1, W_3, W_2    ffn_up (= W_1), ffn_down (W_2)  ffn_gate (W_1), ffn_up (W_3),     as llama
+                                                     ffn_down (W_2)
+norm_f               output_norm                     output_norm                       as llama
+lm_head              output (untied only)            output (untied only)              as llama
+===================  ==============================  ================================  ========================
 
 A tied head is not written: llama.cpp falls back to ``token_embd`` when ``output`` is missing.
 llama.cpp's GPT-2 graph needs every bias; a ``bias = false`` model gets zero biases (exact).
@@ -46,6 +48,13 @@ changes no dot product q . k, so attention is untouched, and the pair that our r
 together (i, i + d_h/2) is now the pair (2i, 2i+1) that llama.cpp turns, with the same
 frequency theta^(-2i/d_h). W_v and W_o are not rotated and stay as they are. (GPT-2 has no
 RoPE, so its weights are not permuted.)
+
+The "qwen3" graph is the other case: llama.cpp runs it with the NEOX kernel (rotate half, as
+Qwen's checkpoints and `transformers` do), so there W_q and W_k go in unpermuted, and so do the
+q and k norm gains (one per coordinate of a head, in q's and k's own order). llama.cpp applies
+them as we do: RMSNorm over each head's d_h coordinates (eps ``attention.layer_norm_rms_epsilon``),
+then the rotation. Permuting q and k there would pair the wrong coordinates, which the tests
+check changes the logits.
 
 **Tokenizer.** llama.cpp's "gpt2" tokenizer model is byte-level BPE: ``tokenizer.ggml.tokens``
 lists every token as its GPT-2 byte-level string (the same spelling as tokenizer.json),
@@ -141,16 +150,22 @@ def gguf_rules(config: GPTConfig, arch: Architecture | None = None) -> list[Tens
                           R(_name("FFN_DOWN", i, k), (f"{b}mlp.W_2.{k}",))]
         rules += [R(_name("OUTPUT_NORM", kind=k), (f"norm_f.{k}",)) for k in kinds]
     else:
-        kinds = ("weight", "bias") if config.bias else ("weight",)
+        kinds = ("weight", "bias") if config.bias else ("weight",)  # qwen3 has no bias (architecture_for)
+        # llama.cpp rotates neighbours in its llama graph (so q and k rows are permuted) and halves,
+        # as we do, in its qwen3 graph (so they go in as they are): see the module docstring
+        qk = "rope_interleave" if arch == "llama" else "copy"
         rules = [R(_name("TOKEN_EMBD"), ("E.weight",))]
         for i in range(config.n_layer):
             b = f"blocks.{i}."
             rules.append(R(_name("ATTN_NORM", i), (f"{b}norm_1.weight",)))
             for k in kinds:
-                rules += [R(_name("ATTN_Q", i, k), (f"{b}attn.W_q.{k}",), "rope_interleave", config.n_head),
-                          R(_name("ATTN_K", i, k), (f"{b}attn.W_k.{k}",), "rope_interleave", config.kv_heads),
+                rules += [R(_name("ATTN_Q", i, k), (f"{b}attn.W_q.{k}",), qk, config.n_head),
+                          R(_name("ATTN_K", i, k), (f"{b}attn.W_k.{k}",), qk, config.kv_heads),
                           R(_name("ATTN_V", i, k), (f"{b}attn.W_v.{k}",)),
                           R(_name("ATTN_OUT", i, k), (f"{b}attn.W_o.{k}",))]
+            if arch == "qwen3":  # (d_h,) gains, applied to every head before RoPE; not permuted either
+                rules += [R(_name("ATTN_Q_NORM", i), (f"{b}attn.q_norm.weight",)),
+                          R(_name("ATTN_K_NORM", i), (f"{b}attn.k_norm.weight",))]
             rules.append(R(_name("FFN_NORM", i), (f"{b}norm_2.weight",)))
             for k in kinds:
                 rules += [R(_name("FFN_GATE", i, k), (f"{b}mlp.W_1.{k}",)),
@@ -247,7 +262,7 @@ def export_gguf(
         writer.add_head_count_kv(config.kv_heads)
         if arch == "gpt2":
             writer.add_layer_norm_eps(config.norm_eps)
-        else:
+        else:  # llama and qwen3 read the same keys (qwen3's q and k norms use the rms eps too)
             writer.add_layer_norm_rms_eps(config.norm_eps)
             writer.add_key_length(config.head_dim)
             writer.add_value_length(config.head_dim)

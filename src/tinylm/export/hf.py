@@ -1,36 +1,46 @@
-"""Hugging Face `transformers` checkpoints: export a tinylm model as GPT-2 or Llama, and import one back.
+"""Hugging Face `transformers` checkpoints: export a tinylm model as GPT-2, Llama or Qwen3, and import one back.
 
 A tinylm `GPT` is one family of models with switches (positions, norm, MLP, heads); `transformers`
-has one class per architecture. Two of its classes compute exactly what some settings of ours
+has one class per architecture. Three of its classes compute exactly what some settings of ours
 compute, so those settings export to them and nothing else does:
 
-==================  ================================  =====================================
-tinylm setting      GPT2LMHeadModel ("gpt2")          LlamaForCausalLM ("llama")
-==================  ================================  =====================================
-positions           "learned" (``wpe``)               "rope", base ``rope_theta``
-norm                "layernorm", eps                  "rmsnorm", ``rms_norm_eps``
-                    ``layer_norm_epsilon``
-mlp                 "gelu" (tanh form, "gelu_new")    "swiglu" (SiLU, gated)
-n_kv_head           = n_head (no GQA)                 any divisor (``num_key_value_heads``)
-bias                always there: ``bias = false``    ``attention_bias`` = ``mlp_bias`` =
-                    is written as zero biases          ``bias``
-norm_position       "pre"                             "pre"
-tie_embeddings      ``tie_word_embeddings``           ``tie_word_embeddings``
-==================  ================================  =====================================
+==============  ==============================  ============================  ==============================
+tinylm setting  GPT2LMHeadModel ("gpt2")        LlamaForCausalLM ("llama")    Qwen3ForCausalLM ("qwen3")
+==============  ==============================  ============================  ==============================
+positions       "learned" (``wpe``)             "rope", base ``rope_theta``   as Llama
+norm            "layernorm", eps                "rmsnorm", ``rms_norm_eps``   as Llama
+                ``layer_norm_epsilon``
+mlp             "gelu" (tanh form, "gelu_new")  "swiglu" (SiLU, gated)        as Llama
+n_kv_head       = n_head (no GQA)               any divisor                   as Llama
+                                                (``num_key_value_heads``)
+qk_norm         false                           false                         true (``q_norm``, ``k_norm``,
+                                                                              eps ``rms_norm_eps``)
+bias            always there: ``bias = false``  ``attention_bias`` =          false: its MLP has none
+                is written as zero biases       ``mlp_bias`` = ``bias``       (``attention_bias: false``)
+norm_position   "pre"                           "pre"                         "pre"
+tie_embeddings  ``tie_word_embeddings``         ``tie_word_embeddings``       ``tie_word_embeddings``
+==============  ==============================  ============================  ==============================
+
+Qwen3 is Llama plus QK-norm: each head's q and k go through an RMSNorm over d_h (one gain vector
+per layer for q and one for k, shared by the heads) before RoPE, which is what our ``qk_norm``
+computes. tinylm has one ``bias`` switch for every projection, MLP included, and Qwen3's MLP has
+no biases, so a biased QK-norm model is refused rather than exported with its MLP biases dropped.
+Its config.json turns the sliding window off and writes ``head_dim`` (Qwen3Config's default is 128).
 
 `architecture_for` picks the one a configuration fits and refuses the rest (sinusoidal or no
-positions, post-norm, LayerNorm with RoPE, GQA with learned positions, ...) with a message
+positions, post-norm, LayerNorm with RoPE, GQA with learned positions, QK-norm with biases, ...) with a message
 naming each setting that does not map. A refused model is not "approximately" exportable: a
 checkpoint that loads but computes something else is worse than none.
 
-How the weights are named, per block ``i`` (ours on the left; see `hf_rules` for the table the
-code uses)::
+How the weights are named, per block ``i`` (ours on the left, then GPT-2's, then Llama's and
+Qwen3's; see `hf_rules` for the table the code uses)::
 
     E                       transformer.wte              model.embed_tokens
     pos_emb.P               transformer.wpe              -
     blocks.i.norm_1         transformer.h.i.ln_1         model.layers.i.input_layernorm
     attn.W_q, W_k, W_v      transformer.h.i.attn.c_attn  self_attn.q_proj, k_proj, v_proj
                             (one fused matrix)
+    attn.q_norm, k_norm     -                            self_attn.q_norm, k_norm (Qwen3 only)
     attn.W_o                transformer.h.i.attn.c_proj  self_attn.o_proj
     blocks.i.norm_2         transformer.h.i.ln_2         post_attention_layernorm
     mlp.W_1                 transformer.h.i.mlp.c_fc     mlp.gate_proj
@@ -47,7 +57,7 @@ Three things to know when reading the table:
   GPT-2 projection is our ``weight.T``; ``c_attn`` is q, k and v side by side: the rows of
   W_q, W_k, W_v stacked (out = 3d), then transposed.
 - **RoPE needs no permutation here.** Our rotary layout pairs coordinate i of a head with
-  i + d_h/2 ("rotate half"), which is what `transformers`' Llama does; Meta's original Llama
+  i + d_h/2 ("rotate half"), which is what `transformers`' Llama and Qwen3 do; Meta's original Llama
   code paired neighbours (2i, 2i+1), which is why `transformers`' own Llama converter permutes
   W_q and W_k. Our weights go in as they are. (llama.cpp is the other way round: see
   `tinylm.export.gguf`.)
@@ -110,7 +120,7 @@ from tinylm.tokenizers.base import BOS, EOS, PAD, Tokenizer, generation_excluded
 from tinylm.tokenizers.bpe import BPETokenizer
 from tinylm.tokenizers.formats import load_hf_tokenizer_json, save_hf_tokenizer_json
 
-Architecture = Literal["gpt2", "llama"]
+Architecture = Literal["gpt2", "llama", "qwen3"]
 
 # what `from_pretrained` reads; `export_hf` writes all of them
 CONFIG_FILE = "config.json"
@@ -124,7 +134,9 @@ EXPORTED_FILES = (CONFIG_FILE, WEIGHTS_FILE, TOKENIZER_FILE, TOKENIZER_CONFIG_FI
                   GENERATION_CONFIG_FILE)
 
 # `transformers` class name and model_type of each architecture
-HF_CLASSES: dict[Architecture, str] = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}
+HF_CLASSES: dict[Architecture, str] = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM",
+                                       "qwen3": "Qwen3ForCausalLM"}
+_NAMES: dict[Architecture, str] = {"gpt2": "GPT-2", "llama": "Llama", "qwen3": "Qwen3"}
 
 # GELU activations of GPT-2 configs that are the tanh form we compute (the erf form "gelu" is not)
 _TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
@@ -136,42 +148,59 @@ _TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
 def architecture_problems(config: GPTConfig) -> dict[Architecture, list[str]]:
     """For each architecture, the settings of ``config`` it cannot express (empty: it fits exactly)."""
     gpt2: list[str] = []
-    llama: list[str] = []
     if config.norm_position != "pre":
-        for problems, name in ((gpt2, "GPT-2"), (llama, "Llama")):
-            problems.append(f"norm_position = {config.norm_position!r} ({name} normalizes each sublayer's input: 'pre')")
+        gpt2.append(f"norm_position = {config.norm_position!r} (GPT-2 normalizes each sublayer's input: 'pre')")
     if config.positions != "learned":
         gpt2.append(f"positions = {config.positions!r} (GPT-2 learns a position table: 'learned')")
-    if config.positions != "rope":
-        llama.append(f"positions = {config.positions!r} (Llama rotates q and k: 'rope')")
     if config.norm != "layernorm":
         gpt2.append(f"norm = {config.norm!r} (GPT-2 uses 'layernorm')")
-    if config.norm != "rmsnorm":
-        llama.append(f"norm = {config.norm!r} (Llama uses 'rmsnorm')")
     if config.mlp != "gelu":
         gpt2.append(f"mlp = {config.mlp!r} (GPT-2's MLP is 'gelu')")
-    if config.mlp != "swiglu":
-        llama.append(f"mlp = {config.mlp!r} (Llama's MLP is 'swiglu')")
     if config.kv_heads != config.n_head:
         gpt2.append(f"n_kv_head = {config.kv_heads} (GPT-2 has no grouped-query attention: n_kv_head = n_head)")
-    # the recipe's options that neither architecture has (zero-init projections and an untied head's
-    # init change only the starting weights, so they export)
-    unsupported = []
     if config.qk_norm:
-        unsupported.append("qk_norm = true (neither normalizes q and k)")
+        gpt2.append("qk_norm = true (GPT-2 does not normalize q and k)")
+    # Qwen3 is Llama with q and k normalized per head, and no biases in its MLP (tinylm has one bias
+    # switch for every projection, so a biased model's MLP biases would have nowhere to go)
+    llama, qwen3 = _llama_shape_problems(config, "Llama"), _llama_shape_problems(config, "Qwen3")
+    if config.qk_norm:
+        llama.append("qk_norm = true (Llama does not normalize q and k; Qwen3 does)")
+    else:
+        qwen3.append("qk_norm = false (Qwen3 normalizes every head's q and k)")
+    if config.bias:
+        qwen3.append("bias = true (Qwen3's MLP has no biases)")
+    # the recipe's options that no architecture has (zero-init projections and an untied head's init
+    # change only the starting weights, so they export)
+    unsupported = []
     if config.logit_softcap is not None:
         unsupported.append(f"logit_softcap = {config.logit_softcap:g} (neither caps its logits)")
     if config.value_embed:
         unsupported.append("value_embed = true (neither has value embeddings)")
     if config.bigram_hash:
         unsupported.append(f"bigram_hash = {config.bigram_hash} (neither has a bigram-hash embedding)")
-    return {"gpt2": gpt2 + unsupported, "llama": llama + unsupported}
+    return {"gpt2": gpt2 + unsupported, "llama": llama + unsupported, "qwen3": qwen3 + unsupported}
+
+
+def _llama_shape_problems(config: GPTConfig, name: str) -> list[str]:
+    """What keeps ``config`` from Llama's shape (RoPE, RMSNorm, SwiGLU, pre-norm), which Qwen3 shares."""
+    problems = []
+    if config.norm_position != "pre":
+        problems.append(f"norm_position = {config.norm_position!r} ({name} normalizes each sublayer's input: 'pre')")
+    if config.positions != "rope":
+        problems.append(f"positions = {config.positions!r} ({name} rotates q and k: 'rope')")
+    if config.norm != "rmsnorm":
+        problems.append(f"norm = {config.norm!r} ({name} uses 'rmsnorm')")
+    if config.mlp != "swiglu":
+        problems.append(f"mlp = {config.mlp!r} ({name}'s MLP is 'swiglu')")
+    return problems
 
 
 def architecture_for(config: GPTConfig) -> Architecture:
-    """The `transformers` (and llama.cpp) architecture that computes this model exactly: "gpt2" or "llama".
+    """The `transformers` (and llama.cpp) architecture that computes this model exactly: "gpt2", "llama" or "qwen3".
 
     Anything else is a `TinyLMError` that lists, for the closer architecture first, what does not map.
+    The refusal weighs GPT-2 against Llama, or against Qwen3 for a ``qk_norm`` model (the two differ
+    in that switch alone, so the other one would only add it to the list).
     """
     if config.family != "gpt":
         raise TinyLMError(f"{FAMILY_NAMES[config.family]} model cannot be exported: the transformers and llama.cpp formats hold "
@@ -180,12 +209,13 @@ def architecture_for(config: GPTConfig) -> Architecture:
     for arch, issues in problems.items():
         if not issues:
             return arch
-    ranked = sorted(problems.items(), key=lambda item: len(item[1]))
-    detail = "; ".join(f"as {HF_CLASSES[arch]}: {', '.join(issues)}" for arch, issues in ranked)
+    candidates: tuple[Architecture, ...] = ("gpt2", "qwen3" if config.qk_norm else "llama")
+    ranked = sorted(candidates, key=lambda arch: len(problems[arch]))
+    detail = "; ".join(f"as {HF_CLASSES[arch]}: {', '.join(problems[arch])}" for arch in ranked)
     raise TinyLMError(
-        f"this model cannot be exported: neither GPT-2 nor Llama computes it ({detail}). Export needs a "
-        "GPT-2-style configuration (learned positions, LayerNorm, GELU, pre-norm) or a Llama-style one "
-        "(RoPE, RMSNorm, SwiGLU, pre-norm)"
+        f"this model cannot be exported: neither GPT-2 nor {_NAMES[candidates[1]]} computes it ({detail}). Export "
+        "needs a GPT-2-style configuration (learned positions, LayerNorm, GELU, pre-norm), a Llama-style one "
+        "(RoPE, RMSNorm, SwiGLU, pre-norm) or a Qwen3-style one (Llama's with qk_norm and no biases)"
     )
 
 
@@ -252,7 +282,8 @@ def hf_rules(config: GPTConfig, arch: Architecture | None = None) -> list[Tensor
     """The tensors of the `transformers` checkpoint of ``config``, in file order, with where each comes from.
 
     GPT-2 rules always include the biases (GPT-2 has them everywhere; `export_hf` writes zeros for
-    a ``bias = false`` model). An untied output head is one more rule; a tied one is E itself.
+    a ``bias = false`` model). Qwen3's are Llama's names plus each layer's q_norm and k_norm. An
+    untied output head is one more rule; a tied one is E itself.
     """
     arch = arch or architecture_for(config)
     rules: list[TensorRule] = []
@@ -284,6 +315,8 @@ def hf_rules(config: GPTConfig, arch: Architecture | None = None) -> list[Tensor
             rules.append(TensorRule(f"{h}input_layernorm.weight", (f"{b}norm_1.weight",)))
             for theirs, ours in (("q_proj", "W_q"), ("k_proj", "W_k"), ("v_proj", "W_v"), ("o_proj", "W_o")):
                 rules += [TensorRule(f"{h}self_attn.{theirs}.{k}", (f"{b}attn.{ours}.{k}",)) for k in kinds]
+            if arch == "qwen3":  # one gain of d_h per layer for q and one for k, shared by all heads
+                rules += [TensorRule(f"{h}self_attn.{n}.weight", (f"{b}attn.{n}.weight",)) for n in ("q_norm", "k_norm")]
             rules.append(TensorRule(f"{h}post_attention_layernorm.weight", (f"{b}norm_2.weight",)))
             # SwiGLU: (SiLU(x W_1) * x W_3) W_2, and Llama's down(silu(gate(x)) * up(x))
             for theirs, ours in (("gate_proj", "W_1"), ("up_proj", "W_3"), ("down_proj", "W_2")):
@@ -351,7 +384,7 @@ def convert_to_ours(
 
 
 def hf_config(config: GPTConfig, tokenizer: Tokenizer | None = None, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
-    """config.json for ``config``: the `transformers` GPT2Config or LlamaConfig fields that say the same."""
+    """config.json for ``config``: the `transformers` GPT2Config, LlamaConfig or Qwen3Config fields that say the same."""
     arch = architecture_for(config)
     specials: dict[str, Any] = {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
     if tokenizer is not None:
@@ -374,17 +407,24 @@ def hf_config(config: GPTConfig, tokenizer: Tokenizer | None = None, dtype: torc
                 "resid_pdrop": config.dropout, "embd_pdrop": config.dropout, "attn_pdrop": config.dropout,
                 "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
                 "reorder_and_upcast_attn": False}
-    return {**common,
-            "hidden_size": config.d_model, "intermediate_size": config.hidden_dim,
-            "num_hidden_layers": config.n_layer, "num_attention_heads": config.n_head,
-            "num_key_value_heads": config.kv_heads, "head_dim": config.head_dim,
-            "hidden_act": "silu", "max_position_embeddings": config.block_size,
-            "rms_norm_eps": config.norm_eps,
-            # transformers 5 reads rope_parameters, 4.x rope_theta
-            "rope_theta": config.rope_theta,
-            "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
-            "attention_bias": config.bias, "mlp_bias": config.bias,
-            "attention_dropout": config.dropout, "pretraining_tp": 1}
+    llama_shape = {
+        "hidden_size": config.d_model, "intermediate_size": config.hidden_dim,
+        "num_hidden_layers": config.n_layer, "num_attention_heads": config.n_head,
+        # Qwen3Config's head_dim defaults to 128, not hidden_size / heads: always written
+        "num_key_value_heads": config.kv_heads, "head_dim": config.head_dim,
+        "hidden_act": "silu", "max_position_embeddings": config.block_size,
+        "rms_norm_eps": config.norm_eps,  # Qwen3's q_norm and k_norm use it too, as ours use norm_eps
+        # transformers 5 reads rope_parameters, 4.x rope_theta
+        "rope_theta": config.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
+        "attention_bias": config.bias, "attention_dropout": config.dropout,
+    }
+    if arch == "qwen3":
+        # every layer attends to the whole context: no sliding window (max_window_layers, the layers
+        # that would use one, is then unused; Qwen's own configs set it to the depth)
+        return {**common, **llama_shape, "use_sliding_window": False, "sliding_window": None,
+                "max_window_layers": config.n_layer, "layer_types": ["full_attention"] * config.n_layer}
+    return {**common, **llama_shape, "mlp_bias": config.bias, "pretraining_tp": 1}
 
 
 def _tokenizer_files(tokenizer: BPETokenizer, block_size: int, model_vocab: int) -> dict[str, dict[str, Any]]:
@@ -449,10 +489,10 @@ def _write_json(path: Path, data: Mapping[str, Any]) -> None:
 def export_hf(model: GPT, tokenizer: Tokenizer | None, out_dir: str | os.PathLike, *, overwrite: bool = False) -> Path:
     """Write ``model`` (and ``tokenizer``) as a `transformers` checkpoint folder; returns the folder.
 
-    The folder loads with ``AutoModelForCausalLM.from_pretrained(out_dir)`` as GPT2LMHeadModel or
-    LlamaForCausalLM (`architecture_for` decides, or refuses) and with ``AutoTokenizer`` when a
-    tokenizer is given (it must be byte-level BPE). ``tokenizer=None`` writes the weights and
-    config.json alone. Existing files are replaced only with ``overwrite``.
+    The folder loads with ``AutoModelForCausalLM.from_pretrained(out_dir)`` as GPT2LMHeadModel,
+    LlamaForCausalLM or Qwen3ForCausalLM (`architecture_for` decides, or refuses) and with
+    ``AutoTokenizer`` when a tokenizer is given (it must be byte-level BPE). ``tokenizer=None``
+    writes the weights and config.json alone. Existing files are replaced only with ``overwrite``.
     """
     config = model.config
     arch = architecture_for(config)
@@ -494,9 +534,10 @@ def _arch_of(hf: Mapping[str, Any], source: str) -> Architecture:
     for arch, cls in HF_CLASSES.items():
         if model_type == arch or cls in classes:
             return arch
+    *others, last = HF_CLASSES.values()
     raise TinyLMError(
         f"{source} describes a {model_type or '?'} model ({', '.join(classes) or 'no architectures listed'}); "
-        f"tinylm imports {' and '.join(HF_CLASSES.values())} checkpoints only"
+        f"tinylm imports {', '.join(others)} and {last} checkpoints only"
     )
 
 
@@ -507,7 +548,7 @@ def _default_rule(d_ff: int, d_model: int, mlp: str) -> int | None:
 
 
 def config_from_hf(hf: Mapping[str, Any], source: str = CONFIG_FILE) -> tuple[GPTConfig, Architecture]:
-    """The `GPTConfig` of a GPT-2 or Llama config.json, and which of the two it is; variants tinylm does not compute are errors."""
+    """The `GPTConfig` of a GPT-2, Llama or Qwen3 config.json, and which it is; variants tinylm does not compute are errors."""
     arch = _arch_of(hf, source)
 
     def need(key: str, *alternatives: str) -> Any:
@@ -546,12 +587,22 @@ def config_from_hf(hf: Mapping[str, Any], source: str = CONFIG_FILE) -> tuple[GP
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type != "default":
         raise refuse(f"its RoPE is scaled ({rope_type!r}); tinylm computes the plain rotation")
-    if bool(hf.get("attention_bias", False)) != bool(hf.get("mlp_bias", False)):
+    if arch == "qwen3":
+        if hf.get("attention_bias", False):
+            raise refuse("attention_bias is true, but its MLP has no biases, and tinylm has one bias switch for all "
+                         "projections")
+        windowed = [t for t in hf.get("layer_types") or [] if t != "full_attention"]
+        if hf.get("use_sliding_window", False) or windowed:
+            raise refuse("it turns on a sliding window (use_sliding_window or layer_types), and tinylm's attention "
+                         "always sees the whole context")
+    elif bool(hf.get("attention_bias", False)) != bool(hf.get("mlp_bias", False)):
         raise refuse("attention_bias and mlp_bias differ, and tinylm has one bias switch for all projections")
     d_model, n_head = int(need("hidden_size")), int(need("num_attention_heads"))
-    if hf.get("head_dim") not in (None, d_model // n_head) or d_model % n_head:
-        raise refuse(f"head_dim is {hf.get('head_dim')}, not hidden_size / num_attention_heads; tinylm's heads "
-                     "split d_model evenly")
+    # a config.json without head_dim means hidden_size / heads to Llama, but 128 to Qwen3Config
+    head_dim = hf.get("head_dim") or (128 if arch == "qwen3" else d_model // n_head)
+    if head_dim != d_model // n_head or d_model % n_head:
+        raise refuse(f"head_dim is {head_dim}, not hidden_size / num_attention_heads = {d_model / n_head:g}; "
+                     "tinylm's heads split d_model evenly")
     n_kv = int(hf.get("num_key_value_heads") or n_head)
     config = GPTConfig(
         vocab_size=int(need("vocab_size")), block_size=int(need("max_position_embeddings")),
@@ -559,7 +610,7 @@ def config_from_hf(hf: Mapping[str, Any], source: str = CONFIG_FILE) -> tuple[GP
         n_kv_head=None if n_kv == n_head else n_kv, mlp="swiglu",
         d_ff=_default_rule(int(need("intermediate_size")), d_model, "swiglu"),
         norm="rmsnorm", norm_eps=float(hf.get("rms_norm_eps", 1e-6)), positions="rope",
-        rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+        rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))), qk_norm=arch == "qwen3",
         bias=bool(hf.get("attention_bias", False)), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         dropout=float(hf.get("attention_dropout", 0.0)), init_std=float(hf.get("initializer_range", 0.02)),
     )
@@ -613,7 +664,7 @@ def _normalize_names(tensors: dict[str, Tensor], arch: Architecture, config: GPT
 
 
 def import_hf(src_dir: str | os.PathLike) -> tuple[GPT, BPETokenizer, GPTConfig]:
-    """A local `transformers` GPT-2 or Llama checkpoint as a tinylm model (eval mode, float32), tokenizer and config.
+    """A local `transformers` GPT-2, Llama or Qwen3 checkpoint as a tinylm model (eval mode, float32), tokenizer and config.
 
     ``src_dir`` holds config.json, model.safetensors (or sharded safetensors with their index) and
     tokenizer.json. Unsupported architectures and variants, missing files, and tokenizers that are
