@@ -345,7 +345,8 @@ class TrainConfig:
     device: str = field(default="auto", metadata=_help(
         "auto (cuda when there is a GPU, else cpu), cpu, cuda, cuda:N or mps"))
     dtype: DtypeKind = field(default="auto", metadata=_help(
-        "auto: bfloat16 autocast on a GPU that has it, float32 elsewhere; or float32, bfloat16"))
+        "auto: bfloat16 autocast where the hardware multiplies bfloat16 natively (a GPU that has it, a CPU with "
+        "AVX512-BF16 or AMX), float32 elsewhere; or float32, bfloat16"))
     compile: bool = field(default=False, metadata=_help("torch.compile the model (worth it on a GPU)"))
     threads: int | None = field(default=None, metadata=_help(
         "CPU threads per process; unset: the cores free now (busy ones left out), divided among the processes "

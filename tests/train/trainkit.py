@@ -40,7 +40,7 @@ TINY = {
     # [train]: a char tokenizer, small batches, a few steps, one thread, no sample unless asked
     "tokenizer_kind": "char", "batch_size": 4, "max_steps": 8, "max_tokens": None, "warmup_steps": 2,
     "lr": 3e-3, "eval_interval": 4, "eval_tokens": 256, "log_interval": 1, "threads": 1,
-    "sample_tokens": 0, "device": "cpu", "val_fraction": 0.25,
+    "sample_tokens": 0, "device": "cpu", "dtype": "float32", "val_fraction": 0.25,
 }
 
 

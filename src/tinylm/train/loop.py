@@ -260,11 +260,19 @@ def _is_tty() -> bool:
     return sys.stderr is not None and sys.stderr.isatty()
 
 
+def native_bf16(device: torch.device) -> bool:
+    """Whether ``device`` multiplies bfloat16 matrices in hardware: a GPU that has it, or a CPU with
+    AVX512-BF16 or AMX. Elsewhere PyTorch emulates bfloat16 on the CPU, slower than float32."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    if device.type == "cpu":
+        return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    return False
+
+
 def _autocast(device: torch.device, dtype: str) -> Callable[[], contextlib.AbstractContextManager]:
     """A factory of the mixed-precision context: bfloat16 autocast, or nothing (float32)."""
-    use_bf16 = dtype == "bfloat16" or (
-        dtype == "auto" and device.type == "cuda" and torch.cuda.is_bf16_supported()
-    )
+    use_bf16 = dtype == "bfloat16" or (dtype == "auto" and native_bf16(device))
     if not use_bf16:
         return contextlib.nullcontext
     # Matmuls run in bfloat16, reductions (softmax, norms, the loss) stay in float32: autocast's
@@ -938,14 +946,18 @@ class _Trainer:
     # -- evaluation, checkpoints, the end
 
     def _evaluate(self, max_tokens: int) -> EvalResult:
+        # On a CPU, evaluation stays in float32 whatever training runs in: it is a small part of the
+        # time, and the figure printed is then the one `tinylm eval` gives for the same weights.
+        autocast = self.autocast if self.device.type != "cpu" else contextlib.nullcontext
         return evaluate(self.eval_model, self.shards, "val", block_size=self.config.model.block_size,
                         batch_size=self.tc.eval_batch_size or self.tc.batch_size, max_tokens=max_tokens,
-                        device=self.device, autocast=self.autocast, rank=self.ctx.rank,
+                        device=self.device, autocast=autocast, rank=self.ctx.rank,
                         world_size=self.ctx.world_size)
 
     def _eval_line(self, step: int, val: EvalResult) -> str:
         scope = (f"{val.tokens:,} of {self.shards.num_tokens('val'):,} tokens, bytes prorated" if val.prorated
                  else f"the whole validation split, {val.tokens:,} tokens")
+        scope += f", {val.describe_windows()}"
         unknown = f"; {val.unknown_tokens:,} <unk> tokens charged 8 bits a byte" if val.unknown_tokens else ""
         return (f"step {step}: val loss {val.loss:.4f}, perplexity {val.perplexity:.2f}, "
                 f"{val.bits_per_byte:.4f} bits per byte ({scope}{unknown})")
