@@ -28,17 +28,38 @@ def meta_param_count(config: GPTConfig) -> int:
 
 
 def test_the_promised_presets_exist():
-    assert {"tiny", "small", "medium", "gpt2-124m", "llama", "lstm", "rnn"} <= set(list_presets())
+    assert {"tiny", "classic", "small", "medium", "gpt2-124m", "llama", "lstm", "rnn"} <= set(list_presets())
 
 
 @pytest.mark.parametrize("family", ["lstm", "rnn"])
-def test_the_recurrent_presets_are_the_tiny_run_with_a_recurrent_model(family):
-    tiny, rec = resolve_config(preset="tiny"), resolve_config(preset=family)
+def test_the_recurrent_presets_are_the_classic_run_with_a_recurrent_model(family):
+    classic, rec = resolve_config(preset="classic"), resolve_config(preset=family)
     assert (rec.model.family, rec.model.n_layer, rec.model.d_model, rec.train.lr) == (family, 2, 256, 1e-2)
-    # the same data and budget as the default run, so the two compare on the same footing
-    for key in ("corpus", "tokenizer_kind", "tokenizer_vocab_size", "batch_size", "max_tokens"):
-        assert getattr(rec.train, key) == getattr(tiny.train, key)
-    assert rec.model.block_size == tiny.model.block_size
+    # the same data, budget and optimizer as the classic run, where their benchmark figures were measured
+    for key in ("corpus", "tokenizer_kind", "tokenizer_vocab_size", "batch_size", "max_tokens", "optimizer", "decay"):
+        assert getattr(rec.train, key) == getattr(classic.train, key)
+    assert rec.model.block_size == classic.model.block_size and rec.train.optimizer == "adamw"
+
+
+def test_classic_is_the_former_default_run_exactly():
+    # what `tinylm train` ran before the modern recipe: tiny's shape, AdamW and a cosine schedule, float32
+    classic = resolve_config(preset="classic")
+    m, t = classic.model, classic.train
+    assert (m.n_layer, m.d_model, m.n_head, m.block_size, m.mlp, m.norm, m.positions, m.tie_embeddings) == (
+        4, 192, 6, 128, "swiglu", "rmsnorm", "rope", True)
+    assert not (m.qk_norm or m.value_embed or m.bigram_hash or m.zero_init_projections) and m.logit_softcap is None
+    assert (t.tokenizer_vocab_size, t.batch_size, t.max_tokens, t.optimizer, t.lr, t.warmup_steps, t.decay,
+            t.dtype) == (4096, 16, 1_500_000, "adamw", 3e-3, 20, "cosine", "float32")
+    assert t.final_lr == pytest.approx(3e-4)  # lr / 10
+
+
+def test_tiny_runs_the_modern_recipe_on_classics_model_and_corpus():
+    tiny, classic = resolve_config(preset="tiny"), resolve_config(preset="classic")
+    assert (tiny.train.optimizer, tiny.train.decay, tiny.model.qk_norm, tiny.model.tie_embeddings) == (
+        "muon", "wsd", True, False)
+    for key in ("n_layer", "d_model", "n_head", "block_size", "mlp", "norm", "positions"):
+        assert getattr(tiny.model, key) == getattr(classic.model, key)
+    assert (tiny.train.corpus, tiny.train.max_tokens) == (classic.train.corpus, classic.train.max_tokens)
 
 
 @pytest.mark.parametrize("name", list_presets())

@@ -197,3 +197,12 @@ def test_the_loss_with_a_softcap_is_the_cross_entropy_of_the_capped_logits():
     with torch.no_grad():
         logits, loss = model(idx, targets)
     torch.testing.assert_close(loss, F.cross_entropy(logits.flatten(0, 1), targets.flatten()))
+
+
+@pytest.mark.parametrize("changes", OPTIONS)
+def test_the_accounting_counts_every_options_parameters(changes):
+    from tinylm.explain.accounting import count_params
+
+    cfg = config(**changes)
+    model = GPT(cfg)
+    assert count_params(cfg) == sum(p.numel() for p in model.parameters())

@@ -38,8 +38,9 @@ from __future__ import annotations
 from tinylm.config import GPTConfig
 from tinylm.errors import TinyLMError
 
-# optimizer -> tensors of state it keeps per parameter (AdamW: first and second moments)
-OPTIMIZER_STATES = {"adamw": 2, "sgd": 0}
+# optimizer -> tensors of state it keeps per parameter (AdamW: first and second moments). Muon keeps
+# one (its momentum) for the blocks' matrices and AdamW's two for the rest (`training_memory`).
+OPTIMIZER_STATES = {"adamw": 2, "sgd": 0, "muon": 1}
 
 
 def attention_layer_params(config: GPTConfig) -> int:
@@ -47,13 +48,15 @@ def attention_layer_params(config: GPTConfig) -> int:
     d, hs, nh, nkv = config.d_model, config.head_dim, config.n_head, config.kv_heads
     weights = d * nh * hs + 2 * d * nkv * hs + nh * hs * d
     biases = nh * hs + 2 * nkv * hs + d if config.bias else 0
-    return weights + biases
+    qk_norm = 2 * hs if config.qk_norm else 0  # the q and k gains, shared by the heads
+    value_weight = 1 if config.value_embed else 0  # how much of the value embedding this layer adds
+    return weights + biases + qk_norm + value_weight
 
 
 def mlp_layer_params(config: GPTConfig) -> int:
     """Parameters of one MLP: two matrices for gelu, three for swiglu, with biases if any."""
     d, d_ff = config.d_model, config.hidden_dim
-    n_in = 2 if config.mlp == "swiglu" else 1  # W_1 (and W_3) map d -> d_ff
+    n_in = 2 if config.mlp == "swiglu" else 1  # W_1 (and W_3) map d -> d_ff; gelu and relu2 have no gate
     weights = (n_in + 1) * d * d_ff
     biases = n_in * d_ff + d if config.bias else 0
     return weights + biases
@@ -75,6 +78,8 @@ def param_breakdown(config: GPTConfig) -> dict[str, int]:
         "mlp": L * mlp_layer_params(config),
         "norms": (2 * L + final_norms) * norm_params(config),
         "lm_head": 0 if config.tie_embeddings else V * d,
+        "value_embedding": V * config.kv_heads * config.head_dim if config.value_embed else 0,
+        "bigram_embedding": config.bigram_hash * d,
     }
 
 
@@ -126,7 +131,11 @@ def training_memory(config: GPTConfig, bytes_per_value: int = 4, optimizer: str 
     if optimizer not in OPTIMIZER_STATES:
         raise TinyLMError(f"unknown optimizer {optimizer!r}; expected one of {', '.join(OPTIMIZER_STATES)}")
     n = count_params(config) * bytes_per_value
-    memory = {"weights": n, "gradients": n, "optimizer": OPTIMIZER_STATES[optimizer] * n}
+    states = OPTIMIZER_STATES[optimizer] * n
+    if optimizer == "muon":  # one tensor for the blocks' matrices, AdamW's two for everything else
+        matrices = config.n_layer * (attention_layer_params(config) + mlp_layer_params(config)) * bytes_per_value
+        states = matrices + 2 * (n - matrices)
+    memory = {"weights": n, "gradients": n, "optimizer": states}
     memory["total"] = sum(memory.values())
     return memory
 
