@@ -62,7 +62,7 @@ CHANGES: dict[str, tuple[str, ...]] = {
     "value embeddings": ("value_embed",),
     "bigram-hash embedding": ("bigram_hash",),
     "untied head": ("tie_embeddings", "head_init_std", "head_lr"),
-    "shape": ("n_layer", "d_model", "n_head", "n_kv_head", "d_ff", "block_size", "batch_size"),
+    "shape and batch": ("n_layer", "d_model", "n_head", "n_kv_head", "d_ff", "block_size", "batch_size"),
     "vocabulary": ("tokenizer_vocab_size",),
     "bfloat16 autocast": ("dtype",),
 }
@@ -127,8 +127,8 @@ def shards_of(preset: str) -> ShardSet:
 
 def throughput(run_dir: Path) -> float:
     """Median training tokens/s over a run's logged windows, the first (warm-up) left out."""
-    speeds = [r["tokens_per_s"] for r in read_metrics(run_dir) if r["kind"] == "train"][1:]
-    return statistics.median(speeds)
+    speeds = [r["tokens_per_s"] for r in read_metrics(run_dir) if r["kind"] == "train"]
+    return statistics.median(speeds[1:] if len(speeds) > 1 else speeds)
 
 
 def train_row(name: str, preset: str, overrides: dict[str, Any], folder: Path) -> tuple[Row, Any]:
@@ -139,7 +139,9 @@ def train_row(name: str, preset: str, overrides: dict[str, Any], folder: Path) -
 
     model = load_run(out).model
     n = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
-    return Row(name, f"{n / 1e6:.2f}M", result.tokens, result.elapsed, throughput(out),
+    # the time of the training steps (the last training line), without the evaluation at the end
+    train_s = [r["elapsed"] for r in read_metrics(out) if r["kind"] == "train"][-1]
+    return Row(name, f"{n / 1e6:.2f}M", result.tokens, train_s, throughput(out),
                result.val["bits_per_byte"]), config
 
 
@@ -152,7 +154,7 @@ def probe(preset: str, overrides: dict[str, Any], folder: Path, steps: int) -> f
 
 
 # what makes a recipe, apart from the model's size and the data: the optimizer, the schedule, the options
-RECIPE_KEYS = tuple(k for change, keys in CHANGES.items() if change not in ("shape", "vocabulary") for k in keys)
+RECIPE_KEYS = tuple(k for change, keys in CHANGES.items() if change not in ("shape and batch", "vocabulary") for k in keys)
 
 
 def recipe_of(preset: str) -> dict[str, Any]:

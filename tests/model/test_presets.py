@@ -59,7 +59,9 @@ def test_tiny_runs_the_modern_recipe_on_classics_model_and_corpus():
         "muon", "wsd", True, False)
     for key in ("n_layer", "d_model", "n_head", "block_size", "mlp", "norm", "positions"):
         assert getattr(tiny.model, key) == getattr(classic.model, key)
-    assert (tiny.train.corpus, tiny.train.max_tokens) == (classic.train.corpus, classic.train.max_tokens)
+    # the same corpus, and a budget that takes no longer (benchmarks/recipe.py measures both side by side)
+    assert tiny.train.corpus == classic.train.corpus
+    assert classic.train.max_tokens <= tiny.train.max_tokens <= 1.1 * classic.train.max_tokens
 
 
 @pytest.mark.parametrize("name", list_presets())

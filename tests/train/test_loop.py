@@ -179,6 +179,9 @@ def test_muon_stops_and_resumes_bitwise(tmp_path, corpus, data_dir):
     cfg = tiny_config(corpus, data_dir, optimizer="muon", muon_lr=0.05, muon_momentum_warmup=6, decay="wsd",
                       embed_lr=0.01, checkpoint_interval=3)
     straight = train(cfg, tmp_path / "straight", **QUIET)
+    # the schedule's picture is in the run folder beside the loss curve, a real PNG
+    assert (tmp_path / "straight" / "schedule.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (tmp_path / "straight" / "loss.png").exists()
     train(cfg, tmp_path / "halves", stop_after=4, **QUIET)
     second = train(None, tmp_path / "halves", resume=True, **QUIET)
     a, b = tensors(straight.checkpoint), tensors(second.checkpoint)

@@ -234,7 +234,10 @@ class CausalSelfAttention(nn.Module):
             v = v + self.ve_weight * ve  # the token's own value vector, shared by all layers
         v = v.view(B, T, self.n_kv_head, hs).transpose(1, 2)  # (B, n_kv, T, hs)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)  # each head's vectors to RMS 1 (times the gains)
+            # each head's vectors to RMS 1, times the gains; the gains in q's dtype, so that under
+            # bfloat16 autocast the fused kernel still applies
+            q = F.rms_norm(q, (hs,), self.q_norm.weight.to(q.dtype), self.q_norm.eps)
+            k = F.rms_norm(k, (hs,), self.k_norm.weight.to(k.dtype), self.k_norm.eps)
         if rope is not None:
             cos, sin = rope
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
