@@ -7,6 +7,7 @@ Run from the repository root::
     python benchmarks/recipe.py --only defaults          # table 1 alone: the default run against classic
     python benchmarks/recipe.py --only ablations --rows "classic,tiny (the default),classic + Muon"
     python benchmarks/recipe.py --only small             # table 3: the small preset, both recipes
+    python benchmarks/recipe.py --only speed             # throughput of both recipes, probed in turn
 
 Every row trains on its preset's own data, as `tinylm train --preset P` makes it (Shakespeare, a
 byte-level BPE tokenizer of the preset's size, shards in data/, reused once made), and is scored on
@@ -26,6 +27,9 @@ default evaluation (disjoint windows of block_size tokens). Two tables are print
 3. **The small preset on stdlib** (6 x 384, context 512, this Python's own source code, BPE 8192)
    at a fixed token budget (``--small-tokens``), trained with the classic preset's recipe (AdamW,
    cosine, its rates) and with the tiny preset's (`RECIPE_KEYS`: optimizer, schedule, options).
+4. **Throughput** (``--only speed``, not part of the default): short probes of the classic and the
+   tiny presets taken in turn, their median tokens/s and the ratio, the steadier measure on a
+   machine whose speed drifts between two full runs.
 
 The changes are read from the presets themselves: a change is a set of settings, and its value in
 "classic + change" is the tiny preset's (or `EXTRA`'s for the options tiny does not use), so the
@@ -178,6 +182,26 @@ def small_rows(folder: Path, budget_tokens: int, batch_size: int) -> list[Row]:
     return rows
 
 
+def speed_rows(folder: Path, repeats: int, steps: int) -> None:
+    """Training throughput of the classic and the tiny presets, probed in turn (ABAB...): medians and ratios.
+
+    One pair of full runs (table 1) sees whatever the machine's neighbours did during each; short
+    probes taken in turn see the same conditions, so their median ratio is the steadier measure.
+    """
+    speeds: dict[str, list[float]] = {"classic": [], "tiny": []}
+    for _ in range(repeats):
+        for preset in speeds:
+            speeds[preset].append(probe(preset, overrides_for({}), folder, steps))
+    classic, tiny = (statistics.median(speeds[p]) for p in ("classic", "tiny"))
+    budgets = {p: resolve_config(preset=p).train.max_tokens for p in speeds}
+    print(f"\n4. Training throughput, {repeats} probes of {steps} steps each, taken in turn (medians)\n")
+    for preset in speeds:
+        runs = ", ".join(f"{v:,.0f}" for v in speeds[preset])
+        print(f"  {preset}: {statistics.median(speeds[preset]):,.0f} tokens/s ({runs})")
+    print(f"\ntiny / classic: tokens/s {tiny / classic:.2f}x; for their budgets ({budgets['tiny']:,} and "
+          f"{budgets['classic']:,} tokens) training time {budgets['tiny'] / tiny / (budgets['classic'] / classic):.2f}x")
+
+
 def print_table(title: str, rows: list[Row]) -> None:
     print(f"\n{title}\n")
     print("| recipe | parameters | training tokens | training time | tokens/s | bits per byte |")
@@ -192,7 +216,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--budget", type=float, default=270.0, help="seconds of training for each ablation row")
-    parser.add_argument("--only", choices=("defaults", "ablations", "small"), help="print one table only")
+    parser.add_argument("--only", choices=("defaults", "ablations", "small", "speed"), help="print one table only")
+    parser.add_argument("--speed-repeats", type=int, default=5, help="alternating probes of each recipe for --only speed")
     parser.add_argument("--small-tokens", type=int, default=300_000, help="training tokens of each small-preset row")
     parser.add_argument("--small-batch", type=int, default=8, help="sequences of 512 tokens a step for the small rows")
     parser.add_argument("--rows", help="comma-separated ablation row names to run (default: all)")
@@ -255,6 +280,8 @@ def main(argv: list[str] | None = None) -> None:
             print_table(f"2. Ablations at {args.budget:g} s of training a row (tokens: the probe's tokens/s "
                         f"x the budget)", rows)
             out["ablations"] = [asdict(r) for r in rows]
+        if args.only == "speed":
+            speed_rows(folder, args.speed_repeats, args.probe_steps)
         if args.only in (None, "small"):
             rows = small_rows(folder, args.small_tokens, args.small_batch)
             print_table(f"3. The small preset (6 x 384, context 512) on stdlib, BPE 8192, {args.small_tokens:,} "
