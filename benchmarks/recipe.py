@@ -52,7 +52,7 @@ from typing import Any
 from tinylm.config import load_preset, resolve_config
 from tinylm.data import ShardSet
 from tinylm.model.ngram import NGramModel
-from tinylm.run import read_metrics
+from tinylm.run import load_run, read_metrics
 from tinylm.train import prepare_data, train
 
 # A change: its name, the settings it sets. Values come from the tiny preset, or from EXTRA.
@@ -139,9 +139,7 @@ def train_row(name: str, preset: str, overrides: dict[str, Any], folder: Path) -
     config = resolve_config(preset=preset, overrides=overrides)
     out = folder / name.replace(" ", "_").replace("/", "_")
     result = train(config, out, progress=False, log=lambda line: None, force=True)
-    from tinylm.run import load_run
-
-    model = load_run(out).model
+    model = load_run(out).model  # the trained model: its vocabulary is the tokenizer's, not the preset's placeholder
     n = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     # the time of the training steps (the last training line), without the evaluation at the end
     train_s = [r["elapsed"] for r in read_metrics(out) if r["kind"] == "train"][-1]
