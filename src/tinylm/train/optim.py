@@ -78,8 +78,8 @@ def parameter_groups(model: nn.Module) -> tuple[list[str], list[str]]:
 class OptimizerChain:
     """Several optimizers stepped as one: ``param_groups`` lists all their groups, in order.
 
-    What the training loop and the checkpoints use of an optimizer (``step``, ``zero_grad``,
-    ``param_groups``, ``state``); each optimizer keeps its own state for its own parameters.
+    What the training loop uses of an optimizer (``step``, ``zero_grad``, ``param_groups``); the
+    checkpoints go through `optimizers_of`, each optimizer keeping its own state for its own parameters.
     """
 
     def __init__(self, optimizers: list[torch.optim.Optimizer]) -> None:
@@ -88,10 +88,6 @@ class OptimizerChain:
     @property
     def param_groups(self) -> list[dict[str, Any]]:
         return [g for opt in self.optimizers for g in opt.param_groups]
-
-    @property
-    def state(self) -> dict:
-        return {p: s for opt in self.optimizers for p, s in opt.state.items()}
 
     def step(self) -> None:
         for opt in self.optimizers:
