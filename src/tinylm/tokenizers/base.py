@@ -59,6 +59,20 @@ def special_token_names(n_reserved: int = 0) -> list[str]:
 AllowedSpecial = Literal["all"] | Iterable[str]
 
 
+def without_lone_surrogates(text: str) -> str:
+    """``text`` as UTF-8 can hold it: a surrogate pair becomes its character, a lone surrogate U+FFFD.
+
+    A Python string (from JSON's "\\ud800", or a file read with surrogateescape) may hold
+    surrogate code points, which have no UTF-8 form. Every tinylm encoder treats them this way,
+    as tiktoken does, so no encoder raises on them and all give the same ids.
+    """
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+
+
 class Tokenizer(ABC):
     """Text <-> token ids. Subclasses implement the base vocabulary; this class adds the rest.
 

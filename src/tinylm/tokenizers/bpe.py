@@ -23,6 +23,14 @@ bytes the two orders are the same. One caveat: the reference (and the trainer) s
 ages. On every character assigned in Unicode 14 they agree (checked over all code points);
 about 4,600 letters added since are letters to `regex` but not to tiktoken, so text using them
 may split differently on the two paths.
+
+Hostile input: tiktoken splits text with fancy-regex, a backtracking engine with a fixed budget,
+and a run of about a million whitespace characters before a non-space exhausts it (tiktoken then
+panics); its merge step also slows down on chunks that long. Text that holds a whitespace run of
+`LONG_RUN` characters or more therefore takes a third path, with the same ids: the `regex` module
+splits it, the stretches between long chunks go to tiktoken as usual, and each long chunk is
+merged by `merge_long_chunk`, the reference's rule run on numpy arrays (every pass is a few
+vectorised operations, and a run of spaces halves with each pass, so the time is linear).
 """
 
 from __future__ import annotations
@@ -31,11 +39,12 @@ import functools
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import numpy as np
 import regex
 import tiktoken
 
 from tinylm.errors import TinyLMError
-from tinylm.tokenizers.base import AllowedSpecial, Tokenizer
+from tinylm.tokenizers.base import AllowedSpecial, Tokenizer, without_lone_surrogates
 
 # The split patterns of GPT-2 (r50k) and GPT-4 (cl100k), as tiktoken writes them (possessive
 # quantifiers, same chunks as the originals). "none" means no pre-tokenization: the whole text
@@ -67,6 +76,21 @@ def resolve_pattern(pattern: str) -> str:
             r"add a catch-all branch such as `|\s+|[^\s]`"
         )
     return pattern
+
+
+# Text with a whitespace run this long is split by the `regex` module, not by tiktoken (see the module
+# docstring). tiktoken's engine gives up near a million characters; this leaves a wide margin, and
+# below it tiktoken's own merge is as fast as the vectorised one.
+LONG_RUN = 16_384
+
+
+def _long_whitespace(min_length: int) -> regex.Pattern:
+    # (?<!\s): try only where a run starts, or a run just under min_length would be rescanned from
+    # each of its characters
+    return regex.compile(r"(?<!\s)\s{%d}" % min_length)
+
+
+_WHITESPACE = regex.compile(r"\s")
 
 
 # A probe for custom split patterns: letters, digits, punctuation, whitespace runs, CRLF,
@@ -124,7 +148,7 @@ class BPETokenizer(Tokenizer):
 
     def _encode_reference_ordinary(self, text: str) -> list[int]:
         ids: list[int] = []
-        for chunk in self._split.findall(text):
+        for chunk in self._split.findall(without_lone_surrogates(text)):
             ids.extend(self._merge_chunk(list(chunk.encode("utf-8"))))
         return ids
 
@@ -153,20 +177,76 @@ class BPETokenizer(Tokenizer):
         )
 
     def encode_ordinary(self, text: str) -> list[int]:
-        return self.tiktoken_encoding.encode_ordinary(text)
+        text = without_lone_surrogates(text)
+        if self._has_long_run(text):
+            return self._encode_long_text(text)
+        return _tiktoken_call(self.tiktoken_encoding.encode_ordinary, text)
 
     def encode(self, text: str, *, allowed_special: AllowedSpecial = ()) -> list[int]:
         allowed = self._allowed(allowed_special)
+        text = without_lone_surrogates(text)
+        if self._has_long_run(text):
+            return self._encode_with_specials(text, allowed, self._encode_long_text)
         # disallowed_special=() : special-token text the caller did not allow is plain text
-        return self.tiktoken_encoding.encode(text, allowed_special=allowed, disallowed_special=())
+        return _tiktoken_call(self.tiktoken_encoding.encode, text, allowed_special=allowed, disallowed_special=())
 
     def encode_batch(
         self, texts: Sequence[str], *, allowed_special: AllowedSpecial = (), num_threads: int = 8
     ) -> list[list[int]]:
         allowed = self._allowed(allowed_special)
-        return self.tiktoken_encoding.encode_batch(
-            list(texts), num_threads=num_threads, allowed_special=allowed, disallowed_special=()
+        texts = [without_lone_surrogates(t) for t in texts]
+        if any(self._has_long_run(t) for t in texts):
+            return [self.encode(t, allowed_special=allowed) for t in texts]
+        return _tiktoken_call(
+            self.tiktoken_encoding.encode_batch,
+            texts, num_threads=num_threads, allowed_special=allowed, disallowed_special=(),
         )
+
+    # ----- text with very long whitespace runs (see the module docstring) ---------------------
+
+    long_run = LONG_RUN  # a class attribute, so a test can lower it and reach this path with short text
+
+    def _has_long_run(self, text: str) -> bool:
+        return len(text) >= self.long_run and _long_whitespace(self.long_run).search(text) is not None
+
+    def _encode_long_text(self, text: str) -> list[int]:
+        """`encode_ordinary` for text with a long whitespace run: the same ids, in linear time.
+
+        The `regex` module finds the chunks. The text between two long whitespace chunks goes
+        to tiktoken in one call: it starts and ends where chunks start and end, and since what
+        followed it was whitespace, the built-in patterns (whose only look-arounds are "no
+        non-space follows" and the end of the text) cut it there again. A pattern of the user's
+        own might not, so there every chunk is encoded on its own.
+        """
+        enc = self.tiktoken_encoding
+        ids: list[int] = []
+        if pattern_name(self.pattern) is None:
+            for chunk in self._split.findall(text):
+                ids.extend(self._encode_chunk(chunk))
+            return ids
+        done = 0  # text[:done] is encoded
+        for m in self._split.finditer(text):
+            start, end = m.span()
+            if end - start >= self.long_run and _WHITESPACE.match(text, start):
+                if start > done:
+                    ids.extend(_tiktoken_call(enc.encode_ordinary, text[done:start]))
+                ids.extend(self._encode_chunk(m.group()))
+                done = end
+        if done < len(text):
+            ids.extend(_tiktoken_call(enc.encode_ordinary, text[done:]))
+        return ids
+
+    def _encode_chunk(self, chunk: str) -> list[int]:
+        data = chunk.encode("utf-8")
+        if len(data) >= self.long_run:
+            ids = merge_long_chunk(data, self._token_ids)
+            if ids is not None:
+                return ids
+        return _tiktoken_call(self.tiktoken_encoding._core_bpe.encode_single_piece, data)
+
+    @functools.cached_property
+    def _token_ids(self) -> dict[bytes, int]:
+        return {b: i for i, b in enumerate(self.vocab)}
 
     # ----- saving ---------------------------------------------------------------------------
 
@@ -177,6 +257,73 @@ class BPETokenizer(Tokenizer):
     @classmethod
     def _from_dict(cls, data: dict[str, Any]) -> BPETokenizer:
         return cls([tuple(m) for m in data["merges"]], pattern=data["pattern"], n_reserved=int(data["n_reserved"]))
+
+
+def _tiktoken_call(fn, *args: Any, **kwargs: Any) -> Any:
+    """Call into tiktoken; a Rust panic (pyo3's PanicException, a BaseException) becomes a TinyLMError."""
+    try:
+        return fn(*args, **kwargs)
+    except (KeyboardInterrupt, SystemExit, MemoryError):
+        raise
+    except BaseException as e:
+        if type(e).__name__ != "PanicException":
+            raise
+        raise TinyLMError(f"tiktoken failed on this text ({str(e).splitlines()[0] if str(e) else 'a panic'}); "
+                          "please report it with the text that caused it") from None
+
+
+# A long chunk with more distinct tokens than this is merged by tiktoken instead: the pair table
+# of `merge_long_chunk` is this squared.
+_MAX_DISTINCT = 512
+
+
+def merge_long_chunk(data: bytes, token_ids: dict[bytes, int]) -> list[int] | None:
+    """BPE of one chunk, vectorised: the reference's rule, each pass a few numpy operations.
+
+    Each pass finds the adjacent pair whose concatenated bytes are the lowest-ranked token (the
+    rank tiktoken uses) and merges all its occurrences, left to right. For a long run of spaces a
+    pass halves the array, so the whole chunk costs a few times its length. Returns None (let
+    tiktoken merge) when the chunk holds too many distinct tokens for the pair table, or when a
+    pass would make a pair of lower rank than the one just merged: merging every occurrence at
+    once equals tiktoken's one-at-a-time order only while ranks rise, which they do for every
+    tokenizer tinylm trains.
+    """
+    ids = np.frombuffer(data, dtype=np.uint8).astype(np.int64)
+    vocab_bytes = {i: b for b, i in token_ids.items()}
+    last_rank = -1
+    while len(ids) >= 2:
+        present = np.flatnonzero(np.bincount(ids))  # (P,) the distinct tokens, sorted
+        p = len(present)
+        if p > _MAX_DISTINCT:
+            return None
+        local = np.zeros(int(present[-1]) + 1, dtype=np.int64)
+        local[present] = np.arange(p)
+        local = local[ids]  # (n,) each token's index in present
+        seen = np.bincount(local[:-1] * p + local[1:], minlength=p * p)
+        best_rank, best = None, None
+        for k in np.flatnonzero(seen):
+            a, b = int(present[k // p]), int(present[k % p])
+            rank = token_ids.get(vocab_bytes[a] + vocab_bytes[b])
+            if rank is not None and (best_rank is None or rank < best_rank):
+                best_rank, best = rank, (a, b)
+        if best is None:
+            break
+        if best_rank < last_rank:
+            return None
+        last_rank = best_rank
+        a, b = best
+        starts = (ids[:-1] == a) & (ids[1:] == b)  # (n-1,) where the pair begins
+        if a == b:
+            # in a run of a's the pairs are taken left to right: keep the starts at an even
+            # distance from the run's first a
+            is_a = ids == a
+            index = np.arange(len(ids))
+            run_start = np.maximum.accumulate(np.where(is_a & ~np.r_[False, is_a[:-1]], index, 0))
+            starts &= ((index - run_start)[:-1] % 2) == 0
+        pos = np.flatnonzero(starts)
+        ids[pos] = best_rank
+        ids = np.delete(ids, pos + 1)
+    return ids.tolist()
 
 
 def _replace_pair(ids: list[int], pair: tuple[int, int], new_id: int) -> list[int]:

@@ -28,7 +28,7 @@ from typing import Any, ClassVar
 import regex
 
 from tinylm.errors import TinyLMError
-from tinylm.tokenizers.base import Tokenizer, special_token_names
+from tinylm.tokenizers.base import Tokenizer, special_token_names, without_lone_surrogates
 
 UNKNOWN_POLICIES = ("unk", "bytes")
 
@@ -75,7 +75,7 @@ class PieceTokenizer(Tokenizer):
     def encode_ordinary(self, text: str) -> list[int]:
         ids: list[int] = []
         lookup = self._ids.get
-        for piece in self.split(text):
+        for piece in self.split(without_lone_surrogates(text)):
             i = lookup(piece)
             if i is not None:
                 ids.append(i)
