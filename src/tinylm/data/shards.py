@@ -48,6 +48,8 @@ import tempfile
 from array import array
 from collections import deque
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -196,7 +198,12 @@ def _init_worker(tokenizer_dict: dict[str, Any], dtype: str) -> None:
 
 
 def _encode_in_worker(texts: list[str]) -> list[np.ndarray]:
-    return _encode_texts(_worker["tokenizer"], texts, _worker["dtype"])
+    try:
+        return _encode_texts(_worker["tokenizer"], texts, _worker["dtype"])
+    except TinyLMError:
+        raise
+    except BaseException as e:  # whatever it was, it must reach the parent as an error, not kill the worker
+        raise TinyLMError(f"a tokenizing worker failed: {type(e).__name__}: {e}") from None
 
 
 def _available_cpus() -> int:
@@ -214,18 +221,34 @@ def _encoded(
         for splits, texts in batches:
             yield splits, texts, _encode_texts(tokenizer, texts, dtype)
         return
-    with multiprocessing.get_context().Pool(workers, _init_worker, (tokenizer.to_dict(), dtype.str)) as pool:
-        # Pool.imap would read the whole corpus into its task queue; keeping at most two
-        # batches per worker in flight keeps memory bounded and the order intact.
+    # A process pool from concurrent.futures, not multiprocessing.Pool: when a worker dies (killed
+    # for memory, or a BaseException) the futures fail with BrokenProcessPool instead of waiting
+    # forever for a result that will never come.
+    pool = ProcessPoolExecutor(workers, multiprocessing.get_context(), _init_worker, (tokenizer.to_dict(), dtype.str))
+    try:
+        # map() would read the whole corpus into its task queue; keeping at most two batches per
+        # worker in flight keeps memory bounded and the order intact.
         pending: deque = deque()
         for splits, texts in batches:
-            pending.append((splits, texts, pool.apply_async(_encode_in_worker, (texts,))))
+            pending.append((splits, texts, pool.submit(_encode_in_worker, texts)))
             if len(pending) >= 2 * workers:
-                s, t, result = pending.popleft()
-                yield s, t, result.get()
+                s, t, future = pending.popleft()
+                yield s, t, _result(future)
         while pending:
-            s, t, result = pending.popleft()
-            yield s, t, result.get()
+            s, t, future = pending.popleft()
+            yield s, t, _result(future)
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _result(future: Future) -> list[np.ndarray]:
+    try:
+        return future.result()
+    except BrokenProcessPool:
+        raise TinyLMError(
+            "a tokenizing worker process died (out of memory, or killed); "
+            "run again with --workers 1 to tokenize in this process and see the error"
+        ) from None
 
 
 # ----- prepare ------------------------------------------------------------------------------------
