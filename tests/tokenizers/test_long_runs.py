@@ -92,3 +92,12 @@ def test_lone_surrogates_encode_the_same_way_in_every_encoder(toks):
     for tok in (CharTokenizer.train([clean], unknown="bytes"), WordTokenizer.train([clean], 270, unknown="bytes")):
         assert tok.encode_ordinary(text) == tok.encode_ordinary(clean)
         assert tok.decode(tok.encode_ordinary(text)) == clean
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=run_texts, long_run=st.integers(2, 40))
+def test_long_runs_are_found_wherever_they_are(toks, text, long_run):
+    # the check samples every long_run-th character; it must still see every run that long
+    import regex
+
+    assert lowered(toks["gpt4"], long_run)._has_long_run(text) == bool(regex.search(r"\s{%d}" % long_run, text))

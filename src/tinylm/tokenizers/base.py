@@ -66,6 +66,8 @@ def without_lone_surrogates(text: str) -> str:
     surrogate code points, which have no UTF-8 form. Every tinylm encoder treats them this way,
     as tiktoken does, so no encoder raises on them and all give the same ids.
     """
+    if text.isascii():
+        return text
     try:
         text.encode("utf-8")
         return text

@@ -84,6 +84,7 @@ def resolve_pattern(pattern: str) -> str:
 LONG_RUN = 16_384
 
 
+@functools.lru_cache(maxsize=8)
 def _long_whitespace(min_length: int) -> regex.Pattern:
     # (?<!\s): try only where a run starts, or a run just under min_length would be rescanned from
     # each of its characters
@@ -207,7 +208,17 @@ class BPETokenizer(Tokenizer):
     long_run = LONG_RUN  # a class attribute, so a test can lower it and reach this path with short text
 
     def _has_long_run(self, text: str) -> bool:
-        return len(text) >= self.long_run and _long_whitespace(self.long_run).search(text) is not None
+        n = self.long_run
+        if len(text) < n:
+            return False
+        # Any run of n characters covers a multiple of n, so look only around those that are
+        # spaces (str.isspace accepts every character \s does): ordinary text costs almost nothing.
+        # The window around position p holds n characters of any long run through p (a slice, not
+        # search(pos=...), so that the look-behind sees the window's start as the text's start).
+        return any(
+            c.isspace() and _long_whitespace(n).search(text[max(0, p - n):p + n]) is not None
+            for p, c in zip(range(0, len(text), n), text[::n])
+        )
 
     def _encode_long_text(self, text: str) -> list[int]:
         """`encode_ordinary` for text with a long whitespace run: the same ids, in linear time.
