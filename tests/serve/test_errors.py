@@ -15,6 +15,8 @@ USER = [{"role": "user", "content": "Hi"}]
 BAD = [
     (COMPLETIONS, b'{"prompt": "To be", ', 400, None, "not valid JSON"),
     (COMPLETIONS, b"[1, 2, 3]", 400, None, "JSON object"),
+    (COMPLETIONS, b'{"prompt": "\xff"}', 400, None, "do not decode as UTF-8 (invalid start byte at byte 12)"),
+    (COMPLETIONS, b"[" * 100_000 + b"]" * 100_000, 400, None, "nests arrays or objects too deeply"),
     (COMPLETIONS, {"prompt": "x", "max_tokens": "ten"}, 400, "max_tokens", "valid integer"),
     (COMPLETIONS, {"prompt": "x", "max_tokens": 2.5}, 400, "max_tokens", "valid integer"),
     (COMPLETIONS, {"prompt": "x", "temperature": "hot"}, 400, "temperature", "valid number"),

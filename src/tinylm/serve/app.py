@@ -19,9 +19,11 @@ streaming response is server-sent events, one ``data: {json}`` chunk per piece o
 characters only: the text streams of `tinylm.generate.stream` hold back partial UTF-8 and
 possible stop strings), then ``data: [DONE]``. A generation that ends inside a character (its
 ``max_tokens`` ran out there, or the model emitted bytes that are not UTF-8) ends in U+FFFD, the
-replacement character, streamed or not, as vLLM's does; the logprobs show those tokens' bytes. The JSON is written in ASCII (``\\u`` escapes), so
-that no character in a text (U+2028, U+0085) can split a line for clients that read the stream
-line by line with Unicode's line breaks (Python's ``str.splitlines``, httpx's ``iter_lines``).
+replacement character, streamed or not, as vLLM's does; the logprobs show those tokens' bytes. All
+JSON, streamed or not, is written in ASCII (``\\u`` escapes, `protocol.json_text`), so that no
+character in a text (U+2028, U+0085) can split a line for clients that read the stream line by line
+with Unicode's line breaks (Python's ``str.splitlines``, httpx's ``iter_lines``), and a lone
+surrogate a request sent (``"\\ud800"`` is valid JSON) can be quoted back in an error message.
 When a client disconnects, its job is cancelled and its rows leave the batch at the next step,
 streaming or not. A job that fails fails alone: its client gets the error (a 400 or 500
 response, or an error chunk in its stream), the requests batched with it go on. When the server
@@ -42,7 +44,10 @@ model's over every id, as `tinylm eval` scores text.
 
 Bad requests are answered with OpenAI error JSON and a 4xx status, never a 500 (see
 `tinylm.serve.protocol`); a body larger than ``max_body_bytes`` gets 413 before it is read in
-full. With ``api_key`` set, the API (everything but the page, its files and /health) answers 401
+full. A bug is a 500 in the same JSON, and the client's keep-alive connection stays open for its
+next request (`_CrashGuard`; in a stream, the error is a chunk, then ``[DONE]``).
+
+With ``api_key`` set, the API (everything but the page, its files and /health) answers 401
 unless the request carries ``Authorization: Bearer <key>``, as the OpenAI clients send it (the
 scheme's name in any case, RFC 7235). With ``allow_origins``, pages from those web origins may
 call the API from a browser (CORS, preflight included); by default no other origin may. Tokenizing and detokenizing run in worker threads, so a
@@ -54,7 +59,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import hmac
-import json
+import logging
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -83,12 +88,22 @@ from tinylm.serve.protocol import (
     TokenizeRequest,
     check_context,
 )
-from tinylm.serve.scheduler import ChoiceEvent, Job, JobDone, JobFailed, PromptEvent, Scheduler, TokenLogprob
+from tinylm.serve.scheduler import (
+    ChoiceEvent,
+    Job,
+    JobDone,
+    JobFailed,
+    PromptEvent,
+    Scheduler,
+    TokenLogprob,
+    is_crash,
+)
 
 STATIC = Path(__file__).parent / "static"
 OPEN_PATHS = {"/", "/health", "/docs", "/openapi.json"}  # no API key needed: the page, its files, liveness
 OPEN_PREFIXES = ("/static/",)
 MAX_BODY_BYTES = 1 << 20  # 1 MiB: far more than any prompt a tinylm model's context can hold
+log = logging.getLogger("uvicorn.error")  # where uvicorn logs the errors of the apps it serves
 
 
 @dataclass
@@ -152,13 +167,15 @@ def create_app(run: Any, *, model_name: str | None = None, api_key: str | None =
         finally:
             await run_in_threadpool(scheduler.close)
 
-    app = FastAPI(title="tinylm", summary="An OpenAI-compatible server for a tinylm run", lifespan=lifespan)
+    app = FastAPI(title="tinylm", summary="An OpenAI-compatible server for a tinylm run", lifespan=lifespan,
+                  default_response_class=_JSON)
     app.state.scheduler = scheduler
     app.state.model = served
     _add_error_handlers(app)
     app.add_middleware(_BodyLimit, max_bytes=max_body_bytes)
     if api_key:
         app.add_middleware(_APIKeyGate, key=api_key)
+    app.add_middleware(_CrashGuard)  # inside CORS, so that a browser's page can read a 500 too
     if allow_origins:  # added last, so it runs first: a browser's preflight carries no API key
         app.add_middleware(CORSMiddleware, allow_origins=list(allow_origins), allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type"])
@@ -471,7 +488,7 @@ async def _respond(request: Request, stream: _JobStream, job: Job, result: _Resu
         await asyncio.wait({collecting})
         return Response(status_code=499)  # nobody is listening; the status only shows in the access log
     collecting.result()  # raises the job's error, if any
-    return JSONResponse(result.response())
+    return _JSON(result.response())
 
 
 async def _collect(stream: _JobStream, result: _Result) -> None:
@@ -489,15 +506,16 @@ async def _client_gone(request: Request) -> None:
 
 
 def _sse(data: dict[str, Any] | str) -> str:
-    # ASCII: a raw U+2028, U+2029 or U+0085 in a text would be a line break to clients splitting lines by Unicode
-    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=True)}\n\n"
+    return f"data: {data if isinstance(data, str) else protocol.json_text(data)}\n\n"
 
 
 async def _sse_events(stream: _JobStream, job: Job, result: _Result, include_usage: bool) -> AsyncIterator[str]:
     """The stream: chunks as text becomes certain, then the usage chunk (if asked) and ``[DONE]``.
 
     Leaving this generator early (the client disconnected, so the server cancels it) cancels
-    the job: its rows leave the batch at the next step.
+    the job: its rows leave the batch at the next step. A bug here, once the 200 is out, ends the
+    stream as a failed job's error does: the error as a chunk, then ``[DONE]`` (`_CrashGuard` could
+    only cut the connection).
     """
     usage_field: dict[str, Any] = {"usage": None} if include_usage else {}
     try:
@@ -514,6 +532,11 @@ async def _sse_events(stream: _JobStream, job: Job, result: _Result, include_usa
             yield _sse({**result.envelope(result.chunk_kind, []), "usage": result.usage()})
     except APIError as e:
         yield _sse(e.body())
+    except BaseException as e:
+        if not is_crash(e):  # the client left, or the server is stopping: nobody to tell
+            raise
+        log.error("Exception in a stream", exc_info=e)
+        yield _sse(_internal_error(e).body())
     finally:
         stream.scheduler.cancel(job)  # nothing to do if it finished
     yield _sse("[DONE]")
@@ -523,9 +546,21 @@ async def _sse_events(stream: _JobStream, job: Job, result: _Result, include_usa
 # ----- errors, the API key and the body limit ----------------------------------------------------------
 
 
+class _JSON(JSONResponse):
+    """A JSON response written by `protocol.json_text`: ASCII, so that no text in it can fail to encode."""
+
+    def render(self, content: Any) -> bytes:
+        return protocol.json_text(content).encode("ascii")
+
+
 def _error_response(error: APIError) -> JSONResponse:
     headers = {"WWW-Authenticate": "Bearer"} if error.status == 401 else None
-    return JSONResponse(error.body(), status_code=error.status, headers=headers)
+    return _JSON(error.body(), status_code=error.status, headers=headers)
+
+
+def _internal_error(exc: BaseException) -> APIError:
+    """A bug's answer: still OpenAI-shaped, a 500 (`openai.InternalServerError`) that says what broke."""
+    return APIError(500, f"internal error: {type(exc).__name__}: {exc}")
 
 
 def _add_error_handlers(app: FastAPI) -> None:
@@ -551,15 +586,50 @@ def _add_error_handlers(app: FastAPI) -> None:
         messages = {404: f"no such endpoint: {request.method} {request.url.path}",
                     405: f"{request.method} is not allowed on {request.url.path}",
                     413: str(exc.detail)}
+        if exc.status_code == 400 and exc.__cause__ is not None:  # FastAPI's "There was an error parsing the body"
+            messages[400] = protocol.unreadable_body(exc.__cause__)
         code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status_code)
         response = _error_response(APIError(exc.status_code, messages.get(exc.status_code, str(exc.detail)),
                                             code=code))
         response.headers.update(exc.headers or {})  # a 405 says which methods are allowed (Allow), as HTTP asks
         return response
 
-    @app.exception_handler(Exception)
-    async def crash(request: Request, exc: Exception) -> JSONResponse:  # a bug: still an OpenAI-shaped answer
-        return _error_response(APIError(500, f"internal error: {type(exc).__name__}: {exc}"))
+
+class _CrashGuard:
+    """ASGI middleware: an exception escaping the app (a bug) is answered 500 in OpenAI's error JSON, and the
+    connection stays open for the client's next request.
+
+    Not an ``exception_handler(Exception)``: Starlette runs that one from its outermost layer, which answers
+    and then raises the exception again, for the server to log; uvicorn, seeing an exception after the answer
+    started, closes the connection, so a keep-alive client's next request on it is reset. Here the traceback
+    is logged and the exception ends with the answer. A BaseException that is a failure all the same (a Rust
+    tokenizer's panic, see `is_crash`) is answered alike. An exception after part of an answer went out goes
+    on up (uvicorn closes the connection: a half-sent answer cannot be finished); after a whole answer, it is
+    only logged.
+    """
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = finished = False
+
+        async def watched(message: dict) -> None:
+            nonlocal started, finished
+            started = started or message["type"] == "http.response.start"
+            finished = finished or (message["type"] == "http.response.body" and not message.get("more_body"))
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watched)
+        except BaseException as e:
+            if not is_crash(e) or (started and not finished):
+                raise
+            log.error("Exception in ASGI application", exc_info=e)
+            if not started:
+                await _error_response(_internal_error(e))(scope, receive, send)
 
 
 class _TooLarge(StarletteHTTPException):

@@ -23,6 +23,7 @@ OpenAI answers.
 
 from __future__ import annotations
 
+import json
 import math
 import time
 import uuid
@@ -261,7 +262,8 @@ def validation_message(errors: Sequence[dict[str, Any]]) -> tuple[str, str | Non
         detail = (first.get("ctx") or {}).get("error", "")
         return f"the body is not valid JSON ({detail})" if detail else "the body is not valid JSON", None
     # pydantic names a failed union member after the field ("prompt.str", "prompt.list[int].0"): drop those
-    parts = [p for p in loc if not (p[0].isalpha() and ("[" in p or p in {"str", "int", "float", "bool"}))]
+    # (a part may be a dict key as sent, "" included)
+    parts = [p for p in loc if not (p[:1].isalpha() and ("[" in p or p in {"str", "int", "float", "bool"}))]
     param = parts[0] if parts else None
     where = "".join(f"[{p}]" if p.isdigit() else f".{p}" for p in parts[1:])
     if param is None and first.get("type") == "missing":
@@ -274,6 +276,17 @@ def validation_message(errors: Sequence[dict[str, Any]]) -> tuple[str, str | Non
     if len(errors) > 1 and field in UNION_FIELDS:  # every member of the union failed: say what would do
         return f"{param}{where} must be {UNION_FIELDS[field]}", param
     return f"{param}{where}: {first.get('msg', 'invalid')}", param
+
+
+def unreadable_body(cause: BaseException) -> str:
+    """One line for a body that could not be parsed at all (FastAPI's "There was an error parsing the body"),
+    from the exception that stopped the parser."""
+    if isinstance(cause, UnicodeDecodeError):
+        return (f"the body is not JSON text: its bytes do not decode as {cause.encoding.upper()} ({cause.reason} "
+                f"at byte {cause.start}); send the JSON encoded as UTF-8")
+    if isinstance(cause, RecursionError):
+        return "the body's JSON nests arrays or objects too deeply to read; send a flatter body"
+    return f"the body could not be read as JSON ({type(cause).__name__}); send a JSON object encoded as UTF-8"
 
 
 def is_json_type(content_type: str) -> bool:
@@ -293,6 +306,16 @@ def check_context(prompt_lengths: Sequence[int], max_tokens: int, block_size: in
 
 
 # ----- responses ---------------------------------------------------------------------------------------
+
+
+def json_text(data: Any) -> str:
+    """The JSON of a response body or a stream chunk, in ASCII: every character past ASCII as a ``\\u`` escape.
+
+    So no text can fail to encode: a lone surrogate (``"\\ud800"`` is valid JSON, but no UTF-8 can hold it)
+    that a request sent comes back as the escape it arrived as, in an error message that quotes it; and no
+    character (U+2028, U+0085) can split a stream's line for clients that split lines by Unicode's rules.
+    """
+    return json.dumps(data, ensure_ascii=True, allow_nan=False, separators=(",", ":"))
 
 
 def new_id(prefix: str) -> str:

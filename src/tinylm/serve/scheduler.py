@@ -67,8 +67,9 @@ from that one look; a cancel landing in the middle waits for the next step.
 **Failures.** A failure in sampling (a request whose settings the sampling functions cannot
 handle) fails the jobs of that sampling group alone, with `JobFailed` (status 400 when the
 library refused the settings, 500 otherwise); the other rows of the step go on. A failure
-anywhere else in a step (the model itself, an out-of-memory) fails the jobs in the batch,
-and the scheduler keeps serving the others waiting.
+anywhere else in a step (the model itself, an out-of-memory, a panic in a Rust tokenizer,
+which is a BaseException: see `is_crash`) fails the jobs in the batch, and the scheduler
+keeps serving the others waiting.
 
 **Shutting down.** `end_all` (the server calls it when it stops) fails every running and waiting
 job with status 503 before the next step, and refuses new ones; `close` stops the thread.
@@ -79,6 +80,7 @@ the events of one step (the HTTP layer hands them to its event loop).
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections import defaultdict, deque
@@ -152,6 +154,16 @@ class JobFailed:
 
 class JobDone:
     """The last event of a job: every row has finished."""
+
+
+def is_crash(error: BaseException) -> bool:
+    """Whether an exception is a failure to report and survive, not a request to stop.
+
+    Every Exception is, and so are the BaseExceptions that are failures all the same: pyo3's
+    PanicException, which a panic in a Rust tokenizer (tiktoken) raises, derives from BaseException
+    alone. Ctrl+C, ``sys.exit``, a cancelled task and a closed generator are requests to stop.
+    """
+    return not isinstance(error, (KeyboardInterrupt, SystemExit, GeneratorExit, asyncio.CancelledError))
 
 
 # ----- jobs and rows ---------------------------------------------------------------------------------
@@ -355,7 +367,9 @@ class Scheduler:
             try:
                 if not self._iteration():
                     return
-            except Exception as e:  # a bug or an out-of-memory: fail the running jobs, keep serving
+            except BaseException as e:  # a bug, an out-of-memory, a tokenizer's panic: fail the running jobs, go on
+                if not is_crash(e):
+                    raise
                 self._fail_running(f"{type(e).__name__}: {e}")
 
     @torch.inference_mode()
