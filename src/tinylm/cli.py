@@ -259,11 +259,12 @@ def cmd_tokenizer_import(args: argparse.Namespace) -> int:
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
-    from tinylm.data.shards import prepare
+    from tinylm.data.shards import check_output_folder, prepare
     from tinylm.tokenizers import load_tokenizer
 
     corpus = _load_corpus(args)
     out = Path(args.out) if args.out else Path("data") / Path(corpus.name).name
+    check_output_folder(out)  # before a tokenizer is trained and saved there
     if args.tokenizer:
         tok = load_tokenizer(args.tokenizer)
     else:

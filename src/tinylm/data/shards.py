@@ -44,6 +44,7 @@ import hashlib
 import json
 import multiprocessing
 import os
+import re
 import tempfile
 from array import array
 from collections import deque
@@ -264,6 +265,7 @@ def prepare(
     workers: int | None = None,
     progress: bool = False,
     overwrite: bool = False,
+    reuse_only: bool = False,
 ) -> ShardSet:
     """Tokenize ``corpus`` into train/val shards in ``out_dir`` (see the module docstring).
 
@@ -272,19 +274,19 @@ def prepare(
     processes: None uses every available core (one, for less than 1 MB of text); 1 encodes
     in this process. ``progress`` shows progress bars on stderr. If ``out_dir`` already holds
     shards of the same text, tokenizer and split, they are returned with ``reused`` set;
-    shards of anything else raise `TinyLMError` unless ``overwrite`` is true.
+    shards of anything else raise `TinyLMError` unless ``overwrite`` is true. ``reuse_only``
+    writes nothing: the folder must already hold these shards (for a folder named by a file
+    read from disk, such as a run's run.json, rather than by the user). A folder holding files
+    prepare did not write is refused, ``overwrite`` or not.
     """
     if not 0 <= val_fraction < 1:
         raise TinyLMError(f"the validation fraction must be at least 0 and below 1, got {val_fraction}")
     if workers is not None and workers < 1:
         raise TinyLMError(f"workers must be 1 or more, got {workers}")
     out = Path(out_dir)
-    if out.exists() and not out.is_dir():
-        raise TinyLMError(f"output folder {out} is a file; choose a folder for the shards")
+    check_output_folder(out)
 
     existing = None
-    if overwrite and _written_by_someone_else(out / META_FILE):
-        raise TinyLMError(f"{out / META_FILE} was not written by tinylm prepare; choose another output folder")
     if not overwrite and (out / META_FILE).exists():
         existing = ShardSet.open(out)
         _check_same_recipe(existing, tokenizer, val_fraction, seed)
@@ -298,6 +300,10 @@ def prepare(
             f"{out} already holds shards of different text (corpus {existing.meta['corpus']!r}); "
             "choose another output folder or pass --force"
         )
+    if reuse_only:
+        raise TinyLMError(f"{out} does not hold finished shards of corpus {corpus.name!r}, and tinylm writes only "
+                          "where you name it: pass --data-dir with a folder to prepare them in")
+    _remove_stale_temporaries(out)
 
     dtype = token_dtype(tokenizer.vocab_size)
     if workers is None:
@@ -308,7 +314,7 @@ def prepare(
     handles: dict[str, Any] = {}
     try:
         for split in SPLITS:
-            fd, name = tempfile.mkstemp(prefix=f".{split}.bin.", suffix=".tmp", dir=out)
+            fd, name = tempfile.mkstemp(prefix=f".{split}.bin.{os.getpid()}.", suffix=".tmp", dir=out)
             os.chmod(fd, 0o644)  # mkstemp makes the file private; shards are ordinary data
             temps[split] = Path(name)
             handles[split] = os.fdopen(fd, "wb")
@@ -366,6 +372,61 @@ def prepare(
         for path in temps.values():
             path.unlink(missing_ok=True)
     return ShardSet.open(out)
+
+
+SHARD_FILES = ("train.bin", "val.bin", TOKENIZER_FILE, META_FILE)
+# What prepare writes before renaming into place: ".<file>.<pid>.<random>.tmp" or ".<file>.<pid>.tmp"
+_TEMPORARY = re.compile(r"\.(?:train\.bin|val\.bin|tokenizer\.json|meta\.json)\.(\d+)(?:\.[^.]+)?\.tmp")
+
+
+def check_output_folder(out: Path) -> None:
+    """Refuse a shard folder holding anything prepare did not write: it never replaces another tool's files.
+
+    The folder may be new or empty, or hold shards (finished or interrupted) and a tinylm tokenizer.
+    """
+    if out.exists() and not out.is_dir():
+        raise TinyLMError(f"output folder {out} is a file; choose a folder for the shards")
+    if not out.is_dir():
+        return
+    foreign = sorted(p.name for p in out.iterdir() if p.name not in SHARD_FILES and not _TEMPORARY.fullmatch(p.name))
+    if foreign:
+        shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
+        what = "a run folder" if "run.json" in foreign else "a folder"
+        raise TinyLMError(f"{out} is {what} holding files tinylm prepare did not write ({shown}); "
+                          "give the shards a new or empty folder of their own")
+    if _written_by_someone_else(out / META_FILE):
+        raise TinyLMError(f"{out / META_FILE} was not written by tinylm prepare; choose another output folder")
+    tokenizer = out / TOKENIZER_FILE
+    if tokenizer.exists():
+        try:
+            ours = json.loads(tokenizer.read_text(encoding="utf-8")).get("format") == "tinylm.tokenizer"
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+            ours = False
+        if not ours:
+            raise TinyLMError(f"{tokenizer} was not written by tinylm; choose another output folder, "
+                              "so that it is not replaced")
+
+
+def _remove_stale_temporaries(out: Path) -> None:
+    """Delete temporary files left by a prepare that was killed (their process is gone)."""
+    if not out.is_dir():
+        return
+    for path in out.iterdir():
+        m = _TEMPORARY.fullmatch(path.name)
+        if m and not _process_alive(int(m.group(1))):
+            path.unlink(missing_ok=True)
+
+
+def _process_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
 
 
 def _written_by_someone_else(meta_path: Path) -> bool:
