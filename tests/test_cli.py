@@ -113,6 +113,10 @@ USER_ERRORS = [
     (["tokenizer", "decode", "--tokenizer", "/no/tok.json", "1"], "does not exist"),
     (["prepare", "--val-fraction", "2", "--out", "x"], "between 0 and 1"),
     (["frobnicate"], "invalid choice"),
+    # a negative seed: numpy's SeedSequence used to raise after the data was prepared
+    (["train", "--seed", "-1", "--max-steps", "1"], "seed must be an integer from 0 to 2**63 - 1, got -1"),
+    (["prepare", "--seed", "-1", "--out", "x"], "--seed: expected an integer from 0 to 2**63 - 1, got -1"),
+    (["sample", "runs/x", "--seed", "-5"], "--seed: expected an integer from 0 to 2**63 - 1, got -5"),
 ]
 
 

@@ -50,6 +50,7 @@ def _number(kind: type, what: str, ok: Callable[[float], bool]) -> Callable[[str
 
 
 _positive_int = _number(int, "a positive integer", lambda v: v >= 1)
+_seed = _number(int, "an integer from 0 to 2**63 - 1", lambda v: 0 <= v < 2**63)
 _integer = _number(int, "an integer", lambda v: True)  # a range the library checks (it knows the bounds)
 _nonneg_float = _number(float, "a number >= 0", lambda v: v >= 0)
 _probability = _number(float, "a number between 0 and 1", lambda v: 0.0 <= v <= 1.0)
@@ -687,7 +688,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_tokenizer_training_flags(p, vocab_default=4096)
     p.add_argument("--out", help="output folder (default: data/CORPUS)")
     p.add_argument("--val-fraction", type=_fraction, default=0.1, help="share of documents for validation (default: 0.1)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the train/validation split (default: 0)")
+    p.add_argument("--seed", type=_seed, default=0, help="seed of the train/validation split (default: 0)")
     p.add_argument("--force", action="store_true", help="re-train the tokenizer and rewrite the shards")
     p.set_defaults(func=cmd_prepare, parser=p)
 
@@ -782,7 +783,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep the smallest set of most likely tokens whose probability reaches p (default: off)")
     p.add_argument("--min-p", type=_probability, metavar="P",
                    help="keep tokens at least this fraction as likely as the most likely one (default: off)")
-    p.add_argument("--seed", type=int, metavar="N", help="make the sampling reproducible (default: a fresh seed each run)")
+    p.add_argument("--seed", type=_seed, metavar="N", help="make the sampling reproducible (default: a fresh seed each run)")
     p.add_argument("--stop", action="append", metavar="TEXT",
                    help="stop a sample at this text (not included in the output; \\n and \\t are understood); "
                    "repeat for several; the end-of-text token always stops")

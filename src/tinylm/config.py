@@ -371,6 +371,8 @@ class TrainConfig:
         for name in ("warmup_steps", "eval_tokens", "final_eval_tokens", "sample_tokens", "sample_top_k"):
             if getattr(self, name) < 0:
                 raise TinyLMError(f"{name} must be 0 or more, got {getattr(self, name)}")
+        if not 0 <= self.seed < 2**63:  # numpy's and torch's generators take no negative seeds
+            raise TinyLMError(f"seed must be an integer from 0 to 2**63 - 1, got {self.seed}")
         if not (math.isfinite(self.lr) and self.lr > 0):
             raise TinyLMError(f"lr must be a positive number, got {self.lr}")
         if self.min_lr is not None and not 0 <= self.min_lr <= self.lr:

@@ -49,10 +49,17 @@ FORMAT_VERSION = 1
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 
 
+# More reserved tokens than any model family uses (Llama 3 reserves 256), few enough that a
+# hand-edited "n_reserved": 1000000000 is an error, not a billion strings.
+MAX_RESERVED = 1 << 16
+
+
 def special_token_names(n_reserved: int = 0) -> list[str]:
     """The special tokens in id order: bos, eos, pad, then ``n_reserved`` reserved ones."""
-    if n_reserved < 0:
-        raise TinyLMError(f"the reserved range must be 0 or more tokens, got {n_reserved}")
+    if isinstance(n_reserved, bool) or not isinstance(n_reserved, int):
+        raise TinyLMError(f"the reserved range must be a whole number of tokens, got {n_reserved!r}")
+    if not 0 <= n_reserved <= MAX_RESERVED:
+        raise TinyLMError(f"the reserved range must be 0 to {MAX_RESERVED:,} tokens, got {n_reserved:,}")
     return [BOS, EOS, PAD] + [f"<|reserved_{i}|>" for i in range(n_reserved)]
 
 
@@ -288,9 +295,10 @@ def tokenizer_from_dict(data: dict[str, Any], source: str = "<dict>") -> Tokeniz
         raise TinyLMError(f"tokenizer file {source} has unknown kind {kind!r}; expected one of {sorted(KINDS)}")
     try:
         tok = KINDS[kind]._from_dict(data)
-    except (KeyError, TypeError, ValueError, IndexError) as e:
+    except (KeyError, TypeError, ValueError, IndexError, TinyLMError) as e:
+        what = str(e) if isinstance(e, TinyLMError) else f"{type(e).__name__}: {e}"
         raise TinyLMError(
-            f"tokenizer file {source} is corrupt ({type(e).__name__}: {e}); re-create it with `tinylm tokenizer train`"
+            f"tokenizer file {source} is corrupt ({what}); re-create it with `tinylm tokenizer train`"
         ) from None
     if tok.special_tokens != data.get("special_tokens"):
         raise TinyLMError(f"tokenizer file {source} is corrupt: its special token ids do not match its vocabulary")
@@ -301,6 +309,13 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     """Load any tinylm tokenizer saved with `Tokenizer.save`."""
     path = Path(path)
     return tokenizer_from_dict(_read_json(path), str(path))
+
+
+def whole_number(value: Any, what: str) -> int:
+    """``value`` if it is an int (not a bool, not 1.5, not "1"): what a file must hold where an id or a count goes."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{what} must be a whole number, got {value!r}")
+    return value
 
 
 def generation_excluded(tokenizer: Tokenizer) -> list[int]:

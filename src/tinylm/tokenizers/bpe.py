@@ -44,7 +44,7 @@ import regex
 import tiktoken
 
 from tinylm.errors import TinyLMError
-from tinylm.tokenizers.base import AllowedSpecial, Tokenizer, without_lone_surrogates
+from tinylm.tokenizers.base import AllowedSpecial, Tokenizer, whole_number, without_lone_surrogates
 
 # The split patterns of GPT-2 (r50k) and GPT-4 (cl100k), as tiktoken writes them (possessive
 # quantifiers, same chunks as the originals). "none" means no pre-tokenization: the whole text
@@ -267,7 +267,14 @@ class BPETokenizer(Tokenizer):
 
     @classmethod
     def _from_dict(cls, data: dict[str, Any]) -> BPETokenizer:
-        return cls([tuple(m) for m in data["merges"]], pattern=data["pattern"], n_reserved=int(data["n_reserved"]))
+        merges = []
+        for rank, m in enumerate(data["merges"]):
+            if not isinstance(m, list) or len(m) != 2:
+                raise ValueError(f"merge {rank} must be a pair of token ids, got {m!r}")
+            merges.append((whole_number(m[0], f"merge {rank}'s ids"), whole_number(m[1], f"merge {rank}'s ids")))
+        if not isinstance(data["pattern"], str):
+            raise ValueError(f"the split pattern must be text, got {data['pattern']!r}")
+        return cls(merges, pattern=data["pattern"], n_reserved=whole_number(data["n_reserved"], "n_reserved"))
 
 
 def _tiktoken_call(fn, *args: Any, **kwargs: Any) -> Any:

@@ -28,7 +28,7 @@ from typing import Any, ClassVar
 import regex
 
 from tinylm.errors import TinyLMError
-from tinylm.tokenizers.base import Tokenizer, special_token_names, without_lone_surrogates
+from tinylm.tokenizers.base import Tokenizer, special_token_names, whole_number, without_lone_surrogates
 
 UNKNOWN_POLICIES = ("unk", "bytes")
 
@@ -97,7 +97,10 @@ class PieceTokenizer(Tokenizer):
 
     @classmethod
     def _from_dict(cls, data: dict[str, Any]) -> PieceTokenizer:
-        return cls(list(data["pieces"]), unknown=data["unknown"], n_reserved=int(data["n_reserved"]))
+        pieces = data["pieces"]
+        if not isinstance(pieces, list) or not all(isinstance(p, str) and p for p in pieces):
+            raise ValueError("pieces must be a list of non-empty strings")
+        return cls(pieces, unknown=data["unknown"], n_reserved=whole_number(data["n_reserved"], "n_reserved"))
 
 
 class CharTokenizer(PieceTokenizer):
