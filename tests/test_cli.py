@@ -157,3 +157,26 @@ def test_an_unknown_flag_points_at_its_own_subcommand_help():
                           capture_output=True, text=True)
     assert proc.returncode == 2
     assert proc.stderr.strip() == "tinylm train: error: unrecognized arguments: false (see `tinylm train --help`)"
+
+
+def test_a_config_file_without_a_preset_starts_from_tiny_as_the_command_does(tmp_path):
+    import tomllib
+
+    from tinylm.config import dump_toml, resolve_config
+
+    plain = tmp_path / "my-run.toml"
+    plain.write_text("[train]\nlr = 1e-3\n")
+    done = run("train", "--config", str(plain), "--print-config")
+    assert done.returncode == 0, done.stderr
+    printed = tomllib.loads(done.stdout)
+    expected = resolve_config(preset="tiny", overrides={"lr": 1e-3}).to_dict()
+    assert printed == tomllib.loads(dump_toml(expected))
+    assert printed["model"]["n_layer"] == 4 and printed["model"]["d_model"] == 192  # tiny's, not GPT-2 small's
+    # a preset named in the file, on the command line, or by --model wins over tiny
+    named = tmp_path / "small-run.toml"
+    named.write_text('preset = "small"\n[train]\nlr = 1e-3\n')
+    for argv, preset in ((["--config", str(named)], "small"), (["--config", str(plain), "--preset", "classic"], "classic"),
+                         (["--config", str(plain), "--model", "lstm"], "lstm")):
+        done = run("train", *argv, "--print-config")
+        assert done.returncode == 0, done.stderr
+        assert tomllib.loads(done.stdout) == tomllib.loads(dump_toml(resolve_config(preset=preset, overrides={"lr": 1e-3}).to_dict())), argv

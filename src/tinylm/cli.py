@@ -407,6 +407,7 @@ def _train_config(args: argparse.Namespace):
         family = settings.get("model.family")
         default = family if family in ("lstm", "rnn") and not args.init_from else "tiny"
         base = load_preset(args.preset or default) if (args.preset or not args.config) else {}
+        # a --config file without a preset = line starts where the command does, not from the dataclass defaults
         init_config = Path(args.init_from or "") / "config.toml"
         if args.init_from and not (args.preset or args.config) and init_config.is_file():
             # fine-tuning: the model is the one being started from; the [train] settings are tiny's
@@ -420,7 +421,7 @@ def _train_config(args: argparse.Namespace):
         if args.config:
             from tinylm.config import _merge
 
-            base = _merge(base, load_config_file(args.config))
+            base = _merge(base, load_config_file(args.config, default_preset=None if args.preset else default))
     return build_config(apply_overrides(base, settings))
 
 
@@ -479,6 +480,14 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.out is None:
         args.out = str(_default_run_dir(args))
     config = _train_config(args)
+    if args.print_config:
+        from tinylm.config import dump_toml, load_config_file
+
+        if config is None:  # --resume with nothing changed: the run's own
+            print(dump_toml(load_config_file(Path(args.out) / "config.toml")), end="")
+        else:
+            print(dump_toml(config.to_dict()), end="")
+        return 0
     unused = _unused_settings(config, _settings(args), args.stop_after) if config is not None else []
     pending = []
     if unused:
@@ -716,6 +725,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stop after this many steps with a checkpoint, as if interrupted (resume later)")
     p.add_argument("--no-progress", dest="progress", action="store_false",
                    help="no progress bar or progress lines")
+    p.add_argument("--print-config", action="store_true",
+                   help="print the resolved configuration as TOML and exit: nothing is trained or written")
     p.add_argument("--model", dest=f"{_SETTING_PREFIX}model.family", choices=["gpt", "lstm", "rnn", "ngram"],
                    action=_OneFamily, default=argparse.SUPPRESS, help="which model to train: the Transformer (gpt, default), an LSTM or "
                    "RNN by the same loop, or an n-gram model by counting (the same as --family)")

@@ -437,8 +437,9 @@ def load_preset(name: str) -> dict[str, dict[str, Any]]:
     return _load_preset(name, seen=())
 
 
-def load_config_file(path: str | Path) -> dict[str, dict[str, Any]]:
-    """A TOML configuration file as a nested dict, merged over its ``preset = "..."`` if it names one."""
+def load_config_file(path: str | Path, default_preset: str | None = None) -> dict[str, dict[str, Any]]:
+    """A TOML configuration file as a nested dict, merged over its ``preset = "..."`` if it names one,
+    else over ``default_preset`` (`tinylm train --config` gives "tiny", where the command starts)."""
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
@@ -446,7 +447,7 @@ def load_config_file(path: str | Path) -> dict[str, dict[str, Any]]:
         raise TinyLMError(f"configuration file not found: {path}") from None
     except OSError as e:
         raise TinyLMError(f"cannot read configuration file {path}: {e.strerror}") from None
-    return _parse_toml(text, source=str(path), seen=())
+    return _parse_toml(text, source=str(path), seen=(), default_preset=default_preset)
 
 
 def _load_preset(name: str, seen: tuple[str, ...]) -> dict[str, dict[str, Any]]:
@@ -459,12 +460,13 @@ def _load_preset(name: str, seen: tuple[str, ...]) -> dict[str, dict[str, Any]]:
     return _parse_toml(resource.read_text(encoding="utf-8"), source=f"preset {name!r}", seen=seen + (name,))
 
 
-def _parse_toml(text: str, source: str, seen: tuple[str, ...]) -> dict[str, dict[str, Any]]:
+def _parse_toml(text: str, source: str, seen: tuple[str, ...],
+                default_preset: str | None = None) -> dict[str, dict[str, Any]]:
     try:
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise TinyLMError(f"{source} is not valid TOML: {e}") from None
-    base: dict[str, dict[str, Any]] = {}
+    base: dict[str, dict[str, Any]] = _load_preset(default_preset, seen) if default_preset else {}
     if "preset" in raw:
         preset = raw.pop("preset")
         if not isinstance(preset, str):
