@@ -264,13 +264,13 @@ def test_a_job_whose_sampling_fails_fails_alone(run, monkeypatch):
 def test_generators_are_made_on_the_model_s_device(run, monkeypatch):
     """Sampling draws where the probabilities are: a CPU generator cannot draw from CUDA tensors (every sampled
     request would fail on a GPU). No GPU here: the device the generators are asked for is checked instead."""
-    real, devices = scheduler_module.make_generators, []
+    real, devices = scheduler_module.prompt_generators, []
 
-    def recording(seed, n, device=None):
+    def recording(seed, n_prompts, n_samples, device=None):
         devices.append(device)
-        return real(seed, n, "cpu" if device is None else device)
+        return real(seed, n_prompts, n_samples, "cpu" if device is None else device)
 
-    monkeypatch.setattr(scheduler_module, "make_generators", recording)
+    monkeypatch.setattr(scheduler_module, "prompt_generators", recording)
     scheduler = Scheduler(run.model, run.tokenizer).start()
     try:
         sampled, greedy = Recorder(), Recorder()

@@ -49,7 +49,7 @@ from torch import Tensor, nn
 
 from tinylm.errors import TinyLMError
 from tinylm.generate.cache import KVCache, cache_for
-from tinylm.generate.sampling import SamplingParams, excluded_mask, make_generators, sample, token_logprobs
+from tinylm.generate.sampling import SamplingParams, excluded_mask, prompt_generators, sample, token_logprobs
 from tinylm.generate.stream import TextStream
 from tinylm.tokenizers.base import Tokenizer
 
@@ -266,7 +266,8 @@ class Engine:
             for row in rows:
                 row.finish_reason = "length"
             return
-        generators = None if params.greedy else make_generators(params.seed, len(rows), self.device)
+        generators = None if params.greedy else prompt_generators(
+            params.seed, len(rows) // params.num_samples, params.num_samples, self.device)
         was_training = self.model.training
         self.model.eval()
         try:

@@ -12,7 +12,7 @@ The tests run both and require the same tokens (and logits within 1e-5): this fi
 oracle for the cache, for batching with padding and for the window policy.
 
 `reference_generate` samples row ``r`` of a call with the same generator the engine gives that
-row (`make_generators(seed, rows)[r]`), so sampled tokens can be compared too.
+row (`prompt_generators(seed, prompts, n)[r]`), so sampled tokens can be compared too.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from tinylm.generate.engine import Completion, context_start, warn_window, window_keep
-from tinylm.generate.sampling import SamplingParams, excluded_mask, make_generators, sample, token_logprobs
+from tinylm.generate.sampling import SamplingParams, excluded_mask, prompt_generators, sample, token_logprobs
 from tinylm.tokenizers.base import Tokenizer
 
 
@@ -36,7 +36,8 @@ def reference_generate(
 ) -> list[Completion]:
     """Completions for token-id prompts (``num_samples`` each), as the engine would give them, naively."""
     n_rows = len(prompts) * params.num_samples
-    generators = None if params.greedy else make_generators(params.seed, n_rows, next(model.parameters()).device)
+    generators = None if params.greedy else prompt_generators(params.seed, len(prompts), params.num_samples,
+                                                              next(model.parameters()).device)
     out = []
     for r in range(n_rows):
         prompt = prompts[r // params.num_samples]

@@ -230,6 +230,20 @@ def make_generators(seed: int | None, n: int, device: torch.device | str = "cpu"
     return gens
 
 
+def prompt_generators(seed: int | None, n_prompts: int, n_samples: int,
+                      device: torch.device | str = "cpu") -> list[torch.Generator]:
+    """The generators of ``n_prompts`` prompts x ``n_samples`` samples, row ``p * n_samples + s``.
+
+    With a seed, sample s of every prompt is seeded from (seed, s) alone, so a prompt's text does
+    not depend on which other prompts came with it (or in which order): ``sample --seed 1`` of a
+    prompt gives the same text alone or second in a list, as the server does for each request.
+    Without one, every row gets fresh randomness of its own.
+    """
+    if seed is None:
+        return make_generators(None, n_prompts * n_samples, device)
+    return [g for _ in range(n_prompts) for g in make_generators(seed, n_samples, device)]
+
+
 def sample(logits: Tensor, params: SamplingParams, generators: Sequence[torch.Generator] | None = None) -> Tensor:
     """Next token ids (B,) from last-position logits (B, V): greedy, or one draw per row.
 

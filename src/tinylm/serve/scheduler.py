@@ -29,8 +29,8 @@ one background thread that owns the model:
 top-k, top-p and min-p in the same step: the logits are grouped by settings and each group
 is filtered and drawn with `tinylm.generate.sampling.sample` (filters work row by row, so grouping
 changes nothing). Every row draws from its own `torch.Generator`, seeded like the library's
-from the request's ``seed`` and the row's index (`make_generators(seed, rows)`, row = prompt
-index x n + sample index), made on the model's device when the job is submitted (the draw
+from the request's ``seed`` and the row's sample index (`prompt_generators(seed, prompts, n)`: sample s of
+every prompt from (seed, s), so a prompt's text does not depend on the other prompts), made on the model's device when the job is submitted (the draw
 happens where the probabilities are: a CPU generator cannot draw from CUDA tensors). So a
 seeded request gives the same tokens whatever else is in the batch, and the same as
 `tinylm.generate.generate` with that seed, up to float rounding between matrix shapes (a
@@ -93,7 +93,7 @@ from torch import Tensor, nn
 from tinylm.errors import TinyLMError
 from tinylm.generate.cache import KVCache, cache_for
 from tinylm.generate.engine import FinishReason, accept_token, decode_one_token, left_pad
-from tinylm.generate.sampling import SamplingParams, excluded_mask, make_generators, sample, token_logprobs
+from tinylm.generate.sampling import SamplingParams, excluded_mask, prompt_generators, sample, token_logprobs
 from tinylm.generate.stream import TextStream
 from tinylm.tokenizers.base import Tokenizer
 
@@ -320,7 +320,7 @@ class Scheduler:
                 raise TinyLMError(f"prompt {i} has {len(prompt)} tokens; with {job.params.max_new_tokens} new ones it "
                                   f"exceeds the model's context of {self.block_size}")
         if job.generators is None and not job.params.greedy:  # where the probabilities will be
-            job.generators = make_generators(job.params.seed, len(job.prompts) * job.n, self.device)
+            job.generators = prompt_generators(job.params.seed, len(job.prompts), job.n, self.device)
         with self._cond:
             if self.closing:
                 raise TinyLMError("the server is shutting down")
