@@ -196,3 +196,17 @@ def test_an_ngram_model_is_scored_the_same_whatever_the_stride(shards):
         assert result.report()["windows"] == "none" and result.report()["stride"] is None
     with pytest.raises(TinyLMError, match="stride 0 is out of range: give a positive integer"):
         evaluate_model(model, text, tok, block_size=16, stride=0)
+
+
+def test_evaluation_shows_progress_and_batches_by_tokens(capsys):
+    from tinylm.evaluate import EVAL_BATCH_TOKENS, eval_batch_size, evaluate_tokens
+
+    assert eval_batch_size(128) == EVAL_BATCH_TOKENS // 128 and eval_batch_size(10**6) == 1
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=50, block_size=16, n_layer=1, d_model=16, n_head=2))
+    data = np.random.default_rng(0).integers(0, 49, 500)
+    quiet = evaluate_tokens(model, data, 1000, 49, block_size=16, batch_size=4)
+    assert "evaluating" not in capsys.readouterr().err
+    shown = evaluate_tokens(model, data, 1000, 49, block_size=16, batch_size=4, progress=True)
+    assert "evaluating val" in capsys.readouterr().err
+    assert shown.loss == quiet.loss

@@ -80,8 +80,7 @@ def compare_runs(
                                   "--corpus, or prepare the data again")
             text = split_text(ShardSet.open(folder), split)
         result = evaluate_model(run.model, text, run.tokenizer, block_size=run.config.model.block_size,
-                                batch_size=run.config.train.batch_size, max_tokens=max_tokens, stride=stride,
-                                device=device)
+                                max_tokens=max_tokens, stride=stride, device=device)
         rows.append(Compared(name, run.family, _size(run.model),
                              f"{run.tokenizer.kind} |V|={run.tokenizer.vocab_size}", result))
     return rows

@@ -74,6 +74,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from tqdm import tqdm
 
 from tinylm.data.corpora import Corpus, load_corpus
 from tinylm.data.shards import ShardSet
@@ -248,7 +249,18 @@ def evaluate(
                            tokenizer=shards.tokenizer(), **kwargs)
 
 
-@torch.no_grad()
+# Windows per forward pass when the caller does not choose: about this many tokens, whatever the
+# run's training batch. On the tiny preset (2 CPU threads) 256-4096 tokens a batch run at the same
+# speed within noise and 8192 is slower (`benchmarks/eval_speed.py`); smaller batches keep the
+# logits of a large vocabulary (B x T x |V| floats) small.
+EVAL_BATCH_TOKENS = 1024
+
+
+def eval_batch_size(block_size: int) -> int:
+    """The default number of windows per forward pass: `EVAL_BATCH_TOKENS` tokens, at least one window."""
+    return max(1, EVAL_BATCH_TOKENS // block_size)
+
+
 def evaluate_tokens(
     model: torch.nn.Module | Callable[[Tensor], Tensor | tuple[Tensor, ...]],
     data: np.ndarray,
@@ -265,6 +277,7 @@ def evaluate_tokens(
     rank: int = 0,
     world_size: int = 1,
     tokenizer: Tokenizer | None = None,
+    progress: bool = False,
 ) -> EvalResult:
     """Loss, perplexity and bits per byte of ``model`` on a token stream (see the module docstring).
 
@@ -278,7 +291,7 @@ def evaluate_tokens(
     ``autocast`` is a context manager factory for mixed precision. With ``world_size`` > 1
     (inside an initialised process group) each process takes every world_size-th batch and the
     sums are all-reduced. ``tokenizer`` (the stream's) lets bits per byte charge ``<unk>`` tokens
-    for the bytes they stand for.
+    for the bytes they stand for. ``progress`` shows a bar of the windows done on stderr.
     """
     if batch_size < 1:
         raise TinyLMError(f"batch_size must be positive, got {batch_size}")
@@ -299,30 +312,36 @@ def evaluate_tokens(
     was_training = getattr(model, "training", False)
     if isinstance(model, torch.nn.Module):
         model.eval()
-    try:
-        # Every process runs the same number of forward passes (a sharded model needs all of them
-        # for each one): when the batches do not divide evenly, some repeat batch 0 and discard it.
-        rounds = math.ceil(len(batches) / world_size)
-        for k in range(rounds):
-            b = k * world_size + rank
-            keep = b < len(batches)
-            index = batches[b if keep else 0]
-            pairs = [_window(data, int(starts[i]), int(lengths[i]), context) for i in index]
-            x = torch.from_numpy(np.stack([p[0] for p in pairs])).to(device)  # (B, T)
-            y = np.stack([p[1] for p in pairs])  # (B, T)
-            for row, i in enumerate(index):
-                y[row, : skips[i]] = IGNORE_INDEX  # scored by the window before (sliding windows only)
-            y = torch.from_numpy(y).to(device)  # (B, T)
-            with autocast():
-                out = model(x)
-            logits = out[0] if isinstance(out, tuple) else out  # (B, T, |V|)
-            nll = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=IGNORE_INDEX,
-                                  reduction="none")  # (B*T,), 0 where masked
-            if keep:
-                losses[torch.from_numpy(index).to(device)] = nll.view(len(index), -1).double().sum(dim=1)
-    finally:
-        if was_training and isinstance(model, torch.nn.Module):
-            model.train()
+    # inference mode skips autograd's bookkeeping altogether; a sharded model's collectives (FSDP
+    # inside training) keep to no_grad, which they are written for
+    no_autograd = torch.inference_mode() if world_size == 1 else torch.no_grad()
+    with no_autograd, tqdm(total=len(starts), desc=f"evaluating {split}", unit="window", disable=not progress,
+                           leave=False) as bar:
+        try:
+            # Every process runs the same number of forward passes (a sharded model needs all of them
+            # for each one): when the batches do not divide evenly, some repeat batch 0 and discard it.
+            rounds = math.ceil(len(batches) / world_size)
+            for k in range(rounds):
+                b = k * world_size + rank
+                keep = b < len(batches)
+                index = batches[b if keep else 0]
+                pairs = [_window(data, int(starts[i]), int(lengths[i]), context) for i in index]
+                x = torch.from_numpy(np.stack([p[0] for p in pairs])).to(device)  # (B, T)
+                y = np.stack([p[1] for p in pairs])  # (B, T)
+                for row, i in enumerate(index):
+                    y[row, : skips[i]] = IGNORE_INDEX  # scored by the window before (sliding windows only)
+                y = torch.from_numpy(y).to(device)  # (B, T)
+                with autocast():
+                    out = model(x)
+                logits = out[0] if isinstance(out, tuple) else out  # (B, T, |V|)
+                nll = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=IGNORE_INDEX,
+                                      reduction="none")  # (B*T,), 0 where masked
+                if keep:
+                    losses[torch.from_numpy(index).to(device)] = nll.view(len(index), -1).double().sum(dim=1)
+                    bar.update(len(index))
+        finally:
+            if was_training and isinstance(model, torch.nn.Module):
+                model.train()
     if world_size > 1:
         import torch.distributed as dist
 
@@ -388,16 +407,18 @@ def evaluate_model(
     tokenizer: Tokenizer,
     *,
     block_size: int,
-    batch_size: int = 32,
+    batch_size: int | None = None,
     max_tokens: int = 0,
     stride: int | None = None,
     device: str = "cpu",
+    progress: bool = False,
 ) -> EvalResult:
     """Evaluate any family: a network (`GPT`, `RecurrentLM`) by windows, an n-gram (`NGramLM`) by its own scorer.
 
     The n-gram model scores the whole text in a few vectorised passes, its context restarting
     after each EOS as in counting (``max_tokens`` does not apply: it is fast enough for all of it;
-    ``stride`` changes nothing, every target already has its whole n-gram context).
+    ``stride`` changes nothing, every target already has its whole n-gram context). ``batch_size``
+    None: `eval_batch_size` windows a forward pass.
     """
     check_stride(stride, window_size(model, block_size))
     if len(text.tokens) == 0:
@@ -410,8 +431,8 @@ def evaluate_model(
         return EvalResult(text.name, result.loss_sum, n, float(text.bytes), False, np.zeros(1, dtype=np.int64),
                           np.array([result.loss_sum]), np.array([n]), time.perf_counter() - started, n_unk, unk_bytes)
     return evaluate_tokens(model, text.tokens, text.bytes, tokenizer.eos_id, split=text.name, block_size=block_size,
-                           batch_size=batch_size, max_tokens=max_tokens, stride=stride, device=device,
-                           tokenizer=tokenizer)
+                           batch_size=batch_size or eval_batch_size(block_size), max_tokens=max_tokens,
+                           stride=stride, device=device, tokenizer=tokenizer, progress=progress)
 
 
 def evaluate_run(
@@ -426,6 +447,7 @@ def evaluate_run(
     corpus: str | Corpus | None = None,
     tokenizer: str | None = None,
     device: str = "cpu",
+    progress: bool = False,
 ) -> EvalResult:
     """Evaluate a trained run of any family (`tinylm.run.load_run`), or an n-gram model file (.npz).
 
@@ -442,14 +464,14 @@ def evaluate_run(
                           "`tinylm train` wrote")
     if path.suffix == ".npz":
         model, tok = _ngram_file(path, data_dir, tokenizer)
-        block_size, batch, recorded = model.config.block_size, 1, None  # an n-gram scores without windows
+        block_size, recorded = model.config.block_size, None  # an n-gram scores without windows
     else:
         if tokenizer is not None:
             raise TinyLMError("--tokenizer is for a bare n-gram .npz file; a run folder evaluates with its own "
                               "tokenizer")
         run = load_run(path, checkpoint=checkpoint, device=device)
         model, tok = run.model, run.tokenizer
-        block_size, batch = run.config.model.block_size, run.config.train.batch_size
+        block_size = run.config.model.block_size
         recorded = run.info.get("data", {}).get("dir")
     check_stride(stride, window_size(model, block_size), f" of {run_dir}")  # before the text is read
     if corpus is not None:
@@ -467,8 +489,8 @@ def evaluate_run(
             raise TinyLMError(f"the shards in {folder} were made with another tokenizer than {run_dir}'s; "
                               "give the run's own data folder, or evaluate on a corpus with --corpus")
         text = split_text(shards, split)
-    return evaluate_model(model, text, tok, block_size=block_size, batch_size=batch_size or batch,
-                          max_tokens=max_tokens, stride=stride, device=device)
+    return evaluate_model(model, text, tok, block_size=block_size, batch_size=batch_size,
+                          max_tokens=max_tokens, stride=stride, device=device, progress=progress)
 
 
 def _ngram_file(path: Path, data_dir: str | None, tokenizer: str | None):
