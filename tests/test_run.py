@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from safetensors import safe_open
 
 import tinylm.run as run_module
 from tinylm.config import Config, GPTConfig, TrainConfig
@@ -116,10 +117,10 @@ def test_a_crash_while_saving_leaves_the_previous_checkpoint(tmp_path, monkeypat
         calls.append(filename)
         if len(calls) == 2:
             raise OSError("disk full")
-        return real_save_file(tensors, filename, metadata=metadata)
+        return real_save_safetensors(tensors, filename, metadata)
 
-    real_save_file = run_module.save_file
-    monkeypatch.setattr(run_module, "save_file", dies_on_the_second_file)
+    real_save_safetensors = run_module.save_safetensors
+    monkeypatch.setattr(run_module, "save_safetensors", dies_on_the_second_file)
     with pytest.raises(OSError, match="disk full"):
         save(latest, model, optimizer, cfg, step=6)
     monkeypatch.undo()
@@ -146,14 +147,77 @@ def test_a_truncated_or_corrupt_file_is_a_one_line_error_naming_it(tmp_path):
     model, optimizer = trained(cfg)
     path = save(tmp_path / "ckpt", model, optimizer, cfg)
     weights = path / "model.safetensors"
+    size = weights.stat().st_size
     weights.write_bytes(weights.read_bytes()[:200])  # cut short, as by a full disk
-    with pytest.raises(TinyLMError, match=r"model\.safetensors is corrupt or truncated.*other checkpoint") as e:
-        load_checkpoint(path).build_model()
+    with pytest.raises(TinyLMError, match=rf"model\.safetensors has 200 of the {size:,} bytes written \(truncated, "
+                       r"or another checkpoint's file\); use another checkpoint, or train again") as e:
+        load_checkpoint(path)
     assert "\n" not in str(e.value)
+    path = save(tmp_path / "ckpt", model, optimizer, cfg)
     optimizer_file = path / "optimizer.safetensors"
-    optimizer_file.write_bytes(b"\x00" * 64)
-    with pytest.raises(TinyLMError, match=r"optimizer\.safetensors is corrupt"):
-        load_checkpoint(path).optimizer_state()
+    data = bytearray(optimizer_file.read_bytes())
+    data[-5] ^= 0x10  # one bit of one moment: a file safetensors itself reads without complaint
+    optimizer_file.write_bytes(bytes(data))
+    with pytest.raises(TinyLMError, match=r"optimizer\.safetensors is corrupt \(its SHA-256 differs"):
+        load_checkpoint(path)
+
+
+def without_checksums(path):
+    """The checkpoint as tinylm wrote it before checksums: no checksums.json, and no mention of it."""
+    (path / "checksums.json").unlink()
+    state = json.loads((path / "state.json").read_text())
+    del state["checksums"]
+    (path / "state.json").write_text(json.dumps(state))
+
+
+def test_a_checkpoint_from_before_checksums_loads_unchecked_and_its_errors_stay_one_line(tmp_path):
+    cfg = config()
+    model, optimizer = trained(cfg)
+    path = save(tmp_path / "ckpt", model, optimizer, cfg)
+    without_checksums(path)
+    idx = torch.randint(0, cfg.model.vocab_size, (1, 8))
+    assert torch.equal(load_checkpoint(path).build_model()(idx)[0], model.eval()(idx)[0])
+    weights = path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:200])
+    with pytest.raises(TinyLMError, match=r"model\.safetensors is corrupt or truncated.*another checkpoint") as e:
+        load_checkpoint(path).build_model()  # only safetensors' own checks are left to catch it
+    assert "\n" not in str(e.value)
+
+
+def test_a_deleted_checksums_file_is_an_error_not_an_old_checkpoint(tmp_path):
+    cfg = config()
+    model, optimizer = trained(cfg)
+    path = save(tmp_path / "ckpt", model, optimizer, cfg)
+    (path / "checksums.json").unlink()
+    with pytest.raises(TinyLMError, match=r"checksums\.json is missing \(its state\.json says it was written\)"):
+        load_checkpoint(path)
+
+
+def test_the_same_checkpoint_is_saved_as_the_same_bytes(tmp_path):
+    """safetensors orders the metadata of each file by a fresh hash seed, even within one process."""
+    cfg = config()
+    model, optimizer = trained(cfg)
+    files = {}
+    for i in range(8):
+        path = save(tmp_path / f"ckpt{i}", model, optimizer, cfg)
+        for name in ("model.safetensors", "optimizer.safetensors", "rng.safetensors"):
+            files.setdefault(name, set()).add((path / name).read_bytes())
+    assert {name: len(versions) for name, versions in files.items()} == dict.fromkeys(files, 1)
+
+
+def test_save_safetensors_writes_a_safetensors_file_with_sorted_metadata(tmp_path):
+    tensors = {"b": torch.arange(6, dtype=torch.float32).reshape(2, 3), "a": torch.tensor([1, 2], dtype=torch.int64),
+               "c": torch.ones(3, dtype=torch.bfloat16)}
+    metadata = {"zeta": "1", "alpha": "2", "mid": "3"}
+    run_module.save_safetensors(tensors, tmp_path / "t.safetensors", metadata)
+    data = (tmp_path / "t.safetensors").read_bytes()
+    header_size = int.from_bytes(data[:8], "little")
+    assert header_size % 8 == 0
+    assert list(json.loads(data[8:8 + header_size])["__metadata__"]) == ["alpha", "mid", "zeta"]
+    with safe_open(tmp_path / "t.safetensors", framework="pt") as f:  # safetensors' own reader
+        assert f.metadata() == metadata
+        read = {name: f.get_tensor(name) for name in f.keys()}
+    assert read.keys() == tensors.keys() and all(torch.equal(read[k], t) for k, t in tensors.items())
 
 
 def test_weights_of_another_shape_are_rejected_clearly(tmp_path):

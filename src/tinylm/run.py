@@ -23,6 +23,7 @@ A checkpoint folder stands on its own (it can be loaded without the run around i
                            non-tensor parts (its parameter groups), and the data position
     config.toml            a copy of the configuration
     tokenizer.json         a copy of the tokenizer
+    checksums.json         written last: the size and SHA-256 of every other file
 
 No pickle anywhere: safetensors files hold named tensors and nothing else, so loading one cannot
 run code; everything that is not a tensor is JSON or TOML. The data position is just the step:
@@ -34,6 +35,17 @@ Writing is atomic per folder: a checkpoint is written in full to ``.latest.new/`
 deleted. A crash at any moment leaves a complete checkpoint under ``latest/`` or, for the instant
 between the two renames, under ``.latest.old/``, where `find_checkpoint` looks next.
 
+Damage after writing is caught on reading: every load (`load_checkpoint`, hence ``--resume``,
+``--init-from``, `load_run` and so eval, sample, serve and export) first checks each file against
+checksums.json (`verify_checkpoint`), so a truncated, bit-flipped, missing or swapped-in file is a
+one-line error naming it and the way out, never a silently wrong model; weights that are NaN or
+infinite are refused too. Checking costs one read of the folder (SHA-256 reads about 1 GB a second).
+A checkpoint written before checksums existed (no checksums.json, and no mention of it in its
+state.json) is read as it is, unchecked. ``best/`` is a copy of ``latest/``, never hard links to
+it, so damage to one leaves the other to fall back on. The same tensors always give the same
+bytes (`save_safetensors`): two identical runs write identical checkpoint files, and the files
+are created like every other file of a run (mode 0644 under the usual umask).
+
 Usage::
 
     run = load_run("runs/tiny-shakespeare")           # the best checkpoint, on the CPU
@@ -43,6 +55,7 @@ Usage::
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -53,7 +66,7 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import save
 from torch import Tensor
 
 from tinylm.atomic import atomic_write_text
@@ -78,7 +91,9 @@ CHECKPOINTS = "checkpoints"
 MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.safetensors"
 RNG_FILE = "rng.safetensors"
-STATE_FILE = "state.json"  # written last: a folder without it is not a checkpoint
+STATE_FILE = "state.json"  # a folder without it is not a checkpoint
+CHECKSUMS_FILE = "checksums.json"  # written last: every other file's size and SHA-256
+CHECKSUMS_FORMAT = "tinylm.checksums"
 
 CHECKPOINT_NAMES = ("latest", "best")
 
@@ -100,42 +115,91 @@ def save_checkpoint(
 
     ``model_state`` is a model's ``state_dict()``; ``optimizer_state`` an optimizer's (or None);
     ``rng_state`` named uint8 tensors; ``state`` anything JSON for state.json (the format, the
-    optimizer's non-tensor parts and the tokenizer fingerprint are added here).
+    optimizer's non-tensor parts, the tokenizer fingerprint and the name of the checksums file
+    are added here).
     """
     path = Path(path)
 
     def write(folder: Path) -> None:
         tensors, aliases = _unique_tensors(model_state)
-        save_file(tensors, folder / MODEL_FILE, metadata={"format": CHECKPOINT_FORMAT, "aliases": json.dumps(aliases)})
+        metadata = {"format": CHECKPOINT_FORMAT}
+        save_safetensors(tensors, folder / MODEL_FILE, {**metadata, "aliases": json.dumps(aliases)})
         info = dict(state)
         if optimizer_state is not None:
             opt_tensors, info["optimizer"] = flatten_optimizer_state(optimizer_state)
-            save_file(opt_tensors, folder / OPTIMIZER_FILE, metadata={"format": CHECKPOINT_FORMAT})
-        save_file({k: v.detach().cpu().contiguous() for k, v in rng_state.items()}, folder / RNG_FILE,
-                  metadata={"format": CHECKPOINT_FORMAT})
+            save_safetensors(opt_tensors, folder / OPTIMIZER_FILE, metadata)
+        rng = {k: v.detach().cpu().contiguous() for k, v in rng_state.items()}
+        save_safetensors(rng, folder / RNG_FILE, metadata)
         (folder / CONFIG_FILE).write_text(dump_toml(config.to_dict()), encoding="utf-8")
         tokenizer.save(folder / TOKENIZER_FILE)
         info = {"format": CHECKPOINT_FORMAT, "version": FORMAT_VERSION,
-                "tokenizer_fingerprint": tokenizer.fingerprint(), **info}
-        for name in os.listdir(folder):
-            _fsync(folder / name)  # the data is on disk before state.json says the folder is complete
+                "tokenizer_fingerprint": tokenizer.fingerprint(), "checksums": CHECKSUMS_FILE, **info}
         (folder / STATE_FILE).write_text(json.dumps(info, indent=1) + "\n", encoding="utf-8")
-        _fsync(folder / STATE_FILE)
+        _write_checksums(folder)
 
     _replace_folder(path, write)
     return path
 
 
 def copy_checkpoint(source: str | os.PathLike, target: str | os.PathLike) -> Path:
-    """Make ``target`` a copy of the checkpoint ``source``, atomically (hard links where possible)."""
-    source = find_checkpoint(source)
+    """Make ``target`` a copy of the checkpoint ``source``, atomically, once ``source`` is verified.
+
+    A real copy, not hard links: a file damaged in place (a bad sector, a stray write) must not
+    damage both checkpoints of a run, or the advice to fall back on the other one could not work.
+    """
+    source = verify_checkpoint(source)  # never make a damaged checkpoint the one to fall back on
 
     def write(folder: Path) -> None:
         folder.rmdir()
-        # Checkpoint files are never modified in place, only replaced, so sharing them is safe.
-        shutil.copytree(source, folder, copy_function=_link_or_copy)
+        shutil.copytree(source, folder)
+        for name in os.listdir(folder):
+            _fsync(folder / name)
 
     return _replace_folder(Path(target), write)
+
+
+def save_safetensors(tensors: Mapping[str, Tensor], path: str | os.PathLike,
+                     metadata: Mapping[str, str] | None = None) -> None:
+    """Write ``tensors`` (contiguous, on the CPU) as the safetensors file ``path``: the same bytes for the
+    same tensors and metadata, and a file created like any other (mode 0644 under the usual umask).
+
+    safetensors' own `save_file` makes every file private (0600), and it keeps the metadata in a
+    Rust hash map, whose order changes from one map to the next (two keys come out either way
+    round, even within one process), so the same weights would hash differently in every run.
+    Here the header is written again with the metadata sorted; tensor offsets count from the end
+    of the header, so its length may change freely.
+    """
+    data = save(dict(tensors), metadata=dict(metadata) if metadata else None)
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + n])
+    if "__metadata__" in header:
+        header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    text += b" " * (-len(text) % 8)  # the tensor data stays 8-byte aligned, as safetensors pads it
+    with open(path, "wb") as f:
+        f.write(len(text).to_bytes(8, "little") + text)
+        f.write(memoryview(data)[8 + n :])  # the tensors, not copied once more
+
+
+def _write_checksums(folder: Path) -> None:
+    """checksums.json: the size and SHA-256 of every file in ``folder``, written after they are all on disk."""
+    files = {name: _digest(folder / name) for name in sorted(os.listdir(folder))}
+    for name in files:
+        _fsync(folder / name)
+    # its own checksum too, so that a damaged checksums.json blames itself, not a file it lists
+    manifest = {"format": CHECKSUMS_FORMAT, "files": files}
+    manifest["sha256"] = _json_sha256(manifest)
+    (folder / CHECKSUMS_FILE).write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
+    _fsync(folder / CHECKSUMS_FILE)
+
+
+def _digest(path: Path) -> dict[str, Any]:
+    with open(path, "rb") as f:
+        return {"bytes": os.fstat(f.fileno()).st_size, "sha256": hashlib.file_digest(f, "sha256").hexdigest()}
+
+
+def _json_sha256(value: Any) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True).encode("utf-8")).hexdigest()
 
 
 def _replace_folder(path: Path, write) -> Path:
@@ -157,13 +221,6 @@ def _replace_folder(path: Path, write) -> Path:
     _fsync_dir(path.parent)
     shutil.rmtree(old, ignore_errors=True)
     return path
-
-
-def _link_or_copy(src: str, dst: str) -> None:
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copy2(src, dst)
 
 
 def _fsync(path: Path) -> None:
@@ -262,9 +319,90 @@ def find_checkpoint(path: str | os.PathLike) -> Path:
     if (old / STATE_FILE).is_file():
         return old
     if path.is_dir():
-        raise TinyLMError(f"{path} is not a complete checkpoint (no {STATE_FILE}); use the other checkpoint "
-                          f"({', '.join(CHECKPOINT_NAMES)}) or train again with --force")
+        raise TinyLMError(f"{path} is not a complete checkpoint (no {STATE_FILE}); {_way_out(path)}")
     raise TinyLMError(f"no checkpoint at {path}")
+
+
+def verify_checkpoint(path: str | os.PathLike) -> Path:
+    """The checkpoint folder at ``path`` (see `find_checkpoint`), once every file matches checksums.json.
+
+    A file missing, truncated, changed by a single bit or replaced by another checkpoint's is a
+    one-line `TinyLMError` that names it and says what to load instead: the run's other checkpoint
+    when that one is sound, else training again. A checkpoint from before checksums (no
+    checksums.json, and a state.json that does not mention one) passes unchecked.
+    """
+    path = find_checkpoint(path)
+    damage = _damage(path)
+    if damage is not None:
+        raise TinyLMError(f"{damage}; {_way_out(path)}")
+    return path
+
+
+def _damage(path: Path) -> str | None:
+    """What is wrong with the files of the checkpoint folder ``path``, or None."""
+    manifest_file = path / CHECKSUMS_FILE
+    if not manifest_file.is_file():
+        try:
+            state = json.loads((path / STATE_FILE).read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            return None  # load_checkpoint says what is wrong with state.json
+        if isinstance(state, dict) and state.get("checksums"):
+            return f"checkpoint file {manifest_file} is missing (its {STATE_FILE} says it was written)"
+        return None  # written before checkpoints had checksums
+    try:
+        manifest = json.loads(manifest_file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        return f"checkpoint file {manifest_file} is corrupt ({e})"
+    body = {key: value for key, value in manifest.items() if key != "sha256"} if isinstance(manifest, dict) else {}
+    files = body.get("files")
+    if body.get("format") != CHECKSUMS_FORMAT or not isinstance(files, dict) or \
+            manifest.get("sha256") != _json_sha256(body):
+        return f"checkpoint file {manifest_file} is corrupt (it does not match its own checksum)"
+    damaged = {name: why for name, written in files.items() if (why := _file_damage(path / name, written))}
+    if len(damaged) == 1:
+        ((name, why),) = damaged.items()
+        return f"checkpoint file {path / name} {why}"
+    if damaged:  # several at once: as likely a checksums.json copied from elsewhere as several damaged files
+        return (f"checkpoint {path} does not match its {CHECKSUMS_FILE}, which may be another checkpoint's: "
+                + "; ".join(f"{name} {why}" for name, why in damaged.items()))
+    return None
+
+
+def _file_damage(path: Path, written: Mapping[str, Any]) -> str | None:
+    """How the file at ``path`` differs from what checksums.json says was ``written`` there, or None."""
+    if not path.is_file():
+        return "is missing"
+    found = _digest(path)
+    size, size_written = found["bytes"], written["bytes"]
+    if size < size_written:
+        return f"has {size:,} of the {size_written:,} bytes written (truncated, or another checkpoint's file)"
+    if size != size_written:
+        return f"has {size:,} bytes where {size_written:,} were written (another checkpoint's file?)"
+    if found["sha256"] != written["sha256"]:
+        return (f"is corrupt (its SHA-256 differs from the one in {CHECKSUMS_FILE}: flipped bytes, or another "
+                "checkpoint's file)")
+    return None
+
+
+def _way_out(path: Path) -> str:
+    """What to load instead of the damaged checkpoint folder ``path``: its run's other checkpoint if that
+    one is sound, else nothing but a new run."""
+    name = path.name.removeprefix(".").removesuffix(".old")  # .latest.old is latest, caught mid-save
+    if path.parent.name != CHECKPOINTS or name not in CHECKPOINT_NAMES:
+        return "use another checkpoint, or train again"
+    for other in CHECKPOINT_NAMES:
+        if other != name and _is_sound(path.parent / other):
+            return (f"use the other checkpoint, {path.parent / other} (--checkpoint {other}, or --resume {other} "
+                    "to train on), or train again with --force")
+    return "the run has no other sound checkpoint: train again with --force"
+
+
+def _is_sound(path: Path) -> bool:
+    """Whether a complete checkpoint whose files match their checksums is at ``path`` (or beside it, mid-save)."""
+    for folder in (path, path.with_name(f".{path.name}.old")):
+        if (folder / STATE_FILE).is_file():
+            return _damage(folder) is None
+    return False
 
 
 @dataclass
@@ -282,8 +420,16 @@ class Checkpoint:
         return int(self.state["step"])
 
     def model_state(self) -> dict[str, Tensor]:
-        """The weights, by parameter name, with aliases (a tied head) pointing at the same tensor."""
+        """The weights, by parameter name, with aliases (a tied head) pointing at the same tensor.
+
+        A NaN or infinite weight is an error: such a model only ever gives NaN losses and samples
+        (a run that diverged, or an imported file that was broken already).
+        """
         tensors, metadata = _read_safetensors(self.path / MODEL_FILE)
+        for name, t in tensors.items():
+            if t.is_floating_point() and not torch.isfinite(t).all():
+                raise TinyLMError(f"the weights in {self.path / MODEL_FILE} are not finite ({name} holds NaN or "
+                                  f"infinite values); {_way_out(self.path)}")
         for alias, name in json.loads(metadata.get("aliases", "{}")).items():
             tensors[alias] = tensors[name]
         return tensors
@@ -324,12 +470,13 @@ def load_weights(model: torch.nn.Module, state: Mapping[str, Tensor], source: Pa
 
 
 def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
-    """Read a checkpoint folder's configuration, tokenizer and state (see `find_checkpoint`)."""
-    path = find_checkpoint(path)
+    """Read a checkpoint folder's configuration, tokenizer and state, once its files are verified
+    (see `find_checkpoint` and `verify_checkpoint`)."""
+    path = verify_checkpoint(path)
     try:
         state = json.loads((path / STATE_FILE).read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise TinyLMError(f"{path / STATE_FILE} is corrupt ({e}); use the other checkpoint or train again") from None
+        raise TinyLMError(f"{path / STATE_FILE} is corrupt ({e}); {_way_out(path)}") from None
     if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
         raise TinyLMError(f"{path} is not a tinylm checkpoint (its {STATE_FILE} has no format {CHECKPOINT_FORMAT!r})")
     if state.get("version") != FORMAT_VERSION:
@@ -339,15 +486,15 @@ def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
     tokenizer = load_tokenizer(path / TOKENIZER_FILE)
     if state.get("tokenizer_fingerprint") != tokenizer.fingerprint():
         raise TinyLMError(f"{path / TOKENIZER_FILE} is not the tokenizer this checkpoint was trained with "
-                          "(fingerprints differ); use the other checkpoint")
+                          f"(fingerprints differ); {_way_out(path)}")
     return Checkpoint(path, config, tokenizer, state)
 
 
 def _read_safetensors(path: Path) -> tuple[dict[str, Tensor], dict[str, str]]:
     """All tensors and the metadata of a safetensors file; an unreadable file is a one-line error."""
+    # (checksums catch all of this first; these are the errors of a checkpoint written before them)
     if not path.is_file():
-        raise TinyLMError(f"checkpoint file {path} is missing; use the other checkpoint "
-                          f"({' or '.join(CHECKPOINT_NAMES)})")
+        raise TinyLMError(f"checkpoint file {path} is missing; {_way_out(path.parent)}")
     try:
         with safe_open(path, framework="pt") as f:
             metadata = f.metadata() or {}
@@ -355,7 +502,7 @@ def _read_safetensors(path: Path) -> tuple[dict[str, Tensor], dict[str, str]]:
     except Exception as e:  # safetensors raises its own error types, OSError, or others for a damaged file
         raise TinyLMError(
             f"checkpoint file {path} is corrupt or truncated ({type(e).__name__}: {str(e).splitlines()[0][:120]}); "
-            f"use the other checkpoint ({' or '.join(CHECKPOINT_NAMES)}) or train again with --force"
+            f"{_way_out(path.parent)}"
         ) from None
     return tensors, metadata
 
@@ -461,7 +608,7 @@ def load_run(run_dir: str | os.PathLike, checkpoint: str = "best", device: torch
         return _load_ngram_run(run_dir, run_config, info, device)
     if checkpoint in CHECKPOINT_NAMES:
         candidates = [checkpoint] + (["latest"] if checkpoint == "best" else [])
-        found = [checkpoint_path(run_dir, n) for n in candidates if _has_checkpoint(checkpoint_path(run_dir, n))]
+        found = [checkpoint_path(run_dir, n) for n in candidates if has_checkpoint(checkpoint_path(run_dir, n))]
         if not found:
             raise TinyLMError(f"{run_dir} has no {checkpoint} checkpoint yet; train (or --resume) it first")
         ckpt = load_checkpoint(found[0])
@@ -474,8 +621,11 @@ def load_run(run_dir: str | os.PathLike, checkpoint: str = "best", device: torch
     return Run(run_dir, ckpt.config, ckpt.tokenizer, model, ckpt, info, read_metrics(run_dir))
 
 
-def _has_checkpoint(path: Path) -> bool:
-    return (path / STATE_FILE).is_file() or (path.with_name(f".{path.name}.old") / STATE_FILE).is_file()
+def has_checkpoint(path: str | os.PathLike) -> bool:
+    """Whether a checkpoint was saved at ``path``, sound or not: "best" falls back to "latest" only in a run
+    that never had a best one, never past a damaged one."""
+    path = Path(path)
+    return path.is_dir() or path.with_name(f".{path.name}.old").is_dir()
 
 
 def _load_ngram_run(run_dir: Path, config: Config, info: dict[str, Any], device: torch.device | str) -> Run:

@@ -141,7 +141,7 @@ def test_resuming_with_another_tokenizer_or_configuration(tmp_path, capsys, run_
 def test_a_corrupt_checkpoint_names_the_file_and_the_other_checkpoint(capsys, run_copy):
     weights = checkpoint_path(run_copy) / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[: len(weights.read_bytes()) // 2])
-    line = fails_with(capsys, ["train", "--out", str(run_copy), "--resume"], "is corrupt or truncated")
+    line = fails_with(capsys, ["train", "--out", str(run_copy), "--resume"], "truncated")
     assert str(weights) in line and "use the other checkpoint" in line
     # the other checkpoint still works
     assert main(["train", "--out", str(run_copy), "--resume", "best", "--no-progress"]) == 0

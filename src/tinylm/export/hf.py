@@ -106,7 +106,6 @@ from typing import Any, Literal
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 from torch import Tensor
 
 from tinylm.atomic import atomic_path, atomic_write_text
@@ -114,7 +113,14 @@ from tinylm.config import FAMILY_NAMES, Config, GPTConfig, dump_toml
 from tinylm.errors import TinyLMError
 from tinylm.model.gpt import GPT
 from tinylm.run import CONFIG_FILE as RUN_CONFIG_FILE
-from tinylm.run import RUN_FILE, checkpoint_path, copy_checkpoint, save_checkpoint, write_run_info
+from tinylm.run import (
+    RUN_FILE,
+    checkpoint_path,
+    copy_checkpoint,
+    save_checkpoint,
+    save_safetensors,
+    write_run_info,
+)
 from tinylm.run import TOKENIZER_FILE as RUN_TOKENIZER_FILE
 from tinylm.tokenizers.base import BOS, EOS, PAD, Tokenizer, generation_excluded
 from tinylm.tokenizers.bpe import BPETokenizer
@@ -504,7 +510,7 @@ def export_hf(model: GPT, tokenizer: Tokenizer | None, out_dir: str | os.PathLik
     tensors = convert_to_theirs(state, hf_rules(config, arch))
     with atomic_path(out_dir / WEIGHTS_FILE) as tmp:
         # {"format": "pt"} is what transformers' own save_pretrained writes, and what it checks on load
-        save_file(tensors, tmp, metadata={"format": "pt"})
+        save_safetensors(tensors, tmp, metadata={"format": "pt"})
     _write_json(out_dir / CONFIG_FILE, hf_config(config, tok, state["E.weight"].dtype))
     if tok is not None:
         save_hf_tokenizer_json(tok, out_dir / TOKENIZER_FILE)

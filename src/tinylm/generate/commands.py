@@ -96,7 +96,7 @@ def cmd_sample(args: Any, out: TextIO | None = None) -> int:
     out = sys.stdout if out is None else out
     params = sampling_params(args)
     prompts = read_prompts(args.prompt, args.prompt_file)
-    run = load_run(args.run)
+    run = load_run(args.run, checkpoint=getattr(args, "checkpoint", "best"))  # --checkpoint where parsed
     if args.stream:
         if len(prompts) != 1:
             raise TinyLMError("--stream shows one sample as it is written: give one prompt")
@@ -118,7 +118,7 @@ def cmd_next_token(args: Any, out: TextIO | None = None) -> int:
     out = sys.stdout if out is None else out
     if args.top < 1:
         raise TinyLMError(f"--top must be 1 or more, got {args.top}")
-    run = load_run(args.run)
+    run = load_run(args.run, checkpoint=getattr(args, "checkpoint", "best"))  # --checkpoint where parsed
     ids = list(run.start_ids) + run.tokenizer.encode(args.prompt)
     if args.temperatures:
         temps = parse_temperatures(args.temperatures)

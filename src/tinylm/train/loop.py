@@ -75,6 +75,7 @@ from tinylm.run import (
     Checkpoint,
     checkpoint_path,
     copy_checkpoint,
+    has_checkpoint,
     load_checkpoint,
     load_weights,
     read_metrics,
@@ -104,6 +105,8 @@ RESUMABLE_CHANGES = frozenset({
     "log_interval", "device", "dtype", "compile", "threads", "parallel",
     "sample_tokens", "sample_temperature", "sample_top_k",
 })
+# The budget may grow on resume (extending a run); `_Trainer` says what that does to the schedule.
+BUDGET_SETTINGS = frozenset({"max_steps", "max_tokens"})
 
 
 @dataclass
@@ -157,13 +160,15 @@ def default_data_dir(tc: TrainConfig, corpus_name: str, tokenizer: Tokenizer | N
 
 
 def prepare_data(
-    tc: TrainConfig, tokenizer: Tokenizer | None = None, log: Callable[[str], None] = print
+    tc: TrainConfig, tokenizer: Tokenizer | None = None, log: Callable[[str], None] = print, *,
+    reuse_only: bool = False,
 ) -> ShardSet:
     """The token shards training reads: prepared once into the data folder, reused after.
 
     The tokenizer is ``tokenizer`` if given (resuming, or starting from another run), else the
     file ``tc.tokenizer``, else the one already in the data folder if it is of the configured
-    kind and size, else one trained on the corpus now.
+    kind and size, else one trained on the corpus now. ``reuse_only``: the folder was named by a
+    file (a run's run.json), not by the user, so it is only read, never written.
     """
     corpus = load_corpus(tc.corpus, glob=tc.glob, text_field=tc.text_field, errors=tc.errors)
     if tokenizer is None and tc.tokenizer is not None:
@@ -204,7 +209,8 @@ def prepare_data(
         log(f"trained a {tokenizer.kind} tokenizer with |V| = {tokenizer.vocab_size} on {corpus.name} "
             f"in {time.perf_counter() - start:.1f}s")
     try:
-        shards = prepare(corpus, tokenizer, data_dir, val_fraction=tc.val_fraction, progress=_is_tty())
+        shards = prepare(corpus, tokenizer, data_dir, val_fraction=tc.val_fraction, progress=_is_tty(),
+                         reuse_only=reuse_only)
     except TinyLMError as e:
         # prepare's advice is for `tinylm prepare`; train's --force deletes the run, not the shards
         raise TinyLMError(str(e).replace("choose another output folder or pass --force",
@@ -482,7 +488,7 @@ def train(
             # the vocabulary size is the tokenizer's, whatever the preset's placeholder says
             model = dataclasses.replace(config.model, vocab_size=ckpt.config.model.vocab_size)
             config = dataclasses.replace(config, model=model)
-            diffs = config_differences(ckpt.config, config, RESUMABLE_CHANGES)
+            diffs = config_differences(ckpt.config, config, RESUMABLE_CHANGES | BUDGET_SETTINGS)
             if diffs:
                 raise TinyLMError(
                     f"{ckpt.path} was trained with another configuration ({'; '.join(diffs[:3])}); resume with "
@@ -627,6 +633,7 @@ class _Trainer:
         self.source = BatchSource(self.shards, mode=self.tc.batch_mode, batch_size=self.tc.batch_size,
                                   block_size=mc.block_size, seed=self.tc.seed, bos_id=self.tokenizer.bos_id,
                                   pad_id=self.tokenizer.pad_id)
+        extension = self._extension() if self.ckpt is not None else None
         if self.ckpt is not None and self.ckpt.step >= self.total and (self.out / RUN_FILE).exists():
             info = read_run_info(self.out)
             if info.get("status") == "complete":
@@ -636,9 +643,39 @@ class _Trainer:
                 return self._result("complete", info.get("train_loss"), info.get("final"), info.get("sample", ""))
         self._build(init)
         self.ctx.main_first(self._write_run_files)
+        if extension:
+            self.log_main(extension)
         self._header()
         with _memory_errors_explained(self.tc, mc.block_size, self.device):
             return self._loop()
+
+    def _extension(self) -> str | None:
+        """What resuming with another budget does: None if the budget is the run's own, else a line to log.
+
+        The steps done keep the rates they had. If the longer schedule gives them the same rates (a
+        warmup-stable-decay run extended before its decay, a constant rate), the run continues
+        bitwise as if the new budget had been asked for from the start; if not (a cosine stretched,
+        a decay already begun), the line says from which step the schedules part.
+        """
+        done, before = self.ckpt.step, total_steps(self.ckpt.config)
+        if before == self.total:
+            return None
+        if self.total < done:
+            raise TinyLMError(f"{self.out} has already trained {done:,} steps, more than the {self.total:,} this budget "
+                              f"gives; ask for more than {done:,} steps (or the tokens of them) to extend it")
+        old_tc = self.ckpt.config.train
+        tc = self.tc
+        old = [lr_at(step, lr=old_tc.lr, min_lr=old_tc.final_lr, warmup=old_tc.warmup_steps, total=before,
+                     decay=old_tc.decay, fraction=old_tc.decay_fraction, shape=old_tc.decay_shape) for step in range(done)]
+        new = [self._lr(step, tc.lr) for step in range(done)]
+        parted = next((step for step in range(done) if old[step] != new[step]), None)
+        head = f"extending the run from {before:,} to {self.total:,} steps ({done:,} done)"
+        if parted is None:
+            return (f"{head}: the steps done had the learning rates a {self.total:,}-step run gives them, so it "
+                    f"continues as if {self.total:,} steps had been asked for from the start")
+        return (f"{head}: the {tc.decay} schedule is stretched over the new length, so the steps done from step "
+                f"{parted:,} on had other learning rates than a {self.total:,}-step run gives them (step {done - 1:,}: "
+                f"{old[done - 1]:.3g}, now {new[done - 1]:.3g}); the rest follow the new schedule")
 
     def _checkpoint_to_init_from(self) -> Checkpoint | None:
         if self.init_from is None:
@@ -647,9 +684,9 @@ class _Trainer:
         if (path / CONFIG_FILE).is_file() and _family(None, path) == "ngram":
             raise TinyLMError(f"{path} is an n-gram run: it has counts, not weights a network can start from; "
                               "give --init-from a run of the same family")
-        if (path / RUN_FILE).exists():  # a run folder: its best checkpoint, or its latest
+        if (path / RUN_FILE).exists():  # a run folder: its best checkpoint, or its latest if it has none
             best = checkpoint_path(path, "best")
-            path = best if (best / "state.json").exists() else checkpoint_path(path, "latest")
+            path = best if has_checkpoint(best) else checkpoint_path(path, "latest")
         init = load_checkpoint(path)
         if self.tc.tokenizer is not None:
             wanted = load_tokenizer(self.tc.tokenizer)
@@ -674,12 +711,14 @@ class _Trainer:
                     f"(fingerprints {wanted.fingerprint()} and {self.ckpt.tokenizer.fingerprint()}); "
                     "resume without --tokenizer"
                 )
+        reuse_only = False
         if self.ckpt is not None and tc.data_dir is None and (self.out / RUN_FILE).exists():
-            # resume from the folder the run trained on, wherever the default would be now
+            # resume from the folder the run trained on, wherever the default would be now; but
+            # run.json only names it, so it is read and never written (a user's --data-dir may be)
             recorded = read_run_info(self.out).get("data", {}).get("dir")
-            if recorded and Path(recorded).is_dir():
-                tc = dataclasses.replace(tc, data_dir=recorded)
-        prepared = self.ctx.main_first(lambda: prepare_data(tc, tokenizer, self.log_main))
+            if isinstance(recorded, str) and recorded and Path(recorded).is_dir():
+                tc, reuse_only = dataclasses.replace(tc, data_dir=recorded), True
+        prepared = self.ctx.main_first(lambda: prepare_data(tc, tokenizer, self.log_main, reuse_only=reuse_only))
         data_dir = self.ctx.agree(str(prepared.path) if prepared is not None else None)
         shards = prepared if prepared is not None else ShardSet.open(data_dir)
         if self.ckpt is not None:
@@ -810,6 +849,10 @@ class _Trainer:
         log(f"training: {self.total:,} steps of {tc.batch_size}{accum} x {mc.block_size} tokens = {per_step:,} tokens "
             f"({self.total * per_step:,} in all), {optimizer}, {tc.warmup_steps} warmup steps, "
             f"then {decay}; {tc.batch_mode} batches")
+        if tc.warmup_steps >= self.total:
+            log(f"warning: {tc.warmup_steps} warmup steps for a run of {self.total:,}: the whole run is warmup (the "
+                f"rate never decays{'' if tc.warmup_steps == self.total else ' nor reaches its peak'}); "
+                f"set --warmup-steps below {self.total:,}")
         procs = f"{self.ctx.world_size} processes ({tc.parallel})" if self.ctx.active else "1 process"
         threads = torch.get_num_threads()
         log(f"device: {self.device}, {_precision_name(self.device, tc.dtype)}, {procs}, "
@@ -1031,7 +1074,7 @@ class _Trainer:
         return True
 
     def _save_best(self, saved_now: bool) -> None:
-        if saved_now:  # the same weights are in latest already: share its files
+        if saved_now:  # the same weights are in latest already: copy its files
             if self.ctx.is_main:
                 copy_checkpoint(checkpoint_path(self.out, "latest"), checkpoint_path(self.out, "best"))
             self.ctx.barrier()
