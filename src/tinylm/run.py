@@ -449,12 +449,53 @@ class Checkpoint:
 
     def build_model(self, device: torch.device | str = "cpu") -> torch.nn.Module:
         """The model of this checkpoint's configuration (`GPT`, `RecurrentLM`) with its weights, in eval mode."""
+        self.check_shapes()
         # the random initialisation is overwritten at once; fork_rng leaves the caller's random state alone
         with torch.random.fork_rng(devices=[]):
             model = build_model(self.config.model)
         model = model.to(device)
         self.load_weights(model)
         return model.eval()
+
+
+    def check_shapes(self) -> None:
+        """Refuse a configuration whose weights are not the stored ones, before any memory is allocated.
+
+        The model is built on PyTorch's meta device (shapes, no storage) and its tensors compared
+        with the safetensors header: a config.toml edited to ``d_model = 4000000`` is one line
+        here, not an 8 GB allocation and then a mismatch.
+        """
+        stored = _stored_shapes(self.path / MODEL_FILE)
+        with torch.device("meta"):
+            expected = {name: tuple(t.shape) for name, t in build_model(self.config.model).state_dict().items()}
+        for name, shape in expected.items():
+            if name in stored and stored[name] != shape:
+                raise TinyLMError(
+                    f"the configuration in {self.path / CONFIG_FILE} does not fit the weights in {self.path / MODEL_FILE} "
+                    f"({name}: the configuration makes it {shape}, the file holds {stored[name]}); use the "
+                    "configuration they were trained with")
+        missing, extra = sorted(expected.keys() - stored.keys()), sorted(stored.keys() - expected.keys())
+        if missing or extra:
+            what = f"no {missing[0]}" if missing else f"an unexpected {extra[0]}"
+            raise TinyLMError(f"the weights in {self.path / MODEL_FILE} do not fit the configuration in "
+                              f"{self.path / CONFIG_FILE} ({what}); use the configuration they were trained with")
+
+
+def _stored_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """Each tensor's shape from a safetensors header (aliases included), without reading the tensors."""
+    if not path.is_file():
+        raise TinyLMError(f"checkpoint file {path} is missing; {_way_out(path.parent)}")
+    try:
+        with safe_open(path, framework="pt") as f:
+            shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+            aliases = json.loads((f.metadata() or {}).get("aliases", "{}"))
+    except Exception as e:  # a damaged header: the same error as reading the tensors gives
+        raise TinyLMError(f"checkpoint file {path} is corrupt or truncated ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0][:120]}); {_way_out(path.parent)}") from None
+    for alias, name in aliases.items():
+        if name in shapes:
+            shapes[alias] = shapes[name]
+    return shapes
 
 
 def load_weights(model: torch.nn.Module, state: Mapping[str, Tensor], source: Path | str) -> None:

@@ -218,3 +218,41 @@ def test_checkpoint_and_exported_files_get_the_usual_permissions(tmp_path, runs)
     wrong = {str(p): oct(stat.S_IMODE(p.stat().st_mode)) for p in files if stat.S_IMODE(p.stat().st_mode) != usual}
     assert not wrong, f"expected {oct(usual)}: {wrong}"
     assert load_checkpoint(checkpoint_path(tmp_path / "imported", "best")).step == 0  # the import verifies too
+
+
+def test_a_configuration_that_does_not_fit_the_weights_is_refused_before_allocating(run_copy):
+    """A hand-edited d_model = 4000000 would allocate gigabytes before the weights were compared. In a
+    checkpoint written before checksums (nothing catches the edit earlier) the shapes are compared on
+    PyTorch's meta device first; the command runs under a 3 GB address-space limit to prove nothing big
+    was allocated."""
+    import json
+    import resource
+    import subprocess
+    import sys
+
+    for name in ("best", "latest"):
+        folder = checkpoint_path(run_copy, name)
+        (folder / "checksums.json").unlink()
+        state = json.loads((folder / "state.json").read_text())
+        del state["checksums"]
+        (folder / "state.json").write_text(json.dumps(state))
+        for config in (folder / "config.toml", run_copy / "config.toml"):
+            config.write_text(config.read_text().replace("d_model = 32", "d_model = 4000000"))
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
+
+    done = subprocess.run([sys.executable, "-m", "tinylm", "eval", str(run_copy)], capture_output=True, text=True,
+                          timeout=120, preexec_fn=limit)
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "does not fit the weights" in lines[0] and "4000000" in lines[0], done.stderr
+
+
+def test_sample_and_next_token_follow_the_advice_to_use_latest(capsys, run_copy):
+    flip_a_bit(checkpoint_path(run_copy, "best") / "model.safetensors")
+    message = refused(capsys, ["sample", "--run", str(run_copy), "--prompt", "the", "--max-new-tokens", "3"])
+    assert "--checkpoint latest" in message
+    for argv in (["sample", "--run", str(run_copy), "--prompt", "the", "--max-new-tokens", "3", "--seed", "1"],
+                 ["next-token", "--run", str(run_copy), "--prompt", "the"]):
+        assert main([*argv, "--checkpoint", "latest"]) == 0, capsys.readouterr().err
