@@ -72,6 +72,27 @@ def assert_valid_request_succeeds(conn: KeepAlive) -> None:
     assert status == 200 and json.loads(data)["choices"][0]["finish_reason"] == "length", data
 
 
+# ----- a million spaces, through the real command -------------------------------------------------
+
+
+def test_a_prompt_of_a_million_spaces_is_answered_not_a_500(server, run):
+    """tiktoken's split engine panics on such a run (a 500 on every endpoint that tokenizes, before). Spaces
+    are the run that fits the 1 MiB body limit: a tab is two bytes of JSON, an ideographic space three."""
+    prompt = " " * 999_999 + "x"
+    with KeepAlive(server.base_url) as conn:
+        status, data = conn.post("/tokenize", json.dumps({"prompt": prompt}))
+        assert status == 200, data
+        assert json.loads(data)["tokens"] == list(run.start_ids) + run.tokenizer.encode_reference(prompt)
+        # far longer than the model's context: a completion is a 400 that says so, the next token is read
+        # from the last block_size tokens
+        status, data = conn.post(COMPLETIONS, json.dumps({"prompt": prompt, "max_tokens": 2}))
+        assert status == 400 and "context" in assert_openai_error(data, 400)["message"], data
+        status, data = conn.post("/next_token", json.dumps({"prompt": prompt}))
+        assert status == 200 and json.loads(data)["prompt_tokens"] == len(run.start_ids) + len(
+            run.tokenizer.encode_reference(prompt)), data[:200]
+        assert_valid_request_succeeds(conn)
+
+
 # ----- lone surrogates, through the real command --------------------------------------------------
 
 
