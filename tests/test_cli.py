@@ -180,3 +180,84 @@ def test_a_config_file_without_a_preset_starts_from_tiny_as_the_command_does(tmp
         done = run("train", *argv, "--print-config")
         assert done.returncode == 0, done.stderr
         assert tomllib.loads(done.stdout) == tomllib.loads(dump_toml(resolve_config(preset=preset, overrides={"lr": 1e-3}).to_dict())), argv
+
+
+# ----- corpora in other encodings, and where prepare puts them ------------------------------------
+
+LATIN1_TEXT = "Le café du roi, the king's coffee.\n" * 30
+
+
+def _decoded_shards(folder: Path) -> str:
+    """The text a prepared folder holds: both splits' tokens decoded, end-of-document tokens left out."""
+    from tinylm.data import ShardSet
+
+    shards = ShardSet.open(folder)
+    tok = shards.tokenizer()
+    return "".join(tok.decode([int(i) for i in shards.tokens(split) if i != tok.eos_id]) for split in ("train", "val"))
+
+
+def test_prepare_reads_a_latin1_file_with_encoding(tmp_path):
+    path = tmp_path / "old.txt"
+    path.write_bytes(LATIN1_TEXT.encode("latin-1"))
+    out = tmp_path / "data"
+    done = run("prepare", "--corpus", str(path), "--encoding", "latin-1", "--kind", "char", "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    assert _decoded_shards(out) == LATIN1_TEXT  # the é is there, not U+FFFD and not dropped
+    # without it: one line that names the byte and the way out
+    failed = run("prepare", "--corpus", str(path), "--kind", "char", "--out", str(tmp_path / "utf8"))
+    assert failed.returncode == 2 and "Traceback" not in failed.stderr and failed.stderr.count("\n") == 1
+    assert "old.txt is not valid UTF-8: byte 0xe9 at byte offset 6" in failed.stderr
+    assert "--encoding latin-1" in failed.stderr
+
+
+def test_prepare_reads_a_cp1252_jsonl_into_a_folder_named_by_its_stem(tmp_path):
+    text = "\u201cFive \u20ac,\u201d said the clerk \u2013 twice.\n"
+    lines = "".join(json.dumps({"body": text * 8, "id": i}, ensure_ascii=False) + "\n" for i in range(6))
+    (tmp_path / "docs.jsonl").write_bytes(lines.encode("cp1252"))  # the quotes and the euro as single bytes
+    done = subprocess.run([sys.executable, "-m", "tinylm", "prepare", "--corpus", "docs.jsonl", "--text-field", "body",
+                           "--encoding", "cp1252", "--kind", "char"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert sorted(p.name for p in (tmp_path / "data").iterdir()) == ["docs"]  # not data/docs.jsonl
+    assert _decoded_shards(tmp_path / "data" / "docs").count(text) == 6 * 8
+
+
+@pytest.mark.parametrize("corpus, folder", [("docs.jsonl", "docs"), ("notes/", "notes"), ("play.txt", "play")])
+def test_prepare_names_its_folder_by_the_corpus_stem(tmp_path, corpus, folder):
+    """As `tinylm train` names data/docs-bpe-2048: data/docs for docs.jsonl, not data/docs.jsonl."""
+    (tmp_path / "notes").mkdir()
+    for i in range(4):
+        (tmp_path / "notes" / f"{i}.txt").write_text(CORPUS_TEXT)
+    (tmp_path / "play.txt").write_text(CORPUS_TEXT)
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": CORPUS_TEXT}) + "\n" for _ in range(4)))
+    done = subprocess.run([sys.executable, "-m", "tinylm", "prepare", "--corpus", corpus, "--kind", "char"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert [p.name for p in (tmp_path / "data").iterdir()] == [folder]
+    assert (tmp_path / "data" / folder / "meta.json").is_file()
+
+
+@pytest.mark.parametrize("command", [["prepare"], ["tokenizer", "train", "--out", "t.json"],
+                                     ["train", "--model", "ngram", "--max-steps", "1"]])
+def test_an_unknown_encoding_is_one_line(tmp_path, command):
+    (tmp_path / "a.txt").write_text(CORPUS_TEXT)
+    proc = subprocess.run([sys.executable, "-m", "tinylm", *command, "--corpus", "a.txt", "--encoding", "latin-l"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip() == ("tinylm: error: unknown encoding 'latin-l': not a text encoding Python knows; "
+                                   "give a codec name such as utf-8, latin-1 or cp1252")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt"]  # nothing written
+
+
+def test_train_reads_its_corpus_in_the_encoding_of_its_config(tmp_path):
+    """[train] encoding reaches the corpus that training prepares (a counted model: no network to train)."""
+    (tmp_path / "old.txt").write_bytes(LATIN1_TEXT.encode("latin-1"))
+    (tmp_path / "run.toml").write_text('[train]\ncorpus = "old.txt"\nencoding = "latin-1"\ntokenizer_kind = "char"\n')
+    proc = subprocess.run([sys.executable, "-m", "tinylm", "train", "--config", "run.toml", "--model", "ngram",
+                           "--order", "2", "--out", "runs/old"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "warning" not in proc.stderr  # --encoding is a setting the counted model reads too
+    assert 'encoding = "latin-1"' in (tmp_path / "runs" / "old" / "config.toml").read_text()
+    data = tmp_path / "data" / "old-char"
+    assert _decoded_shards(data) == LATIN1_TEXT

@@ -73,10 +73,16 @@ def _add_corpus_flags(p: argparse.ArgumentParser, default: str | None = "shakesp
     p.add_argument("--glob", help="for a folder: which files to read, e.g. '**/*.md' (default: **/*.txt)")
     p.add_argument("--text-field", default="text", help="for JSONL: the field that holds the text (default: text)")
     p.add_argument(
+        "--encoding",
+        default="utf-8",
+        help="the text encoding of a local corpus's files, any Python codec name: latin-1, cp1252 (Windows), "
+        "utf-16, ... (default: utf-8; the built-in corpora are UTF-8)",
+    )
+    p.add_argument(
         "--errors",
         choices=["strict", "replace", "ignore"],
         default="strict",
-        help="what to do with bytes that are not valid UTF-8: stop with an error naming the file "
+        help="what to do with bytes that are not valid in the encoding: stop with an error naming the file "
         "and offset (strict, the default), replace them with U+FFFD, or drop them",
     )
 
@@ -86,10 +92,12 @@ def _load_corpus(args: argparse.Namespace):
     from tinylm.data.corpora import load_corpus
 
     if args.corpus is None:
-        if args.glob is not None or args.text_field != "text" or args.errors != "strict":
-            raise TinyLMError("--glob, --text-field and --errors say how to read --corpus; give --corpus too")
+        if args.glob is not None or args.text_field != "text" or args.errors != "strict" or args.encoding != "utf-8":
+            raise TinyLMError(
+                "--glob, --text-field, --encoding and --errors say how to read --corpus; give --corpus too")
         return None
-    return load_corpus(args.corpus, glob=args.glob, text_field=args.text_field, errors=args.errors)
+    return load_corpus(args.corpus, glob=args.glob, text_field=args.text_field, errors=args.errors,
+                       encoding=args.encoding)
 
 
 def _add_tokenizer_training_flags(p: argparse.ArgumentParser, vocab_default: int) -> None:
@@ -260,11 +268,12 @@ def cmd_tokenizer_import(args: argparse.Namespace) -> int:
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
+    from tinylm.data.corpora import corpus_stem
     from tinylm.data.shards import check_output_folder, prepare
     from tinylm.tokenizers import load_tokenizer
 
     corpus = _load_corpus(args)
-    out = Path(args.out) if args.out else Path("data") / Path(corpus.name).name
+    out = Path(args.out) if args.out else Path("data") / corpus_stem(corpus.name)
     check_output_folder(out)  # before a tokenizer is trained and saved there
     if args.tokenizer:
         tok = load_tokenizer(args.tokenizer)
@@ -428,6 +437,8 @@ def _train_config(args: argparse.Namespace):
 def _default_run_dir(args: argparse.Namespace) -> Path:
     """runs/<preset or config file name>-<corpus name>, e.g. runs/tiny-shakespeare (runs/lstm-shakespeare
     for `--model lstm`, runs/rnn-shakespeare for `--model rnn`)."""
+    from tinylm.data.corpora import corpus_stem
+
     settings = _settings(args)
     corpus = str(settings.get("train.corpus", "shakespeare"))
     if args.config and "train.corpus" not in settings:
@@ -438,7 +449,7 @@ def _default_run_dir(args: argparse.Namespace) -> Path:
     family = str(settings.get("model.family", "gpt"))
     if family != "gpt" and recipe != family:  # runs/lstm-shakespeare beside runs/tiny-shakespeare, not on top of it
         recipe = family if not (args.preset or args.config) else f"{recipe}-{family}"
-    return Path("runs") / f"{recipe}-{Path(corpus.rstrip('/')).stem or 'corpus'}"
+    return Path("runs") / f"{recipe}-{corpus_stem(corpus)}"
 
 
 # Which settings each family reads; a flag given for another family is ignored, with a warning.
@@ -446,10 +457,10 @@ _TRANSFORMER_ONLY = {"n_head", "n_kv_head", "mlp", "d_ff", "norm", "norm_positio
                      "rope_theta", "bias", "attention", "tile_size"}
 _NGRAM_ONLY = {"order", "smoothing", "add_k"}
 _COUNTING_READS = {"model.family", "model.vocab_size", "model.block_size", "model.order", "model.smoothing",
-                   "model.add_k", "train.corpus", "train.glob", "train.text_field", "train.errors", "train.tokenizer",
-                   "train.tokenizer_kind", "train.tokenizer_vocab_size", "train.tokenizer_pattern", "train.data_dir",
-                   "train.val_fraction", "train.seed", "train.sample_tokens", "train.sample_temperature",
-                   "train.sample_top_k", "train.device"}
+                   "model.add_k", "train.corpus", "train.glob", "train.text_field", "train.encoding", "train.errors",
+                   "train.tokenizer", "train.tokenizer_kind", "train.tokenizer_vocab_size", "train.tokenizer_pattern",
+                   "train.data_dir", "train.val_fraction", "train.seed", "train.sample_tokens",
+                   "train.sample_temperature", "train.sample_top_k", "train.device"}
 
 
 def _unused_settings(config, settings: dict[str, object], stop_after: int | None) -> list[str]:
@@ -518,7 +529,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         raise TinyLMError("--split picks a split of the run's shards; --corpus evaluates on a whole corpus instead")
     result = evaluate_run(run, args.split, checkpoint=args.checkpoint, max_tokens=args.tokens or 0,
                           stride=args.stride, batch_size=args.batch_size, data_dir=args.data_dir,
-                          corpus=_load_corpus(args), tokenizer=args.tokenizer, device=args.device)
+                          corpus=_load_corpus(args), tokenizer=args.tokenizer, device=args.device,
+                          progress=sys.stderr.isatty())
     if args.json:
         print(json.dumps({"run": str(run), **result.report()}))
         return 0
@@ -717,7 +729,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="the run folder (default: runs/<preset>-<corpus>)")
     p.add_argument("--resume", nargs="?", const="latest", metavar="CHECKPOINT",
                    help="continue the run in --out exactly where it stopped: from its latest checkpoint, or "
-                   "'best', or a checkpoint folder")
+                   "'best', or a checkpoint folder; with a larger --max-steps or --max-tokens, extend a run (it "
+                   "says what that does to the learning-rate schedule)")
     p.add_argument("--force", action="store_true", help="start over in an existing run folder (deletes it)")
     p.add_argument("--init-from", metavar="RUN", help="start from another run's weights (its best checkpoint) or a "
                    "checkpoint folder, with a fresh optimizer: fine-tuning")
@@ -750,7 +763,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens", type=_positive_int, help="evaluate evenly spaced windows of about this many tokens "
                    "(default: the whole split; an n-gram model always scores all of it, in seconds)")
     p.add_argument("--stride", type=_integer, metavar="S", help=STRIDE_HELP)
-    p.add_argument("--batch-size", type=_positive_int, help="sequences per batch (default: the run's batch_size)")
+    p.add_argument("--batch-size", type=_positive_int, help="windows per forward pass (default: about 1024 tokens' "
+                   "worth, the fastest on a CPU)")
     p.add_argument("--data-dir", help="the run's shard folder, if it has moved since training")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps (default: cpu)")
     p.add_argument("--json", action="store_true", help="print the numbers as one JSON object (for scripts)")
@@ -780,6 +794,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "(--num-beams). The prompt comes from --prompt (repeat it for a batch), --prompt-file, "
                        "or stdin; with none, samples start a new document. Prints each prompt and its completion.")
     p.add_argument("--run", required=True, metavar="DIR", help="the run folder written by `tinylm train`")
+    p.add_argument("--checkpoint", choices=["best", "latest"], default="best", help="which checkpoint (default: best)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", action="append", metavar="TEXT",
                      help="a prompt; give it several times to complete several prompts in one batch")
@@ -807,6 +822,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Print the model's top candidates for the token after --prompt, with their "
                        "probabilities at --temperature, or side by side at several --temperatures.")
     p.add_argument("--run", required=True, metavar="DIR", help="the run folder written by `tinylm train`")
+    p.add_argument("--checkpoint", choices=["best", "latest"], default="best", help="which checkpoint (default: best)")
     p.add_argument("--prompt", required=True, metavar="TEXT", help="the text to continue")
     p.add_argument("--top", type=_positive_int, default=10, metavar="N", help="how many candidates (default: 10)")
     p.add_argument("--temperature", type=_nonneg_float, default=1.0, metavar="T",

@@ -270,9 +270,12 @@ class TrainConfig:
     glob: str | None = field(default=None, metadata=_help(
         "for a folder corpus: which files to read (default **/*.txt)"))
     text_field: str = field(default="text", metadata=_help("for a JSONL corpus: the field that holds the text"))
+    encoding: str = field(default="utf-8", metadata=_help(
+        "the text encoding of a local corpus's files, any Python codec name (latin-1, cp1252, utf-16, ...); "
+        "the built-in corpora are UTF-8"))
     errors: DecodeErrors = field(default="strict", metadata=_help(
-        "corpus bytes that are not valid UTF-8: stop naming the file and offset (strict), replace them with "
-        "U+FFFD, or drop them (ignore)"))
+        "corpus bytes that are not valid in the encoding: stop naming the file and offset (strict), replace "
+        "them with U+FFFD, or drop them (ignore)"))
     tokenizer: str | None = field(default=None, metadata=_help(
         "a tinylm tokenizer JSON file to use; unset: train one on the corpus (see tokenizer_kind)"))
     tokenizer_kind: TokenizerKind = field(default="bpe", metadata=_help("the tokenizer to train when none is given"))

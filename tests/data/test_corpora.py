@@ -316,6 +316,87 @@ def test_bad_utf8_in_jsonl_reports_file_offset(tmp_path):
     assert list(load_corpus(path, errors="replace").texts()) == ["ok", "\ufffd("]
 
 
+def test_latin1_text_reads_with_its_encoding(tmp_path):
+    path = tmp_path / "old.txt"
+    path.write_bytes("Le café du roi.\n".encode("latin-1"))  # é is the one byte 0xe9
+    assert list(load_corpus(path, encoding="latin-1").texts()) == ["Le café du roi.\n"]
+    assert list(load_corpus(path, encoding="ISO-8859-1").texts()) == ["Le café du roi.\n"]  # any spelling of it
+    # read as UTF-8 (the default), the error says how to name the encoding instead of losing the é
+    message = r"old.txt is not valid UTF-8: byte 0xe9 at byte offset 6; .*--encoding latin-1"
+    with pytest.raises(TinyLMError, match=message):
+        list(load_corpus(path).texts())
+    assert list(load_corpus(path, errors="replace").texts()) == ["Le caf\ufffd du roi.\n"]
+
+
+def test_cp1252_jsonl_and_folder(tmp_path):
+    # cp1252 (Windows) puts curly quotes and the euro sign in 0x80-0x9f, where Latin-1 has control characters
+    text = "\u201cFive \u20ac,\u201d said the na\u00efve clerk \u2013 twice."
+    path = tmp_path / "docs.jsonl"
+    path.write_bytes(f'{{"body": "{text}"}}\n'.encode("cp1252") + b'{"body": "two"}\n')
+    assert b"\x93" in path.read_bytes()
+    assert list(load_corpus(path, text_field="body", encoding="cp1252").texts()) == [text, "two"]
+    assert list(load_corpus(path, text_field="body", encoding="latin-1").texts())[0] != text  # decoded as asked
+    folder = tmp_path / "mixed"
+    folder.mkdir()
+    (folder / "a.txt").write_bytes("d\u00e9j\u00e0 \u2018vu\u2019".encode("cp1252"))
+    (folder / "b.jsonl").write_bytes(path.read_bytes())
+    docs = list(load_corpus(folder, glob="*", text_field="body", encoding="cp1252").documents())
+    assert docs == [Document("a.txt", "d\u00e9j\u00e0 \u2018vu\u2019"), Document("b.jsonl:1", text),
+                    Document("b.jsonl:2", "two")]
+    # 0x81 is one of the five bytes cp1252 leaves undefined: the error names the line, the offset and the way out
+    path.write_bytes(b'{"body": "ok"}\n{"body": "x\x81"}\n')
+    with pytest.raises(TinyLMError, match=r"docs.jsonl line 2 is not valid cp1252: byte 0x81 at byte offset 26; "
+                                          r"give the file's own encoding with --encoding"):
+        list(load_corpus(path, text_field="body", encoding="cp1252").texts())
+
+
+def test_a_utf8_byte_order_mark_is_dropped_only_when_reading_utf8(tmp_path):
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b'\xef\xbb\xbf{"text": "one"}\n{"text": "two"}\n')
+    assert list(load_corpus(path).texts()) == ["one", "two"]  # the BOM used to reach json.loads
+    text = tmp_path / "bom.txt"
+    text.write_bytes(b"\xef\xbb\xbfhi")
+    assert list(load_corpus(text).texts()) == ["hi"]
+    assert list(load_corpus(text, encoding="latin-1").texts()) == ["\u00ef\u00bb\u00bfhi"]  # as Latin-1 says
+
+
+def test_utf16_text_but_not_utf16_jsonl(tmp_path):
+    path = tmp_path / "win.txt"
+    path.write_bytes("caf\u00e9".encode("utf-16"))  # with its byte-order mark, as Windows writes it
+    assert list(load_corpus(path, encoding="utf-16").texts()) == ["caf\u00e9"]
+    jsonl = tmp_path / "win.jsonl"
+    jsonl.write_bytes('{"text": "a"}\n'.encode("utf-16"))
+    # JSONL is split into lines as bytes: refused before any reading, with the way out
+    with pytest.raises(TinyLMError, match=r"win.jsonl cannot be read as JSONL in utf-16, .*convert it to UTF-8"):
+        load_corpus(jsonl, encoding="utf-16")
+    # utf-8-sig writes a byte-order mark first too, but its newline is the byte 0x0a
+    jsonl.write_bytes('{"text": "a"}\n'.encode("utf-8-sig"))
+    assert list(load_corpus(jsonl, encoding="utf-8-sig").texts()) == ["a"]
+
+
+@pytest.mark.parametrize("name", ["latin-l", "utf-9", "base64", "rot13"])
+def test_an_unknown_encoding_is_one_clear_error(tmp_path, name):
+    (tmp_path / "a.txt").write_text("a")
+    (tmp_path / "a.jsonl").write_text('{"text": "a"}\n')
+    # base64 and rot13 are codecs, but not from bytes to text
+    for spec in (tmp_path / "a.txt", tmp_path / "a.jsonl", tmp_path):
+        with pytest.raises(TinyLMError, match=rf"unknown encoding '{name}': not a text encoding Python knows; "
+                                              "give a codec name such as utf-8, latin-1 or cp1252"):
+            load_corpus(spec, encoding=name)
+
+
+def test_built_in_corpora_are_utf8(tmp_path):
+    with pytest.raises(TinyLMError, match="the built-in corpus 'stdlib' is UTF-8; an encoding .* local files only"):
+        load_corpus("stdlib", encoding="latin-1")
+    assert load_corpus("stdlib", encoding="UTF8").name == "stdlib"  # another spelling of UTF-8 is no encoding at all
+
+
+@pytest.mark.parametrize("spec, stem", [("docs.jsonl", "docs"), ("notes/", "notes"), ("shakespeare", "shakespeare"),
+                                        ("a/b/play.txt", "play"), ("/", "corpus")])
+def test_corpus_stem(spec, stem):
+    assert corpora.corpus_stem(spec) == stem
+
+
 def test_unknown_name_missing_path_and_empty_inputs(tmp_path):
     unknown = r"unknown corpus 'shakspeare' \(did you mean 'shakespeare'\?\): use shakespeare, stdlib, or a path"
     with pytest.raises(TinyLMError, match=unknown):

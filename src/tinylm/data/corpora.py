@@ -28,17 +28,22 @@ The built-in corpora need no hand download:
   bytes and mostly repeat the library's own patterns. Files that are not valid UTF-8 are
   skipped and counted in `Corpus.skipped`.
 
-Local text is taken exactly as it is in the file (line endings included); only a leading
-UTF-8 byte-order mark is dropped. Text that is not valid UTF-8 is an error naming the file and
-the byte offset of the first bad byte, unless ``errors="replace"`` (bad bytes become U+FFFD) or
-``errors="ignore"`` (bad bytes are dropped) is chosen. Documents with no text are left out: they
-would add nothing but an end-of-sequence token.
+Local files are read as UTF-8 unless ``encoding`` names another of Python's codecs
+(``load_corpus("old/", encoding="latin-1")``, or ``cp1252`` for text from Windows). Their text
+is taken exactly as it is in the file (line endings included); only a leading UTF-8 byte-order
+mark is dropped when reading UTF-8 (other encodings decode as their codec says: ``utf-16`` reads
+its own byte-order mark). Bytes that are not valid in the encoding are an error naming the file
+and the byte offset of the first bad byte, unless ``errors="replace"`` (bad bytes become U+FFFD)
+or ``errors="ignore"`` (bad bytes are dropped) is chosen. The built-in corpora are UTF-8 and take
+no encoding. Documents with no text are left out: they would add nothing but an end-of-sequence
+token.
 
 A built-in name wins over a file or folder of the same name; write ``./stdlib`` for the folder.
 """
 
 from __future__ import annotations
 
+import codecs
 import difflib
 import hashlib
 import json
@@ -60,7 +65,9 @@ CORPORA = ["shakespeare", "stdlib"]
 """The built-in corpus names (anything else given to `load_corpus` is a path)."""
 
 ERRORS = ("strict", "replace", "ignore")
-"""What to do with bytes that are not valid UTF-8: fail (the default), U+FFFD, or drop them."""
+"""What to do with bytes that are not valid in the encoding: fail (the default), U+FFFD, or drop them."""
+
+DEFAULT_ENCODING = "utf-8"
 
 DEFAULT_GLOB = "**/*.txt"
 
@@ -123,12 +130,15 @@ def load_corpus(
     glob: str | None = None,
     text_field: str = "text",
     errors: str = "strict",
+    encoding: str = DEFAULT_ENCODING,
 ) -> Corpus:
     """A built-in corpus by name (`CORPORA`), or a text file, folder of text files, or .jsonl file.
 
     ``glob`` picks the files of a folder (default ``**/*.txt``, recursive; files ending in
     ``.jsonl`` among them are read as JSONL). ``text_field`` is the JSONL field holding the text.
-    ``errors`` is one of `ERRORS`: what to do with bytes that are not valid UTF-8.
+    ``encoding`` is the local files' text encoding, any name `codecs.lookup` knows (the built-in
+    corpora are UTF-8 and take only that). ``errors`` is one of `ERRORS`: what to do with bytes
+    that are not valid in that encoding.
 
     Problems that can be seen without reading the text (unknown name, missing path, empty
     folder, Shakespeare not downloadable) raise `TinyLMError` here; problems inside the text
@@ -136,10 +146,14 @@ def load_corpus(
     """
     if errors not in ERRORS:
         raise TinyLMError(f"errors must be one of {', '.join(ERRORS)}, got {errors!r}")
+    check_encoding(encoding)
     spec_str = os.fspath(spec)
     if spec_str in CORPORA:
         if glob is not None:
             raise TinyLMError(f"a glob only applies to a folder, not to the built-in corpus {spec_str!r}")
+        if not _is_utf8(encoding):
+            raise TinyLMError(f"the built-in corpus {spec_str!r} is UTF-8; an encoding ({encoding}) applies to "
+                              "local files only: drop it")
         if spec_str == "shakespeare":
             return shakespeare_corpus(errors=errors)
         return stdlib_corpus(errors=errors)
@@ -157,12 +171,18 @@ def load_corpus(
             f"or one of {', '.join(CORPORA)}"
         )
     if path.is_dir():
-        return folder_corpus(path, glob=glob or DEFAULT_GLOB, text_field=text_field, errors=errors, name=spec_str)
+        return folder_corpus(path, glob=glob or DEFAULT_GLOB, text_field=text_field, errors=errors,
+                             encoding=encoding, name=spec_str)
     if glob is not None:
         raise TinyLMError(f"a glob only applies to a folder, but {spec_str} is a file; drop the glob or give the folder")
     if path.suffix == ".jsonl":
-        return jsonl_corpus(path, text_field=text_field, errors=errors, name=spec_str)
-    return text_file_corpus(path, errors=errors, name=spec_str)
+        return jsonl_corpus(path, text_field=text_field, errors=errors, encoding=encoding, name=spec_str)
+    return text_file_corpus(path, errors=errors, encoding=encoding, name=spec_str)
+
+
+def corpus_stem(spec: str) -> str:
+    """A corpus's short name for the folders made from it: ``docs`` for docs.jsonl, ``notes`` for notes/."""
+    return Path(os.fspath(spec).rstrip("/\\")).stem or "corpus"
 
 
 def _looks_like_path(spec: str) -> bool:
@@ -171,78 +191,145 @@ def _looks_like_path(spec: str) -> bool:
 
 # ----- reading bytes as text ----------------------------------------------------------------------
 
+_BOM = codecs.BOM_UTF8
 
-def decode_utf8(data: bytes, source: str, errors: str = "strict") -> str:
-    """Bytes to text, with an error that names ``source`` and the first bad byte's offset."""
-    if data.startswith(b"\xef\xbb\xbf"):  # a byte-order mark some editors write: not text
-        data = data[3:]
-        offset = 3
-    else:
-        offset = 0
+
+def check_encoding(encoding: str) -> None:
+    """Raise `TinyLMError` unless ``encoding`` is a text encoding Python knows (utf-8, latin-1, cp1252, ...)."""
     try:
-        return data.decode("utf-8", errors=errors)
-    except UnicodeDecodeError as e:
+        codecs.lookup(encoding)
+        b"a".decode(encoding)  # codecs also has bytes-to-bytes ones (base64, zlib), which bytes.decode refuses
+    except UnicodeDecodeError:
+        pass  # a text encoding in which "a" alone is not valid (utf-16: half a character)
+    except (LookupError, ValueError):  # ValueError: a name with a NUL in it
         raise TinyLMError(
-            f"{source} is not valid UTF-8: byte 0x{data[e.start]:02x} at byte offset {e.start + offset}; "
-            "convert the file to UTF-8, or read it with --errors replace (bad bytes become U+FFFD) "
-            "or --errors ignore (bad bytes are dropped)"
+            f"unknown encoding {encoding!r}: not a text encoding Python knows; give a codec name such as "
+            "utf-8, latin-1 or cp1252"
         ) from None
 
 
-def _read_document(path: Path, name: str, errors: str) -> Document:
+def _is_utf8(encoding: str) -> bool:
+    return codecs.lookup(encoding).name == "utf-8"  # "UTF8", "utf_8", "U8" ... but not utf-8-sig
+
+
+def _shown(encoding: str) -> str:
+    return "UTF-8" if _is_utf8(encoding) else encoding
+
+
+def _decoding_advice(encoding: str, local: bool = True) -> str:
+    """How to get past bytes the encoding cannot decode (``local``: a user's file, whose encoding can be named)."""
+    if not local:
+        where = "this text should be UTF-8; read it anyway"
+    elif _is_utf8(encoding):
+        where = ("give the file's own encoding with --encoding (e.g. --encoding latin-1, or cp1252 for Windows "
+                 "text), convert the file to UTF-8, or read it")
+    else:
+        where = "give the file's own encoding with --encoding, or read it"
+    return f"{where} with --errors replace (bad bytes become U+FFFD) or --errors ignore (bad bytes are dropped)"
+
+
+def decode_text(
+    data: bytes, source: str, errors: str = "strict", encoding: str = DEFAULT_ENCODING, *, local: bool = True
+) -> str:
+    """Bytes to text, with an error that names ``source`` and the first bad byte's offset.
+
+    For UTF-8 a leading byte-order mark is dropped (some editors write one; it is not text).
+    ``local``: the bytes are a user's file (so the error may suggest naming its encoding), not a
+    built-in corpus's.
+    """
+    offset = 0
+    if _is_utf8(encoding) and data.startswith(_BOM):
+        data, offset = data[len(_BOM):], len(_BOM)
+    try:
+        return data.decode(encoding, errors=errors)
+    except UnicodeDecodeError as e:
+        raise TinyLMError(
+            f"{source} is not valid {_shown(encoding)}: byte 0x{data[e.start]:02x} at byte offset {e.start + offset}; "
+            f"{_decoding_advice(encoding, local)}"
+        ) from None
+
+
+def _read_document(path: Path, name: str, errors: str, encoding: str) -> Document:
     try:
         data = path.read_bytes()
     except OSError as e:
         raise TinyLMError(f"cannot read {path}: {e.strerror or e}") from None
-    return Document(name, decode_utf8(data, str(path), errors))
+    return Document(name, decode_text(data, str(path), errors, encoding))
 
 
 # ----- local files --------------------------------------------------------------------------------
 
 
-def text_file_corpus(path: str | os.PathLike, *, errors: str = "strict", name: str | None = None) -> Corpus:
+def text_file_corpus(
+    path: str | os.PathLike, *, errors: str = "strict", encoding: str = DEFAULT_ENCODING, name: str | None = None
+) -> Corpus:
     """One text file as a corpus of one document (named by the file name)."""
+    check_encoding(encoding)
     path = Path(path)
     if path.stat().st_size == 0:
         raise TinyLMError(f"{path} is empty; give a file with some text in it")
 
     def read(corpus: Corpus) -> Iterator[Document]:
-        yield _read_document(path, path.name, errors)
+        yield _read_document(path, path.name, errors, encoding)
 
     return Corpus(name or str(path), read)
 
 
 def jsonl_corpus(
-    path: str | os.PathLike, *, text_field: str = "text", errors: str = "strict", name: str | None = None
+    path: str | os.PathLike,
+    *,
+    text_field: str = "text",
+    errors: str = "strict",
+    encoding: str = DEFAULT_ENCODING,
+    name: str | None = None,
 ) -> Corpus:
     """A JSON Lines file: one document per line, its text in ``text_field``; blank lines skipped.
 
     Documents are named ``file.jsonl:LINE`` (1-based line numbers).
     """
     path = Path(path)
+    _check_jsonl_encoding(path, encoding)
     if path.stat().st_size == 0:
         raise TinyLMError(f"{path} is empty; give a .jsonl file with one JSON object per line")
 
     def read(corpus: Corpus) -> Iterator[Document]:
-        yield from _jsonl_documents(path, path.name, text_field, errors)
+        yield from _jsonl_documents(path, path.name, text_field, errors, encoding)
 
     return Corpus(name or str(path), read)
 
 
-def _jsonl_documents(path: Path, doc_prefix: str, text_field: str, errors: str) -> Iterator[Document]:
+def _check_jsonl_encoding(path: Path, encoding: str) -> None:
+    """JSONL is split into lines as bytes, so a newline must be the one byte 0x0a, as in UTF-8 and Latin-1.
+
+    Not so in UTF-16 and UTF-32 (two or four bytes) or EBCDIC (0x25). The encoder is asked after a
+    first character, so that a byte-order mark it writes first (utf-16, utf-8-sig) does not count.
+    """
+    check_encoding(encoding)
+    encoder = codecs.getincrementalencoder(encoding)()
+    encoder.encode("{")
+    if encoder.encode("\n") != b"\n":
+        raise TinyLMError(
+            f"{path} cannot be read as JSONL in {encoding}, where a newline is not the byte 0x0a; "
+            f"convert it to UTF-8 first (e.g. iconv -f {encoding} -t utf-8)"
+        )
+
+
+def _jsonl_documents(path: Path, doc_prefix: str, text_field: str, errors: str, encoding: str) -> Iterator[Document]:
     try:
         f = path.open("rb")
     except OSError as e:
         raise TinyLMError(f"cannot read {path}: {e.strerror or e}") from None
+    utf8 = _is_utf8(encoding)
     with f:
-        offset = 0  # byte offset of the current line in the file, for the UTF-8 error
+        offset = 0  # byte offset of the current line in the file, for the decoding error
         for lineno, raw in enumerate(f, start=1):
+            skip = len(_BOM) if lineno == 1 and utf8 and raw.startswith(_BOM) else 0  # not text, not JSON
             try:
-                line = raw.decode("utf-8", errors=errors)
+                line = raw[skip:].decode(encoding, errors=errors)
             except UnicodeDecodeError as e:
                 raise TinyLMError(
-                    f"{path} line {lineno} is not valid UTF-8: byte 0x{raw[e.start]:02x} at byte offset "
-                    f"{offset + e.start}; convert the file to UTF-8, or read it with --errors replace or --errors ignore"
+                    f"{path} line {lineno} is not valid {_shown(encoding)}: byte 0x{raw[skip + e.start]:02x} at byte "
+                    f"offset {offset + skip + e.start}; {_decoding_advice(encoding)}"
                 ) from None
             offset += len(raw)
             if not line.strip():
@@ -277,6 +364,7 @@ def folder_corpus(
     glob: str = DEFAULT_GLOB,
     text_field: str = "text",
     errors: str = "strict",
+    encoding: str = DEFAULT_ENCODING,
     name: str | None = None,
 ) -> Corpus:
     """Every file under ``folder`` that matches ``glob``, sorted by relative path.
@@ -293,14 +381,18 @@ def folder_corpus(
     files = sorted(matches, key=lambda p: p.relative_to(folder).as_posix())
     if not files:
         raise TinyLMError(f"no files in {folder} match {glob!r}; choose another glob (e.g. '**/*.md') or folder")
+    check_encoding(encoding)
+    jsonl = next((p for p in files if p.suffix == ".jsonl"), None)
+    if jsonl is not None:
+        _check_jsonl_encoding(jsonl, encoding)
 
     def read(corpus: Corpus) -> Iterator[Document]:
         for path in files:
             rel = path.relative_to(folder).as_posix()
             if path.suffix == ".jsonl":
-                yield from _jsonl_documents(path, rel, text_field, errors)
+                yield from _jsonl_documents(path, rel, text_field, errors, encoding)
             else:
-                yield _read_document(path, rel, errors)
+                yield _read_document(path, rel, errors, encoding)
 
     return Corpus(name or str(folder), read)
 
@@ -392,7 +484,7 @@ def _is_play(file_name: str) -> bool:
 
 
 def _clean_play(data: bytes, source: str, errors: str) -> str:
-    return strip_gutenberg(normalize_newlines(decode_utf8(data, source, errors)))
+    return strip_gutenberg(normalize_newlines(decode_text(data, source, errors, local=False)))
 
 
 _HOW_TO_POINT = (

@@ -170,7 +170,7 @@ def prepare_data(
     kind and size, else one trained on the corpus now. ``reuse_only``: the folder was named by a
     file (a run's run.json), not by the user, so it is only read, never written.
     """
-    corpus = load_corpus(tc.corpus, glob=tc.glob, text_field=tc.text_field, errors=tc.errors)
+    corpus = load_corpus(tc.corpus, glob=tc.glob, text_field=tc.text_field, errors=tc.errors, encoding=tc.encoding)
     if tokenizer is None and tc.tokenizer is not None:
         tokenizer = load_tokenizer(tc.tokenizer)
     data_dir = Path(tc.data_dir) if tc.data_dir else default_data_dir(tc, corpus.name, tokenizer)
