@@ -69,6 +69,9 @@ DecayShape = Literal["linear", "1-sqrt"]
 MuonAdjustLR = Literal["original", "match_rms_adamw"]
 DtypeKind = Literal["auto", "float32", "bfloat16"]
 ParallelKind = Literal["ddp", "fsdp"]
+WandbMode = Literal["offline", "online"]
+# where [train] log_to may send the metrics rows; metrics.jsonl ("jsonl") is always written
+LOG_BACKENDS = ("jsonl", "tensorboard", "wandb")
 ModelFamily = Literal["gpt", "lstm", "rnn", "ngram"]
 # how messages name a family, article included ("an LSTM model", "a Transformer (gpt) model")
 FAMILY_NAMES = {"gpt": "a Transformer (gpt)", "lstm": "an LSTM", "rnn": "an RNN", "ngram": "an n-gram"}
@@ -344,6 +347,16 @@ class TrainConfig:
         "save checkpoints/latest every this many steps; unset: at every evaluation (and always at the end)"))
     log_interval: int = field(default=10, metadata=_help(
         "steps between metrics.jsonl lines (and progress lines when the output is not a terminal)"))
+    # log_to, not log: torchrun reads a prefix of its own --log-dir in `--log`, so `torchrun ... -m tinylm train
+    # --log X` would stop at torchrun's "ambiguous option" before tinylm saw it
+    log_to: str = field(default="jsonl", metadata=_help(
+        "where the metrics go besides metrics.jsonl (always written): jsonl (nowhere else), tensorboard (event files "
+        "in the run's tensorboard/), wandb (a Weights & Biases run), or several comma-separated, e.g. "
+        "tensorboard,wandb; each needs its extra: pip install -e '.[tensorboard]' or '.[wandb]'"))
+    wandb_project: str = field(default="tinylm", metadata=_help("with --log-to wandb: the W&B project"))
+    wandb_mode: WandbMode = field(default="offline", metadata=_help(
+        "with --log-to wandb: offline (written under the run's wandb/, no account or network; `wandb sync` uploads it "
+        "later) or online"))
     # -- hardware
     device: str = field(default="auto", metadata=_help(
         "auto (cuda when there is a GPU, else cpu), cpu, cuda, cuda:N or mps"))
@@ -400,11 +413,23 @@ class TrainConfig:
         if not 0.0 < self.val_fraction < 1.0:
             raise TinyLMError(f"val_fraction must be strictly between 0 and 1 (training needs a validation split), "
                               f"got {self.val_fraction}")
+        self.log_backends  # an unknown name is an error now, not when the run starts
 
     @property
     def final_lr(self) -> float:
         """min_lr, or lr / 10 when it is unset."""
         return self.lr / 10 if self.min_lr is None else self.min_lr
+
+    @property
+    def log_backends(self) -> tuple[str, ...]:
+        """The backends ``log_to`` names, each once, "jsonl" first: ``"wandb, tensorboard"`` gives
+        ``("jsonl", "wandb", "tensorboard")``, and ``""`` just ``("jsonl",)``."""
+        names = [name.strip() for name in self.log_to.split(",") if name.strip()]
+        for name in names:
+            if name not in LOG_BACKENDS:
+                raise TinyLMError(f"log_to: unknown backend {name!r}{_did_you_mean(name, LOG_BACKENDS)}; choose from "
+                                  f"{', '.join(LOG_BACKENDS)}, several comma-separated (e.g. tensorboard,wandb)")
+        return tuple(dict.fromkeys(["jsonl", *names]))
 
 
 @dataclass

@@ -88,6 +88,7 @@ from tinylm.run import (
 from tinylm.tokenizers.base import Tokenizer, load_tokenizer
 from tinylm.train.batches import BatchSource, micro_batches
 from tinylm.train.distributed import Distributed, wrap_model
+from tinylm.train.metrics_sinks import MetricsLog, check_backends, open_metrics_log
 from tinylm.train.optim import (
     load_named_optimizer_state,
     make_optimizer,
@@ -103,7 +104,7 @@ RESUMABLE_CHANGES = frozenset({
     "tokenizer",  # checked by fingerprint instead: the same tokenizer in another file is fine
     "data_dir", "eval_interval", "eval_tokens", "final_eval_tokens", "eval_batch_size", "checkpoint_interval",
     "log_interval", "device", "dtype", "compile", "threads", "parallel",
-    "sample_tokens", "sample_temperature", "sample_top_k",
+    "sample_tokens", "sample_temperature", "sample_top_k", "log_to", "wandb_project", "wandb_mode",
 })
 # The budget may grow on resume (extending a run); `_Trainer` says what that does to the schedule.
 BUDGET_SETTINGS = frozenset({"max_steps", "max_tokens"})
@@ -495,6 +496,7 @@ def train(
                     f"the run's own settings (drop those flags), or start a new run with --out (or --init-from {out})"
                 )
     assert config is not None
+    check_backends(config.train.log_backends)  # a missing tensorboard or wandb stops the run before it starts
     ctx = Distributed.from_env(config.train.device)
     clean = False
     try:
@@ -643,11 +645,16 @@ class _Trainer:
                 return self._result("complete", info.get("train_loss"), info.get("final"), info.get("sample", ""))
         self._build(init)
         self.ctx.main_first(self._write_run_files)
-        if extension:
-            self.log_main(extension)
-        self._header()
-        with _memory_errors_explained(self.tc, mc.block_size, self.device):
-            return self._loop()
+        # process 0 logs the metrics; it opens the backends once the run folder is ready (--force cleared)
+        self.metrics = open_metrics_log(self.config, self.out, self.step) if self.ctx.is_main else MetricsLog([])
+        try:
+            if extension:
+                self.log_main(extension)
+            self._header()
+            with _memory_errors_explained(self.tc, mc.block_size, self.device):
+                return self._loop()
+        finally:
+            self.metrics.close()
 
     def _extension(self) -> str | None:
         """What resuming with another budget does: None if the budget is the run's own, else a line to log.
@@ -857,6 +864,8 @@ class _Trainer:
         threads = torch.get_num_threads()
         log(f"device: {self.device}, {_precision_name(self.device, tc.dtype)}, {procs}, "
             f"{threads} CPU thread{'s' if threads > 1 else ''} each{', compiled' if tc.compile else ''}")
+        if len(self.metrics.sinks) > 1:  # --log-to: metrics.jsonl and where else they go
+            log(f"metrics: {'; '.join(self.metrics.where)}")
 
     # -- the steps
 
@@ -1009,11 +1018,7 @@ class _Trainer:
         return self.elapsed_before + time.perf_counter() - self.started
 
     def _metrics(self, row: dict[str, Any]) -> None:
-        if self.ctx.is_main:
-            import json
-
-            with open(self.out / METRICS_FILE, "a", encoding="utf-8") as f:
-                f.write(json.dumps(row) + "\n")
+        self.metrics.log(row)
 
     def _state_dicts(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         if self.fsdp:
