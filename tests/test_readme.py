@@ -158,3 +158,19 @@ def test_the_latin1_example_is_latin1():
         assert "é".encode("latin-1") in data, path
         with pytest.raises(UnicodeDecodeError):
             data.decode("utf-8")
+
+
+def test_the_readme_python_block_runs(tmp_path, monkeypatch, shakespeare_corpus):
+    """The "From Python" block, run as written but for its budgets: the same lines, with a smaller
+    vocabulary and a two-step run (the rewrites are the two replacements below, nothing else)."""
+    text = README.read_text(encoding="utf-8")
+    block = re.search(r"From Python:\n\n```python\n(.*?)```", text, re.S).group(1)
+    small = block.replace("vocab_size=4096", "vocab_size=300").replace(
+        '{"max_steps": 300}',
+        '{"max_steps": 2, "tokenizer_vocab_size": 300, "eval_interval": 1, "final_eval_tokens": 256, "sample_tokens": 8}')
+    assert "vocab_size=4096" in block and '{"max_steps": 300}' in block  # what the rewrites expect the README to say
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {}
+    exec(compile(small, "README.md (From Python)", "exec"), namespace)
+    assert namespace["result"].val["bits_per_byte"] > 0
+    assert namespace["run"].tokenizer.vocab_size == 300 and (tmp_path / "runs" / "py" / "run.json").is_file()

@@ -56,7 +56,7 @@ from tqdm import tqdm
 
 from tinylm.atomic import atomic_write_text
 from tinylm.config import FAMILY_NAMES, Config, TrainConfig, dump_toml
-from tinylm.data.corpora import load_corpus
+from tinylm.data.corpora import corpus_stem, load_corpus
 from tinylm.data.shards import META_FILE, ShardSet, prepare
 from tinylm.errors import TinyLMError
 from tinylm.evaluate import EvalResult, evaluate, restrict, window_starts
@@ -151,7 +151,7 @@ def total_steps(config: Config) -> int:
 
 def default_data_dir(tc: TrainConfig, corpus_name: str, tokenizer: Tokenizer | None = None) -> Path:
     """data/<corpus>-<tokenizer>: the kind and size of the tokenizer to train, or a given one's fingerprint."""
-    name = Path(corpus_name.rstrip("/\\")).stem or "corpus"
+    name = corpus_stem(corpus_name)
     if tokenizer is not None:
         return Path("data") / f"{name}-{tokenizer.kind}-{tokenizer.fingerprint()[:8]}"
     if tc.tokenizer_kind == "char":
