@@ -490,8 +490,7 @@ def _stored_shapes(path: Path) -> dict[str, tuple[int, ...]]:
             shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
             aliases = json.loads((f.metadata() or {}).get("aliases", "{}"))
     except Exception as e:  # a damaged header: the same error as reading the tensors gives
-        raise TinyLMError(f"checkpoint file {path} is corrupt or truncated ({type(e).__name__}: "
-                          f"{str(e).splitlines()[0][:120]}); {_way_out(path.parent)}") from None
+        raise _unreadable(path, e) from None
     for alias, name in aliases.items():
         if name in shapes:
             shapes[alias] = shapes[name]
@@ -541,11 +540,13 @@ def _read_safetensors(path: Path) -> tuple[dict[str, Tensor], dict[str, str]]:
             metadata = f.metadata() or {}
             tensors = {name: f.get_tensor(name) for name in f.keys()}
     except Exception as e:  # safetensors raises its own error types, OSError, or others for a damaged file
-        raise TinyLMError(
-            f"checkpoint file {path} is corrupt or truncated ({type(e).__name__}: {str(e).splitlines()[0][:120]}); "
-            f"{_way_out(path.parent)}"
-        ) from None
+        raise _unreadable(path, e) from None
     return tensors, metadata
+
+
+def _unreadable(path: Path, e: Exception) -> TinyLMError:
+    return TinyLMError(f"checkpoint file {path} is corrupt or truncated ({type(e).__name__}: "
+                       f"{str(e).splitlines()[0][:120]}); {_way_out(path.parent)}")
 
 
 # ----- the run directory --------------------------------------------------------------------------

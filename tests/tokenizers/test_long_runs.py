@@ -66,7 +66,7 @@ def test_the_long_run_path_gives_the_reference_ids(toks, pattern, text, long_run
 def test_vectorised_merge_equals_tiktoken_and_the_reference(toks, chunk):
     tok = toks["none"]  # one chunk is the whole text
     data = chunk.encode("utf-8")
-    ids = merge_long_chunk(data, tok._token_ids)
+    ids = merge_long_chunk(data, tok.vocab, tok._token_ids)
     assert ids is not None
     assert ids == tok.tiktoken_encoding._core_bpe.encode_single_piece(data) == tok._merge_chunk(list(data))
 

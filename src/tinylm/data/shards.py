@@ -60,6 +60,7 @@ from tqdm import tqdm
 
 from tinylm.data.corpora import Corpus
 from tinylm.errors import TinyLMError
+from tinylm.tokenizers.base import FORMAT_NAME as TOKENIZER_FORMAT
 from tinylm.tokenizers.base import Tokenizer, load_tokenizer, tokenizer_from_dict
 
 FORMAT_NAME = "tinylm.shards"
@@ -394,17 +395,11 @@ def check_output_folder(out: Path) -> None:
         what = "a run folder" if "run.json" in foreign else "a folder"
         raise TinyLMError(f"{out} is {what} holding files tinylm prepare did not write ({shown}); "
                           "give the shards a new or empty folder of their own")
-    if _written_by_someone_else(out / META_FILE):
+    if _written_by_someone_else(out / META_FILE, FORMAT_NAME):
         raise TinyLMError(f"{out / META_FILE} was not written by tinylm prepare; choose another output folder")
-    tokenizer = out / TOKENIZER_FILE
-    if tokenizer.exists():
-        try:
-            ours = json.loads(tokenizer.read_text(encoding="utf-8")).get("format") == "tinylm.tokenizer"
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
-            ours = False
-        if not ours:
-            raise TinyLMError(f"{tokenizer} was not written by tinylm; choose another output folder, "
-                              "so that it is not replaced")
+    if _written_by_someone_else(out / TOKENIZER_FILE, TOKENIZER_FORMAT):
+        raise TinyLMError(f"{out / TOKENIZER_FILE} was not written by tinylm; choose another output folder, "
+                          "so that it is not replaced")
 
 
 def _remove_stale_temporaries(out: Path) -> None:
@@ -429,14 +424,14 @@ def _process_alive(pid: int) -> bool:
     return True
 
 
-def _written_by_someone_else(meta_path: Path) -> bool:
-    """A meta.json that is not ours: --force must not replace another tool's files."""
-    if not meta_path.exists():
+def _written_by_someone_else(path: Path, format_name: str) -> bool:
+    """A file there whose "format" is not ``format_name``: --force must not replace another tool's files."""
+    if not path.exists():
         return False
     try:
-        return json.loads(meta_path.read_text(encoding="utf-8")).get("format") != FORMAT_NAME
+        return json.loads(path.read_text(encoding="utf-8")).get("format") != format_name
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
-        return True  # ours is written atomically, so an unreadable one is someone else's
+        return True  # ours are written atomically, so an unreadable one is someone else's
 
 
 def _check_same_recipe(existing: ShardSet, tokenizer: Tokenizer, val_fraction: float, seed: int) -> None:

@@ -196,8 +196,11 @@ class BPETokenizer(Tokenizer):
     ) -> list[list[int]]:
         allowed = self._allowed(allowed_special)
         texts = [without_lone_surrogates(t) for t in texts]
-        if any(self._has_long_run(t) for t in texts):
-            return [self.encode(t, allowed_special=allowed) for t in texts]
+        long = [self._has_long_run(t) for t in texts]
+        if any(long):
+            return [self._encode_with_specials(t, allowed, self._encode_long_text) if is_long else
+                    _tiktoken_call(self.tiktoken_encoding.encode, t, allowed_special=allowed, disallowed_special=())
+                    for t, is_long in zip(texts, long)]
         return _tiktoken_call(
             self.tiktoken_encoding.encode_batch,
             texts, num_threads=num_threads, allowed_special=allowed, disallowed_special=(),
@@ -250,7 +253,7 @@ class BPETokenizer(Tokenizer):
     def _encode_chunk(self, chunk: str) -> list[int]:
         data = chunk.encode("utf-8")
         if len(data) >= self.long_run:
-            ids = merge_long_chunk(data, self._token_ids)
+            ids = merge_long_chunk(data, self.vocab, self._token_ids)
             if ids is not None:
                 return ids
         return _tiktoken_call(self.tiktoken_encoding._core_bpe.encode_single_piece, data)
@@ -295,7 +298,7 @@ def _tiktoken_call(fn, *args: Any, **kwargs: Any) -> Any:
 _MAX_DISTINCT = 512
 
 
-def merge_long_chunk(data: bytes, token_ids: dict[bytes, int]) -> list[int] | None:
+def merge_long_chunk(data: bytes, vocab: Sequence[bytes], token_ids: dict[bytes, int]) -> list[int] | None:
     """BPE of one chunk, vectorised: the reference's rule, each pass a few numpy operations.
 
     Each pass finds the adjacent pair whose concatenated bytes are the lowest-ranked token (the
@@ -304,10 +307,9 @@ def merge_long_chunk(data: bytes, token_ids: dict[bytes, int]) -> list[int] | No
     tiktoken merge) when the chunk holds too many distinct tokens for the pair table, or when a
     pass would make a pair of lower rank than the one just merged: merging every occurrence at
     once equals tiktoken's one-at-a-time order only while ranks rise, which they do for every
-    tokenizer tinylm trains.
+    tokenizer tinylm trains. ``vocab`` is each id's bytes, ``token_ids`` its inverse.
     """
     ids = np.frombuffer(data, dtype=np.uint8).astype(np.int64)
-    vocab_bytes = {i: b for b, i in token_ids.items()}
     last_rank = -1
     while len(ids) >= 2:
         present = np.flatnonzero(np.bincount(ids))  # (P,) the distinct tokens, sorted
@@ -321,7 +323,7 @@ def merge_long_chunk(data: bytes, token_ids: dict[bytes, int]) -> list[int] | No
         best_rank, best = None, None
         for k in np.flatnonzero(seen):
             a, b = int(present[k // p]), int(present[k % p])
-            rank = token_ids.get(vocab_bytes[a] + vocab_bytes[b])
+            rank = token_ids.get(vocab[a] + vocab[b])
             if rank is not None and (best_rank is None or rank < best_rank):
                 best_rank, best = rank, (a, b)
         if best is None:

@@ -249,6 +249,14 @@ def _train_tokenizer(corpus, tc: TrainConfig) -> Tokenizer:
 # ----- configuration checks -----------------------------------------------------------------------
 
 
+def group_lr(tc: TrainConfig, total: int, step: int, peak: float) -> float:
+    """The schedule of ``tc`` over ``total`` steps at ``step``, for a group whose peak rate is ``peak``
+    (its floor: the same share of it)."""
+    floor = tc.final_lr if peak == tc.lr else tc.final_lr * peak / tc.lr
+    return lr_at(step, lr=peak, min_lr=floor, warmup=tc.warmup_steps, total=total,
+                 decay=tc.decay, fraction=tc.decay_fraction, shape=tc.decay_shape)
+
+
 def config_differences(old: Config, new: Config, allowed: frozenset[str] = frozenset()) -> list[str]:
     """"[table] key: old -> new" for every setting that differs, except the [train] keys in ``allowed``."""
     out = []
@@ -672,8 +680,7 @@ class _Trainer:
                               f"gives; ask for more than {done:,} steps (or the tokens of them) to extend it")
         old_tc = self.ckpt.config.train
         tc = self.tc
-        old = [lr_at(step, lr=old_tc.lr, min_lr=old_tc.final_lr, warmup=old_tc.warmup_steps, total=before,
-                     decay=old_tc.decay, fraction=old_tc.decay_fraction, shape=old_tc.decay_shape) for step in range(done)]
+        old = [group_lr(old_tc, before, step, old_tc.lr) for step in range(done)]
         new = [self._lr(step, tc.lr) for step in range(done)]
         parted = next((step for step in range(done) if old[step] != new[step]), None)
         head = f"extending the run from {before:,} to {self.total:,} steps ({done:,} done)"
@@ -989,11 +996,7 @@ class _Trainer:
         return self._finish(last_loss)
 
     def _lr(self, step: int, peak: float) -> float:
-        """The schedule at ``step`` for a group whose peak rate is ``peak`` (its floor: the same share of it)."""
-        tc = self.tc
-        floor = tc.final_lr if peak == tc.lr else tc.final_lr * peak / tc.lr
-        return lr_at(step, lr=peak, min_lr=floor, warmup=tc.warmup_steps, total=self.total,
-                     decay=tc.decay, fraction=tc.decay_fraction, shape=tc.decay_shape)
+        return group_lr(self.tc, self.total, step, peak)
 
     # -- evaluation, checkpoints, the end
 
