@@ -151,3 +151,30 @@ def test_tiled_attention_never_forms_the_T_by_T_matrix():
         tiled_attention(q, k, v, tile_size=tile)
     # the largest thing alive is a (T x tile) block of scores or the (T x hs) output
     assert seen.largest <= B * nh * T * max(tile, hs)
+
+
+@pytest.mark.parametrize("nh,n_kv", HEADS)
+def test_bfloat16_training_gradients_match_float64_autograd(nh, n_kv):
+    """On a CPU, bfloat16 causal attention trains through a written-out backward pass; its
+    gradients (through repeat_kv too) match autograd of the definition in float64 to bfloat16's precision."""
+    q, k, v = (t.double().requires_grad_() for t in qkv(2, nh, n_kv, 24, 24, hs=16, seed=3))
+    dy = torch.randn(2, nh, 24, 16, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    reference_attention(q, k, v).backward(dy)
+    qb, kb, vb = (t.detach().bfloat16().requires_grad_() for t in (q, k, v))
+    y = sdpa_attention(qb, kb, vb)
+    assert "CausalAttention" in type(y.grad_fn).__name__
+    y.backward(dy.bfloat16())
+    for exact, got in ((q, qb), (k, kb), (v, vb)):
+        scale = exact.grad.abs().max().item()
+        assert (got.grad.double() - exact.grad).abs().max().item() < 0.02 * scale
+    # the forward pass is the fused kernel's, unchanged
+    torch.testing.assert_close(y.float(), reference_attention(qb.float(), kb.float(), vb.float()), atol=2e-2, rtol=0)
+
+
+def test_written_out_backward_is_only_for_cpu_low_precision_training():
+    q, k, v = qkv(1, 2, 2, 8, 8)
+    assert "CausalAttention" not in type(sdpa_attention(q.requires_grad_(), k, v).grad_fn).__name__  # float32: fused
+    qb = q.detach().bfloat16().requires_grad_()
+    assert "CausalAttention" in type(sdpa_attention(qb, k.bfloat16(), v.bfloat16()).grad_fn).__name__
+    with torch.no_grad():  # inference: nothing to differentiate, the fused kernel alone
+        assert sdpa_attention(qb, k.bfloat16(), v.bfloat16()).grad_fn is None

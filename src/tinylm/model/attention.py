@@ -113,6 +113,8 @@ def sdpa_attention(
     v = repeat_kv(v, n_head // v.size(1))  # (B, nh, T_k, hs)
     if key_padding_mask is None:
         if T_q == T_k:
+            if _use_written_out_backward(q, k, v, dropout_p):
+                return _CausalAttention.apply(q, k, v)
             # the common training case: let the kernel build the causal mask itself (fastest)
             return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
         if T_q == 1:
@@ -124,6 +126,51 @@ def sdpa_attention(
     # rows with no visible key: let them see everything (finite softmax), then zero their output
     y = F.scaled_dot_product_attention(q, k, v, attn_mask=visible | ~has_key, dropout_p=dropout_p)
     return y.masked_fill(~has_key, 0.0)  # (B, nh, T_q, hs)
+
+
+# Up to this context, causal attention on a CPU in bfloat16 trains faster with the backward pass
+# written out below than with the fused kernel's (the scores it recomputes take B nh T^2 floats).
+WRITTEN_OUT_BACKWARD_MAX_T = 512
+
+
+def _use_written_out_backward(q: Tensor, k: Tensor, v: Tensor, dropout_p: float) -> bool:
+    return (q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16) and dropout_p == 0.0
+            and q.size(2) <= WRITTEN_OUT_BACKWARD_MAX_T and torch.is_grad_enabled()
+            and (q.requires_grad or k.requires_grad or v.requires_grad))
+
+
+class _CausalAttention(torch.autograd.Function):
+    """Causal attention: the fused kernel's forward pass, and its gradient written out in float32.
+
+    On a CPU, PyTorch's fused (flash) kernel computes bfloat16 attention's forward pass quickly but
+    its backward pass takes about six times as long at T = 128; this one takes less than half of
+    that (`benchmarks/train_step.py`). With S = Q K^T / sqrt(d_h) + M, P = softmax_row(S), Y = P V:
+
+        dV = P^T dY,   dP = dY V^T,   dS = P * (dP - D),   dQ = dS K / sqrt(d_h),   dK = dS^T Q / sqrt(d_h)
+
+    where D = rowsum(P * dP) = rowsum(dY * Y) (one number per query; the second form is cheaper).
+    P is recomputed from Q and K rather than stored by the forward pass.
+    """
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        ctx.save_for_backward(q, k, v, y)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        q, k, v, y = ctx.saved_tensors
+        T, scale = q.size(2), 1.0 / math.sqrt(q.size(-1))
+        qf, kf, vf, dyf = q.float(), k.float(), v.float(), dy.float()
+        future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)  # M's -inf entries
+        p = torch.softmax((qf * scale @ kf.transpose(-2, -1)).masked_fill_(future, float("-inf")), dim=-1)
+        dv = p.transpose(-2, -1) @ dyf  # (B, nh, T, hs)
+        D = (dyf * y.float()).sum(dim=-1, keepdim=True)  # (B, nh, T, 1)
+        ds = (dyf @ vf.transpose(-2, -1)).sub_(D).mul_(p)  # (B, nh, T, T): dP - D, times P
+        dq = (ds @ kf).mul_(scale)
+        dk = (ds.transpose(-2, -1) @ qf).mul_(scale)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 def tiled_attention(

@@ -37,9 +37,9 @@ from torch import Tensor, nn
 from tinylm.config import GPTConfig
 from tinylm.errors import TinyLMError
 from tinylm.model.attention import CausalSelfAttention, KVCacheLayer
+from tinylm.model.head_loss import IGNORE_INDEX, head_loss
 from tinylm.model.positions import LearnedPositions, RotaryPositions, SinusoidalPositions
 
-IGNORE_INDEX = -100  # a target with this id contributes nothing to the loss (PyTorch's convention)
 
 
 class RMSNorm(nn.Module):
@@ -180,7 +180,9 @@ class GPT(nn.Module):
         attention_mask: Tensor | None = None,
         position_ids: Tensor | None = None,
         kv_cache: Sequence[KVCacheLayer] | None = None,
-    ) -> tuple[Tensor, Tensor | None]:
+        reduction: str = "mean",
+        return_logits: bool = True,
+    ) -> tuple[Tensor | None, Tensor | None]:
         """Logits (B, T, |V|) for token ids ``idx`` (B, T), and the mean next-token loss if ``targets`` is given.
 
         - ``targets`` (B, T): the token each position should predict (idx shifted left by one);
@@ -192,15 +194,29 @@ class GPT(nn.Module):
         - ``kv_cache``: one `KVCacheLayer` per block; the keys and values of these T tokens are
           appended to it and attention runs over everything stored. With a bigram-hash table the
           cache also keeps each row's last token (``last_tokens``), the first half of the next pair.
+        - ``reduction``: "mean" (over the targets that count) or "sum".
+        - ``return_logits=False`` (with ``targets``): only the loss; the head and the loss are computed
+          a slice of positions at a time (`head_loss`), never holding all (B, T, |V|) logits, and the
+          logits returned are None. Training uses it: it is faster and leaner on a CPU.
         """
+        if reduction not in ("mean", "sum"):
+            raise TinyLMError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
         h, _ = self._run(idx, attention_mask, position_ids, kv_cache, need_weights=False)
+        if targets is not None and not return_logits:
+            device = h.device.type
+            dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else h.dtype
+            loss = head_loss(h.flatten(0, 1), self.lm_head.weight, targets.flatten(), dtype, self.config.logit_softcap)
+            if reduction == "mean":
+                loss = loss / (targets != IGNORE_INDEX).sum().clamp(min=1)
+            return None, loss
         logits = self.lm_head(h)  # (B, T, |V|)
         if self.config.logit_softcap is not None:
             cap = self.config.logit_softcap
             logits = cap * torch.tanh(logits / cap)  # (B, T, |V|), every entry in (-cap, cap)
         loss = None
         if targets is not None:
-            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
+            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX,
+                                   reduction=reduction)
         return logits, loss
 
     @torch.no_grad()

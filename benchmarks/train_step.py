@@ -1,0 +1,89 @@
+"""Benchmark: where a bfloat16 training step of the default model goes on a CPU, and what the two fast paths buy.
+
+Run from the repository root, on an otherwise idle machine::
+
+    python benchmarks/train_step.py                  # the tiny preset, 32 x 128 tokens, every core
+    python benchmarks/train_step.py --threads 1 --repeats 9
+
+A training step (forward, backward, the optimizer) of the preset's model under bfloat16 autocast,
+timed three ways that alternate within each of ``--repeats`` rounds:
+
+1. **plain**: ``lm_head`` gives the (B, T, |V|) logits, then ``F.cross_entropy`` on them in float32,
+   and attention's backward pass through PyTorch's fused kernel (how training ran before);
+2. **sliced head**: the head and the loss a slice of positions at a time (`tinylm.model.head_loss`);
+3. **+ attention backward written out**: as 2, with the causal attention's gradient written out in
+   float32 (`tinylm.model.attention._CausalAttention`) instead of the fused kernel's backward.
+
+`tinylm train` uses 3 whenever it trains a Transformer under bfloat16 autocast on a CPU. Medians are
+printed with each path's ratio to the plain one; the machine is shared, so read the ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+import tinylm.model.attention as attention
+from tinylm.config import resolve_config
+from tinylm.model import GPT
+from tinylm.train.optim import make_optimizer
+
+PATHS = ("plain", "sliced head", "+ attention backward written out")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", default="tiny")
+    parser.add_argument("--vocab-size", type=int, default=8192)
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: every core)")
+    parser.add_argument("--repeats", type=int, default=7)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    config = resolve_config(preset=args.preset)
+    config.model.vocab_size = args.vocab_size
+    B, T = config.train.batch_size, config.model.block_size
+    torch.manual_seed(0)
+    model = GPT(config.model)
+    optimizer = make_optimizer(model, config.train, fused=True)
+    x, y = torch.randint(0, args.vocab_size, (B, T)), torch.randint(0, args.vocab_size, (B, T))
+    written_out = attention.WRITTEN_OUT_BACKWARD_MAX_T
+
+    def step(path: int) -> float:
+        attention.WRITTEN_OUT_BACKWARD_MAX_T = written_out if path == 2 else 0
+        start = time.perf_counter()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            if path == 0:
+                logits, _ = model(x)
+            else:
+                _, loss = model(x, y, reduction="sum", return_logits=False)
+        if path == 0:
+            loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum")
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return time.perf_counter() - start
+
+    for path in range(len(PATHS)):  # warm up every path once
+        step(path)
+    times: list[list[float]] = [[] for _ in PATHS]
+    for _ in range(args.repeats):
+        for path in range(len(PATHS)):
+            times[path].append(step(path))
+    attention.WRITTEN_OUT_BACKWARD_MAX_T = written_out
+    medians = [statistics.median(t) for t in times]
+    print(f"{args.preset}, {B} x {T} tokens a step, |V| {args.vocab_size}, {torch.get_num_threads()} thread(s), "
+          f"bfloat16 autocast, medians of {args.repeats}")
+    print("| path | s per step | tokens/s | time vs plain |")
+    print("|---|---|---|---|")
+    for name, median in zip(PATHS, medians):
+        print(f"| {name} | {median:.3f} | {B * T / median:,.0f} | {median / medians[0]:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
