@@ -93,3 +93,20 @@ def test_muon_trains_under_ddp_and_fsdp_as_in_one_process(tmp_path, corpus, data
     # size (muon_lr / sqrt(32) = 0.009 here). One process with grad_accum 2, the same sum in another
     # order, differs from one process by 0.005 in the same way.
     assert_same_training(one.run_dir, tmp_path / "two", atol=1e-2)
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_bfloat16_training_under_ddp_and_fsdp_follows_one_process(tmp_path, corpus, data_dir, parallel):
+    # Under bfloat16 autocast a Transformer trains through the sliced head and loss (model/head_loss.py)
+    # and the written-out attention backward: DDP's gradient hooks and FSDP's sharded head must see their
+    # gradients as they see autograd's own. bfloat16 rounds differently for half a batch than for a
+    # whole one, so the agreement is bfloat16's, not float32's.
+    settings = {**SETTINGS, "dtype": "bfloat16", "optimizer": "muon", "muon_lr": 0.05}
+    one = train(tiny_config(corpus, data_dir, **settings), tmp_path / "one", progress=False, log=lambda line: None)
+    done = torchrun(*cli_flags(corpus, data_dir, **settings), "--parallel", parallel, "--out", str(tmp_path / "two"))
+    assert f"2 processes ({parallel})" in done.stdout and "bfloat16 autocast" in done.stdout
+    a, b = losses(one.run_dir), losses(tmp_path / "two")
+    assert a.keys() == b.keys() and len(a) == 6
+    for step in a:
+        assert b[step] == pytest.approx(a[step], rel=1e-2), step
+    assert a[6] < a[1] - 0.05  # it learns
