@@ -59,9 +59,10 @@ def test_tiny_runs_the_modern_recipe_on_classics_model_and_corpus():
         "muon", "wsd", True, False)
     for key in ("n_layer", "d_model", "n_head", "block_size", "mlp", "norm", "positions"):
         assert getattr(tiny.model, key) == getattr(classic.model, key)
-    # the same corpus, and a budget that takes no longer (benchmarks/recipe.py measures both side by side)
+    # the same corpus, and a budget that takes no longer: tiny trains 1.13-1.15x classic's tokens/s on a
+    # CPU with bfloat16 (benchmarks/recipe.py measures both side by side), so its budget is 1.7M to 1.5M
     assert tiny.train.corpus == classic.train.corpus
-    assert classic.train.max_tokens <= tiny.train.max_tokens <= 1.1 * classic.train.max_tokens
+    assert classic.train.max_tokens <= tiny.train.max_tokens <= 1.15 * classic.train.max_tokens
 
 
 @pytest.mark.parametrize("name", list_presets())

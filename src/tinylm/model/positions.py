@@ -91,7 +91,10 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     The 2-D rotation [[cos, -sin], [sin, cos]] applied to (a, b) is (a cos - b sin, b cos + a sin),
     which is x * cos + rotate_half(x) * sin written for all pairs at once.
     """
-    return (x * cos + rotate_half(x) * sin).to(x.dtype)  # (B, nh, T, hs)
+    # in x's dtype (as Hugging Face's Llama does): under bfloat16 autocast, rotating in float32 cost
+    # a copy of q and k each way; float32 models are unchanged
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    return x * cos + rotate_half(x) * sin  # (B, nh, T, hs)
 
 
 def _inverse_frequencies(dim: int, base: float, device: torch.device) -> Tensor:
