@@ -9,12 +9,15 @@ A training step (forward, backward, the optimizer) of the preset's model under b
 timed three ways that alternate within each of ``--repeats`` rounds:
 
 1. **plain**: ``lm_head`` gives the (B, T, |V|) logits, then ``F.cross_entropy`` on them in float32,
-   and attention's backward pass through PyTorch's fused kernel (how training ran before);
+   and attention's backward pass through PyTorch's fused kernel (the head and attention as training
+   ran them before; RoPE rotates in bfloat16 in all three);
 2. **sliced head**: the head and the loss a slice of positions at a time (`tinylm.model.head_loss`);
-3. **+ attention backward written out**: as 2, with the causal attention's gradient written out in
-   float32 (`tinylm.model.attention._CausalAttention`) instead of the fused kernel's backward.
+3. **+ attention backward written out**: as 2, with the causal attention's gradient written out
+   (`tinylm.model.attention._CausalAttention`: scores and softmax in float32, the products with the
+   gradient in bfloat16) instead of the fused kernel's backward.
 
-`tinylm train` uses 3 whenever it trains a Transformer under bfloat16 autocast on a CPU. Medians are
+`tinylm train` uses 3 whenever it trains a Transformer under bfloat16 autocast on a CPU with a
+context of at most `WRITTEN_OUT_BACKWARD_MAX_T` (512) tokens. Medians are
 printed with each path's ratio to the plain one; the machine is shared, so read the ratios.
 """
 

@@ -178,3 +178,34 @@ def test_written_out_backward_is_only_for_cpu_low_precision_training():
     assert "CausalAttention" in type(sdpa_attention(qb, k.bfloat16(), v.bfloat16()).grad_fn).__name__
     with torch.no_grad():  # inference: nothing to differentiate, the fused kernel alone
         assert sdpa_attention(qb, k.bfloat16(), v.bfloat16()).grad_fn is None
+
+
+def test_bfloat16_training_with_value_embeddings_through_the_written_out_backward():
+    # value embeddings add a float32 term to v under autocast; the backward must still see one dtype
+    from tinylm.config import GPTConfig
+    from tinylm.model.gpt import GPT
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=40, block_size=16, n_layer=1, d_model=32, n_head=4, value_embed=True,
+                          qk_norm=True))
+    x, y = torch.randint(0, 40, (2, 16)), torch.randint(0, 40, (2, 16))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _, loss = model(x, y, return_logits=False)
+    loss.backward()  # raised "expected scalar type Float but found BFloat16" before
+    _, exact = model(x, y)
+    grads = torch.autograd.grad(exact, [model.blocks[0].attn.W_v.weight, model.blocks[0].attn.ve_weight])
+    assert torch.allclose(model.blocks[0].attn.W_v.weight.grad, grads[0], atol=0.05 * grads[0].abs().max().item())
+    assert torch.allclose(model.blocks[0].attn.ve_weight.grad, grads[1], atol=0.05 * grads[1].abs().max().item())
+
+
+def test_backward_inside_an_autocast_region_gives_the_same_gradients():
+    q, k, v = (t.bfloat16().requires_grad_() for t in qkv(1, 2, 2, 16, 16, hs=8, seed=5))
+    sdpa_attention(q, k, v).sum().backward()
+    outside = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    y = sdpa_attention(q, k, v)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y.sum().backward()
+    for a, t in zip(outside, (q, k, v)):
+        torch.testing.assert_close(t.grad, a)

@@ -74,3 +74,13 @@ def test_bfloat16_autocast_loss_is_close_to_float32():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         _, fast = model(x, y, return_logits=False)
     assert fast.dtype == torch.float32 and abs(fast.item() - exact.item()) < 0.02
+
+
+def test_without_gradients_only_the_loss_is_computed():
+    g = torch.Generator().manual_seed(1)
+    h, W, y = torch.randn(9, 4, generator=g), torch.randn(7, 4, generator=g), torch.randint(0, 7, (9,), generator=g)
+    with torch.no_grad():
+        assert head_loss(h, W, y).item() == pytest.approx(plain(h, W, y, None).item(), rel=1e-6)
+    h.requires_grad_()  # the head frozen: h alone gets a gradient
+    head_loss(h, W, y).backward()
+    assert W.grad is None and h.grad.abs().sum() > 0

@@ -114,7 +114,8 @@ def sdpa_attention(
     if key_padding_mask is None:
         if T_q == T_k:
             if _use_written_out_backward(q, k, v, dropout_p):
-                return _CausalAttention.apply(q, k, v)
+                # one dtype for all three (value embeddings add a float32 term to v under autocast)
+                return _CausalAttention.apply(q, k.to(q.dtype), v.to(q.dtype))
             # the common training case: let the kernel build the causal mask itself (fastest)
             return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
         if T_q == 1:
@@ -159,8 +160,13 @@ class _CausalAttention(torch.autograd.Function):
         return y
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, dy: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        q, k, v, y = ctx.saved_tensors
+        with torch.autocast(dy.device.type, enabled=False):  # the dtypes below are chosen, not autocast's
+            return _CausalAttention._gradients(*ctx.saved_tensors, dy.to(ctx.saved_tensors[0].dtype))
+
+    @staticmethod
+    def _gradients(q: Tensor, k: Tensor, v: Tensor, y: Tensor, dy: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         T, scale = q.size(2), 1.0 / math.sqrt(q.size(-1))
         future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)  # M's -inf entries
         # the scores and the softmax in float32; the products with the gradient in q's dtype, whose

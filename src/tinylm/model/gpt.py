@@ -41,7 +41,6 @@ from tinylm.model.head_loss import IGNORE_INDEX, head_loss
 from tinylm.model.positions import LearnedPositions, RotaryPositions, SinusoidalPositions
 
 
-
 class RMSNorm(nn.Module):
     """RMSNorm (Zhang and Sennrich, 2019): x / sqrt(mean(x^2) + eps) * g. LayerNorm without the mean and the bias."""
 
@@ -183,7 +182,7 @@ class GPT(nn.Module):
         reduction: str = "mean",
         return_logits: bool = True,
     ) -> tuple[Tensor | None, Tensor | None]:
-        """Logits (B, T, |V|) for token ids ``idx`` (B, T), and the mean next-token loss if ``targets`` is given.
+        """Logits (B, T, |V|) for token ids ``idx`` (B, T), and the next-token loss if ``targets`` is given.
 
         - ``targets`` (B, T): the token each position should predict (idx shifted left by one);
           `IGNORE_INDEX` (-100) marks positions left out of the loss, such as padding.
@@ -197,7 +196,8 @@ class GPT(nn.Module):
         - ``reduction``: "mean" (over the targets that count) or "sum".
         - ``return_logits=False`` (with ``targets``): only the loss; the head and the loss are computed
           a slice of positions at a time (`head_loss`), never holding all (B, T, |V|) logits, and the
-          logits returned are None. Training uses it: it is faster and leaner on a CPU.
+          logits returned are None. Training a Transformer under bfloat16 autocast on a CPU uses it:
+          it is faster and leaner there.
         """
         if reduction not in ("mean", "sum"):
             raise TinyLMError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
@@ -206,8 +206,8 @@ class GPT(nn.Module):
             device = h.device.type
             dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else h.dtype
             loss = head_loss(h.flatten(0, 1), self.lm_head.weight, targets.flatten(), dtype, self.config.logit_softcap)
-            if reduction == "mean":
-                loss = loss / (targets != IGNORE_INDEX).sum().clamp(min=1)
+            if reduction == "mean":  # as F.cross_entropy: NaN when no target counts
+                loss = loss / (targets != IGNORE_INDEX).sum()
             return None, loss
         logits = self.lm_head(h)  # (B, T, |V|)
         if self.config.logit_softcap is not None:

@@ -15,7 +15,9 @@ from which the gradients of h (g W) and of W_head (g^T h) follow by two matmuls.
 
 With a logit soft-cap c, the scored logits are c tanh(u / c), and the chain rule adds a factor
 1 - tanh(u / c)^2. Matmuls run in ``compute_dtype`` (bfloat16 under autocast, as ``lm_head`` would),
-the softmax and the sums in float32. A target equal to `IGNORE_INDEX` contributes nothing.
+the softmax and the sums in float32. A target equal to `IGNORE_INDEX` contributes nothing. The
+weight's gradient is taken from the weight as it is during the forward pass (as it is in training,
+where the optimizer steps after the backward pass).
 
 Usage::
 
@@ -35,6 +37,7 @@ class _HeadLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h: Tensor, weight: Tensor, targets: Tensor, softcap: float | None, compute_dtype: torch.dtype,
                 chunk: int) -> Tensor:
+        want_h, want_w = ctx.needs_input_grad[:2]  # both False under no_grad: the loss alone
         with torch.autocast(h.device.type, enabled=False):
             hc, wc = h.to(compute_dtype), weight.to(compute_dtype)  # (N, d), (|V|, d)
             acc = torch.promote_types(compute_dtype, torch.float32)  # softmax and sums: float32 at least
@@ -57,24 +60,31 @@ class _HeadLoss(torch.autograd.Function):
                 total_exp = g.sum(dim=-1, keepdim=True)  # (n, 1)
                 lse = (total_exp.log() + top).squeeze(1)  # (n,)
                 total += torch.where(keep, lse - picked, torch.zeros_like(lse)).sum()
+                if not (want_h or want_w):
+                    continue
                 g.div_(total_exp)  # softmax(u)
                 g[torch.arange(g.size(0), device=g.device), y_safe] -= 1.0
-                if not bool(keep.all()):
-                    g.mul_(keep[:, None])
+                g.mul_(keep[:, None])
                 if softcap is not None:
                     g.mul_(1.0 - t * t)
                 g = g.to(compute_dtype)
-                grad_h[rows] = g @ wc
-                grad_w += g.T @ hc[rows]
+                if want_h:
+                    grad_h[rows] = g @ wc
+                if want_w:
+                    grad_w += g.T @ hc[rows]
         ctx.save_for_backward(grad_h, grad_w)
         ctx.dtypes = (h.dtype, weight.dtype)
+        ctx.wanted = (want_h, want_w)
         return total
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out: Tensor):
         grad_h, grad_w = ctx.saved_tensors
-        h_dtype, w_dtype = ctx.dtypes
-        return (grad_h.to(h_dtype) * grad_out).to(h_dtype), (grad_w * grad_out).to(w_dtype), None, None, None, None
+        (h_dtype, w_dtype), (want_h, want_w) = ctx.dtypes, ctx.wanted
+        dh = (grad_h.to(h_dtype) * grad_out).to(h_dtype) if want_h else None
+        dw = (grad_w * grad_out).to(w_dtype) if want_w else None
+        return dh, dw, None, None, None, None
 
 
 def head_loss(h: Tensor, weight: Tensor, targets: Tensor, compute_dtype: torch.dtype = torch.float32,

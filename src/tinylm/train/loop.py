@@ -768,10 +768,11 @@ class _Trainer:
         # evaluation and sampling skip DDP's gradient hooks; a sharded model must be called as itself
         self.eval_model = self.step_model if self.fsdp else (torch.compile(model) if tc.compile else model)
         self.autocast = _autocast(self.device, tc.dtype)
-        # Under bfloat16 autocast a Transformer's head and loss run a slice of positions at a time
-        # (model/head_loss.py: ~10% less time a step on a CPU, none of the (B, T, |V|) logits kept).
-        # Float32 training keeps the plain head and loss, so its figures stay bit for bit what they were.
-        self.head_in_slices = isinstance(model, GPT) and self.autocast is not contextlib.nullcontext
+        # Under bfloat16 autocast on a CPU a Transformer's head and loss run a slice of positions at a
+        # time (model/head_loss.py: 0.82x the step time, benchmarks/train_step.py; none of the (B, T, |V|)
+        # logits kept). Float32 training keeps the plain head and loss, so its figures stay bit for bit.
+        self.head_in_slices = (isinstance(model, GPT) and self.device.type == "cpu"
+                               and self.autocast is not contextlib.nullcontext)
         self.step = 0
         self.tokens = 0
         self.elapsed_before = 0.0
