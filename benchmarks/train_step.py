@@ -17,7 +17,7 @@ timed three ways that alternate within each of ``--repeats`` rounds:
    gradient in bfloat16) instead of the fused kernel's backward.
 
 `tinylm train` uses 3 whenever it trains a Transformer under bfloat16 autocast on a CPU with a
-context of at most `WRITTEN_OUT_BACKWARD_MAX_T` (512) tokens. Medians are
+context of at most `WRITTEN_OUT_BACKWARD_MAX_T` (128) tokens. Medians are
 printed with each path's ratio to the plain one; the machine is shared, so read the ratios.
 """
 

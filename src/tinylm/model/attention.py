@@ -130,8 +130,10 @@ def sdpa_attention(
 
 
 # Up to this context, causal attention on a CPU in bfloat16 trains faster with the backward pass
-# written out below than with the fused kernel's (the scores it recomputes take B nh T^2 floats).
-WRITTEN_OUT_BACKWARD_MAX_T = 512
+# written out below than with the fused kernel's; beyond it the B nh T^2 scores it recomputes cost more.
+# Fused / written out, fwd + bwd, 2 cores: T = 128 (32 x 6 heads of 32) 47 / 23 ms, T = 256 (16 x 6)
+# 49 / 73 ms, T = 512 (8 x 6) 72 / 115 ms.
+WRITTEN_OUT_BACKWARD_MAX_T = 128
 
 
 def _use_written_out_backward(q: Tensor, k: Tensor, v: Tensor, dropout_p: float) -> bool:
@@ -145,7 +147,8 @@ class _CausalAttention(torch.autograd.Function):
 
     On a CPU, PyTorch's fused (flash) kernel computes bfloat16 attention's forward pass quickly but
     its backward pass takes about six times as long at T = 128; this one takes less than half of
-    that (`benchmarks/train_step.py`). With S = Q K^T / sqrt(d_h) + M, P = softmax_row(S), Y = P V:
+    that there (`benchmarks/train_step.py`), though more from T = 256 on (`WRITTEN_OUT_BACKWARD_MAX_T`).
+    With S = Q K^T / sqrt(d_h) + M, P = softmax_row(S), Y = P V:
 
         dV = P^T dY,   dP = dY V^T,   dS = P * (dP - D),   dQ = dS K / sqrt(d_h),   dK = dS^T Q / sqrt(d_h)
 
