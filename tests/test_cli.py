@@ -182,6 +182,26 @@ def test_a_config_file_without_a_preset_starts_from_tiny_as_the_command_does(tmp
         assert tomllib.loads(done.stdout) == tomllib.loads(dump_toml(resolve_config(preset=preset, overrides={"lr": 1e-3}).to_dict())), argv
 
 
+
+def test_tying_the_default_runs_head_drops_the_presets_zero_init_of_its_untied_head(tmp_path):
+    import tomllib
+
+    from tinylm.config import resolve_config
+
+    # tiny starts its untied head at zero (head_init_std = 0); --tie-embeddings makes the head E itself
+    done = run("train", "--tie-embeddings", "--print-config")
+    assert done.returncode == 0, done.stderr
+    model = tomllib.loads(done.stdout)["model"]
+    assert model["tie_embeddings"] is True and "head_init_std" not in model
+    assert resolve_config(preset="tiny", overrides={"tie_embeddings": True}).model.head_init_std is None
+    mine = tmp_path / "tied.toml"
+    mine.write_text("[model]\ntie_embeddings = true\n")
+    assert resolve_config(preset="tiny", path=mine).model.head_init_std is None
+    # both asked for by the user: a contradiction, said in one line
+    done = run("train", "--tie-embeddings", "--head-init-std", "0.02", "--print-config")
+    assert done.returncode == 2 and "head_init_std initialises an untied output head" in done.stderr
+    assert "Traceback" not in done.stderr
+
 # ----- corpora in other encodings, and where prepare puts them ------------------------------------
 
 LATIN1_TEXT = "Le café du roi, the king's coffee.\n" * 30

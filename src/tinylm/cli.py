@@ -398,9 +398,11 @@ def _settings(args: argparse.Namespace) -> dict[str, object]:
 
 def _train_config(args: argparse.Namespace):
     """The configuration the flags describe; None on --resume with nothing changed (the run's own)."""
-    from tinylm.config import FAMILY_NAMES, apply_overrides, build_config, load_config_file, load_preset
+    from tinylm.config import (FAMILY_NAMES, apply_overrides, build_config, load_config_file, load_preset,
+                               tie_without_head_settings)
 
     settings = _settings(args)
+    mine = load_config_file(args.config) if args.config else {}
     if args.resume and not (args.preset or args.config or settings):
         return None
     if args.resume and not (args.preset or args.config):
@@ -431,7 +433,7 @@ def _train_config(args: argparse.Namespace):
             from tinylm.config import _merge
 
             base = _merge(base, load_config_file(args.config, default_preset=None if args.preset else default))
-    return build_config(apply_overrides(base, settings))
+    return build_config(tie_without_head_settings(apply_overrides(base, settings), apply_overrides(mine, settings)))
 
 
 def _default_run_dir(args: argparse.Namespace) -> Path:

@@ -635,9 +635,21 @@ def resolve_config(
 ) -> Config:
     """Defaults, then ``preset``, then the file at ``path``, then ``overrides``: the checked `Config`."""
     cfg: dict[str, dict[str, Any]] = load_preset(preset) if preset is not None else {}
-    if path is not None:
-        cfg = _merge(cfg, load_config_file(path))
-    return build_config(apply_overrides(cfg, overrides))
+    mine = load_config_file(path) if path is not None else {}
+    cfg = _merge(cfg, mine)
+    return build_config(tie_without_head_settings(apply_overrides(cfg, overrides), apply_overrides(mine, overrides)))
+
+
+def tie_without_head_settings(cfg: dict[str, dict[str, Any]], mine: Mapping[str, Mapping[str, Any]]) -> dict:
+    """``cfg`` without an untied head's ``head_init_std`` when it ties the head and the caller (``mine``:
+    their file and flags) did not set ``head_init_std`` themselves: a preset's setting for its untied
+    head (tiny's zero head) means nothing once the caller asks for ``tie_embeddings``. Set both, and
+    `GPTConfig` says they contradict each other."""
+    model = cfg.get("model", {})
+    if model.get("tie_embeddings") and "head_init_std" in model and "head_init_std" not in mine.get("model", {}):
+        cfg = _merge(cfg, {})
+        del cfg["model"]["head_init_std"]
+    return cfg
 
 
 def dump_toml(cfg: Mapping[str, Mapping[str, Any]]) -> str:

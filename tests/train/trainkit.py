@@ -44,7 +44,7 @@ TINY = {
     # the classic recipe (AdamW, cosine, tied head, no QK-norm): exact comparisons (accumulation, DDP) need
     # AdamW, which does not amplify rounding as Muon's orthogonalization does; Muon's tests ask for it
     "optimizer": "adamw", "decay": "cosine", "min_lr": None, "head_lr": None, "tie_embeddings": True,
-    "qk_norm": False,
+    "head_init_std": None, "qk_norm": False,
 }
 
 
