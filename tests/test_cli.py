@@ -197,6 +197,11 @@ def test_tying_the_default_runs_head_drops_the_presets_zero_init_of_its_untied_h
     mine = tmp_path / "tied.toml"
     mine.write_text("[model]\ntie_embeddings = true\n")
     assert resolve_config(preset="tiny", path=mine).model.head_init_std is None
+    named = tmp_path / "tied-tiny.toml"  # the file names tiny itself: tiny's zero head is still not the user's
+    named.write_text('preset = "tiny"\n[model]\ntie_embeddings = true\n')
+    assert resolve_config(path=named).model.head_init_std is None
+    done = run("train", "--config", str(named), "--print-config")
+    assert done.returncode == 0 and "head_init_std" not in tomllib.loads(done.stdout)["model"], done.stderr
     # both asked for by the user: a contradiction, said in one line
     done = run("train", "--tie-embeddings", "--head-init-std", "0.02", "--print-config")
     assert done.returncode == 2 and "head_init_std initialises an untied output head" in done.stderr

@@ -402,7 +402,7 @@ def _train_config(args: argparse.Namespace):
                                tie_without_head_settings)
 
     settings = _settings(args)
-    mine = load_config_file(args.config) if args.config else {}
+    mine = load_config_file(args.config, own_only=True) if args.config else {}
     if args.resume and not (args.preset or args.config or settings):
         return None
     if args.resume and not (args.preset or args.config):

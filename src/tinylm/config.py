@@ -465,9 +465,11 @@ def load_preset(name: str) -> dict[str, dict[str, Any]]:
     return _load_preset(name, seen=())
 
 
-def load_config_file(path: str | Path, default_preset: str | None = None) -> dict[str, dict[str, Any]]:
+def load_config_file(path: str | Path, default_preset: str | None = None,
+                     own_only: bool = False) -> dict[str, dict[str, Any]]:
     """A TOML configuration file as a nested dict, merged over its ``preset = "..."`` if it names one,
-    else over ``default_preset`` (`tinylm train --config` gives "tiny", where the command starts)."""
+    else over ``default_preset`` (`tinylm train --config` gives "tiny", where the command starts).
+    ``own_only``: the file's own tables alone, over no preset."""
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
@@ -475,7 +477,7 @@ def load_config_file(path: str | Path, default_preset: str | None = None) -> dic
         raise TinyLMError(f"configuration file not found: {path}") from None
     except OSError as e:
         raise TinyLMError(f"cannot read configuration file {path}: {e.strerror}") from None
-    return _parse_toml(text, source=str(path), seen=(), default_preset=default_preset)
+    return _parse_toml(text, source=str(path), seen=(), default_preset=default_preset, own_only=own_only)
 
 
 def _load_preset(name: str, seen: tuple[str, ...]) -> dict[str, dict[str, Any]]:
@@ -489,7 +491,7 @@ def _load_preset(name: str, seen: tuple[str, ...]) -> dict[str, dict[str, Any]]:
 
 
 def _parse_toml(text: str, source: str, seen: tuple[str, ...],
-                default_preset: str | None = None) -> dict[str, dict[str, Any]]:
+                default_preset: str | None = None, own_only: bool = False) -> dict[str, dict[str, Any]]:
     try:
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
@@ -500,6 +502,8 @@ def _parse_toml(text: str, source: str, seen: tuple[str, ...],
         if not isinstance(preset, str):
             raise TinyLMError(f"{source}: 'preset' must be a preset name in quotes, got {preset!r}")
         base = _load_preset(preset, seen)
+    if own_only:
+        base = {}
     for key, table in raw.items():
         if key not in SECTIONS or not isinstance(table, dict):
             raise TinyLMError(
@@ -635,14 +639,15 @@ def resolve_config(
 ) -> Config:
     """Defaults, then ``preset``, then the file at ``path``, then ``overrides``: the checked `Config`."""
     cfg: dict[str, dict[str, Any]] = load_preset(preset) if preset is not None else {}
-    mine = load_config_file(path) if path is not None else {}
-    cfg = _merge(cfg, mine)
+    if path is not None:
+        cfg = _merge(cfg, load_config_file(path))
+    mine = load_config_file(path, own_only=True) if path is not None else {}
     return build_config(tie_without_head_settings(apply_overrides(cfg, overrides), apply_overrides(mine, overrides)))
 
 
 def tie_without_head_settings(cfg: dict[str, dict[str, Any]], mine: Mapping[str, Mapping[str, Any]]) -> dict:
     """``cfg`` without an untied head's ``head_init_std`` when it ties the head and the caller (``mine``:
-    their file and flags) did not set ``head_init_std`` themselves: a preset's setting for its untied
+    their file's own tables and their flags) did not set ``head_init_std`` themselves: a preset's setting for its untied
     head (tiny's zero head) means nothing once the caller asks for ``tie_embeddings``. Set both, and
     `GPTConfig` says they contradict each other."""
     model = cfg.get("model", {})
