@@ -16,6 +16,10 @@ timed three ways that alternate within each of ``--repeats`` rounds:
    (`tinylm.model.attention._CausalAttention`: scores and softmax in float32, the products with the
    gradient in bfloat16) instead of the fused kernel's backward.
 
+``--attention`` times causal attention alone instead (forward, forward + backward) through the fused
+kernel and through the written-out backward, at the three contexts that set
+`WRITTEN_OUT_BACKWARD_MAX_T`: T = 128, 256 and 512 at 4096 tokens a batch, 6 heads of 32.
+
 `tinylm train` uses 3 whenever it trains a Transformer under bfloat16 autocast on a CPU with a
 context of at most `WRITTEN_OUT_BACKWARD_MAX_T` (128) tokens. Medians are
 printed with each path's ratio to the plain one; the machine is shared, so read the ratios.
@@ -44,9 +48,13 @@ def main() -> None:
     parser.add_argument("--vocab-size", type=int, default=8192)
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: every core)")
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--attention", action="store_true", help="time causal attention alone, fused vs written out")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.attention:
+        attention_table(args.repeats)
+        return
 
     config = resolve_config(preset=args.preset)
     config.model.vocab_size = args.vocab_size
@@ -86,6 +94,38 @@ def main() -> None:
     print("|---|---|---|---|")
     for name, median in zip(PATHS, medians):
         print(f"| {name} | {median:.3f} | {B * T / median:,.0f} | {median / medians[0]:.2f}x |")
+
+
+def attention_table(repeats: int) -> None:
+    written_out = attention.WRITTEN_OUT_BACKWARD_MAX_T
+    print(f"causal attention, bfloat16, {torch.get_num_threads()} thread(s), medians of {repeats}, ms")
+    print("| T | batch | fused forward | fused forward + backward | written-out forward + backward |")
+    print("|---|---|---|---|---|")
+    for T in (128, 256, 512):
+        g = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(4096 // T, 6, T, 32, generator=g).bfloat16().requires_grad_() for _ in range(3))
+        dy = torch.randn(4096 // T, 6, T, 32, generator=g).bfloat16()
+
+        def run(limit: int, backward: bool) -> float:
+            attention.WRITTEN_OUT_BACKWARD_MAX_T = limit
+            start = time.perf_counter()
+            if backward:
+                attention.sdpa_attention(q, k, v).backward(dy)
+            else:
+                with torch.no_grad():
+                    attention.sdpa_attention(q, k, v)
+            return time.perf_counter() - start
+
+        cases = ((0, False), (0, True), (T, True))
+        times: list[list[float]] = [[] for _ in cases]
+        for round_ in range(repeats + 1):  # the cases alternate; round 0 warms up
+            for case, kept in zip(cases, times):
+                q.grad = k.grad = v.grad = None
+                took = run(*case)
+                if round_:
+                    kept.append(took)
+        print(f"| {T} | {4096 // T} | " + " | ".join(f"{statistics.median(t) * 1000:.1f}" for t in times) + " |")
+    attention.WRITTEN_OUT_BACKWARD_MAX_T = written_out
 
 
 if __name__ == "__main__":

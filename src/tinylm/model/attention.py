@@ -131,8 +131,9 @@ def sdpa_attention(
 
 # Up to this context, causal attention on a CPU in bfloat16 trains faster with the backward pass
 # written out below than with the fused kernel's; beyond it the B nh T^2 scores it recomputes cost more.
-# Fused / written out, fwd + bwd, 2 cores: T = 128 (32 x 6 heads of 32) 47 / 23 ms, T = 256 (16 x 6)
-# 49 / 73 ms, T = 512 (8 x 6) 72 / 115 ms.
+# Fused / written out, forward + backward, 2 cores (`python benchmarks/train_step.py --attention`):
+# T = 128 (32 x 6 heads of 32) 51 / 34 ms, T = 256 (16 x 6) 45 / 58 ms, T = 512 (8 x 6) 72 / 133 ms;
+# the fused forward alone 7 ms at T = 128, so its backward takes about six times the forward.
 WRITTEN_OUT_BACKWARD_MAX_T = 128
 
 
@@ -165,8 +166,9 @@ class _CausalAttention(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dy: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        q, k, v, y = ctx.saved_tensors
         with torch.autocast(dy.device.type, enabled=False):  # the dtypes below are chosen, not autocast's
-            return _CausalAttention._gradients(*ctx.saved_tensors, dy.to(ctx.saved_tensors[0].dtype))
+            return _CausalAttention._gradients(q, k, v, y, dy.to(q.dtype))
 
     @staticmethod
     def _gradients(q: Tensor, k: Tensor, v: Tensor, y: Tensor, dy: Tensor) -> tuple[Tensor, Tensor, Tensor]:
