@@ -324,7 +324,14 @@ _MODEL_HELP = {
     "norm_eps": "the norms' epsilon",
     "positions": "position information: learned, sinusoidal, rotary (rope) or none",
     "rope_theta": "RoPE's base",
+    "rope_scaling": "stretch RoPE's frequencies: none, linear (all divided by --rope-factor) or llama3 (Llama 3.1)",
+    "rope_factor": "linear and llama3 scaling: the factor the (low) frequencies are divided by",
+    "rope_low_freq_factor": "llama3 scaling: wavelengths above original context / this are divided by the factor",
+    "rope_high_freq_factor": "llama3 scaling: wavelengths below original context / this are kept",
+    "rope_original_context": "llama3 scaling: the context the model was first trained at",
+    "sliding_window": "each query attends to itself and the W - 1 positions before it (Mistral; unset: all)",
     "bias": "biases on linear layers and LayerNorm",
+    "qkv_bias": "biases on the q, k, v projections only, for a --no-bias model (Qwen2)",
     "tie_embeddings": "share the output head with the token embedding E",
     "dropout": "dropout probability",
     "init_std": "standard deviation of the initial weights",
@@ -456,7 +463,8 @@ def _default_run_dir(args: argparse.Namespace) -> Path:
 
 # Which settings each family reads; a flag given for another family is ignored, with a warning.
 _TRANSFORMER_ONLY = {"n_head", "n_kv_head", "mlp", "d_ff", "norm", "norm_position", "norm_eps", "positions",
-                     "rope_theta", "bias", "attention", "tile_size"}
+                     "rope_theta", "rope_scaling", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+                     "rope_original_context", "sliding_window", "bias", "qkv_bias", "attention", "tile_size"}
 _NGRAM_ONLY = {"order", "smoothing", "add_k"}
 _COUNTING_READS = {"model.family", "model.vocab_size", "model.block_size", "model.order", "model.smoothing",
                    "model.add_k", "train.corpus", "train.glob", "train.text_field", "train.encoding", "train.errors",

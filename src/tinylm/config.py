@@ -59,6 +59,7 @@ MLPKind = Literal["gelu", "swiglu", "relu2"]
 NormKind = Literal["layernorm", "rmsnorm"]
 NormPosition = Literal["pre", "post"]
 PositionKind = Literal["learned", "sinusoidal", "rope", "none"]
+RopeScalingKind = Literal["none", "linear", "llama3"]
 AttentionKind = Literal["sdpa", "reference", "tiled"]
 TokenizerKind = Literal["bpe", "char", "word"]
 DecodeErrors = Literal["strict", "replace", "ignore"]
@@ -112,8 +113,16 @@ class GPTConfig:
     - ``positions`` "learned" (a trained table added to the token embeddings), "sinusoidal" (the
       fixed sin/cos table of Vaswani et al., added), "rope" (rotary: q and k rotated by their
       position, ``rope_theta`` the base), or "none" (attention alone cannot tell order).
-    - ``bias`` on every linear layer and LayerNorm; ``tie_embeddings`` shares the output head with
-      the token embedding E; ``dropout``; ``init_std`` the standard deviation of the initial weights.
+    - ``rope_scaling`` stretches RoPE's frequencies for a longer context (`tinylm.model.positions`):
+      "none"; "linear" divides every frequency by ``rope_factor``; "llama3" (Llama 3.1) divides the
+      low frequencies by ``rope_factor``, keeps the high ones and blends between, with the bounds set
+      by ``rope_low_freq_factor``, ``rope_high_freq_factor`` and ``rope_original_context`` (the
+      context the model was first trained at). Each of the four is set exactly when its scaling uses it.
+    - ``sliding_window`` W: each query attends to itself and the W - 1 positions before it, as
+      Mistral does (unset: the whole causal context).
+    - ``bias`` on every linear layer and LayerNorm; ``qkv_bias`` on W_q, W_k and W_v only, for a
+      ``bias = false`` model (Qwen2's layout); ``tie_embeddings`` shares the output head with the token
+      embedding E; ``dropout``; ``init_std`` the standard deviation of the initial weights.
     - ``attention`` "sdpa" (PyTorch's fused kernel), "reference" (the definition written out) or
       "tiled" (online softmax over key blocks of ``tile_size``, the FlashAttention idea). All three
       compute the same function; the tests pin them equal.
@@ -151,7 +160,14 @@ class GPTConfig:
     norm_eps: float = 1e-5
     positions: PositionKind = "learned"
     rope_theta: float = 10000.0
+    rope_scaling: RopeScalingKind = "none"
+    rope_factor: float | None = None
+    rope_low_freq_factor: float | None = None
+    rope_high_freq_factor: float | None = None
+    rope_original_context: int | None = None
+    sliding_window: int | None = None
     bias: bool = True
+    qkv_bias: bool = False
     tie_embeddings: bool = True
     dropout: float = 0.0
     init_std: float = 0.02
@@ -197,7 +213,7 @@ class GPTConfig:
         for name in ("vocab_size", "block_size", "n_layer", "d_model", "n_head", "tile_size"):
             if getattr(self, name) <= 0:
                 raise TinyLMError(f"{name} must be a positive integer, got {getattr(self, name)}")
-        for name in ("n_kv_head", "d_ff", "bptt"):
+        for name in ("n_kv_head", "d_ff", "bptt", "sliding_window", "rope_original_context"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise TinyLMError(f"{name} must be a positive integer (or left out), got {getattr(self, name)}")
         if not 1 <= self.order <= 10:
@@ -243,11 +259,39 @@ class GPTConfig:
                 f"positions = 'rope' rotates pairs of coordinates, so the head size d_model / n_head must be "
                 f"even; it is {self.d_model} / {self.n_head} = {self.head_dim}: change d_model or n_head"
             )
+        if self.qkv_bias and self.bias:
+            raise TinyLMError("qkv_bias puts biases on W_q, W_k and W_v of a bias = false model; with bias = true "
+                              "every projection has one already: leave qkv_bias unset or add --no-bias")
+        self._check_rope_scaling()
         if self.positions == "sinusoidal" and self.d_model % 2:
             raise TinyLMError(
                 f"positions = 'sinusoidal' pairs a sine and a cosine per frequency, so d_model must be even; "
                 f"got {self.d_model}"
             )
+
+    def _check_rope_scaling(self) -> None:
+        used = {"none": (), "linear": ("rope_factor",),
+                "llama3": ("rope_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_context")}
+        wanted = used[self.rope_scaling]
+        if self.rope_scaling != "none" and self.positions != "rope":
+            raise TinyLMError(f"rope_scaling = {self.rope_scaling!r} rescales RoPE's frequencies, but positions = "
+                              f"{self.positions!r}: use positions = 'rope' or leave rope_scaling 'none'")
+        for name in used["llama3"]:
+            value = getattr(self, name)
+            if name in wanted and value is None:
+                raise TinyLMError(f"rope_scaling = {self.rope_scaling!r} needs {name} (it reads "
+                                  f"{', '.join(wanted)})")
+            if name not in wanted and value is not None:
+                owners = " or ".join(repr(kind) for kind, names in used.items() if name in names)
+                raise TinyLMError(f"{name} is a setting of rope_scaling {owners}, and rope_scaling is "
+                                  f"{self.rope_scaling!r}: leave {name} unset")
+        for name in ("rope_factor", "rope_low_freq_factor", "rope_high_freq_factor"):
+            value = getattr(self, name)
+            if value is not None and not (math.isfinite(value) and value > 0):
+                raise TinyLMError(f"{name} must be a positive number, got {value}")
+        if self.rope_scaling == "llama3" and not self.rope_high_freq_factor > self.rope_low_freq_factor:
+            raise TinyLMError(f"rope_high_freq_factor ({self.rope_high_freq_factor}) must be larger than "
+                              f"rope_low_freq_factor ({self.rope_low_freq_factor}): between them the frequencies blend")
 
 
 def _help(text: str) -> Any:

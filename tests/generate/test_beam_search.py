@@ -71,6 +71,14 @@ def test_cached_beam_search_equals_recomputing_every_beam(positions):
                                atol=1e-5, rtol=0)
 
 
+def test_cached_beam_search_with_a_sliding_window_equals_recomputing_every_beam():
+    model = tiny_gpt(positions="rope", n_kv_head=2, sliding_window=5)
+    kwargs = dict(num_beams=3, max_new_tokens=25)
+    cached = beam_search(model, [1, 2, 3, 4], **kwargs)
+    assert [b.tokens for b in cached] == [b.tokens for b in beam_search(model, [1, 2, 3, 4], use_cache=False,
+                                                                        **kwargs)]
+
+
 def test_beam_search_across_the_context_window_equals_recomputing():
     model = tiny_gpt(positions="learned", block_size=16)
     with pytest.warns(UserWarning, match="context"):

@@ -57,6 +57,19 @@ def test_cached_generation_equals_the_reference_with_the_recipe_options(options)
     assert_same_completions(Engine(model, params).generate(prompts), reference_generate(model, prompts, params))
 
 
+def test_a_sliding_window_model_generates_past_its_window_as_the_reference_does():
+    """Mistral's window (here 6 positions) in the cache: each step attends to the last 6 keys only; with a
+    left-padded batch the padding must not count against a row's window either."""
+    model = tiny_gpt(positions="rope", n_kv_head=2, sliding_window=6, bias=False, qkv_bias=True)
+    prompts = [[3, 14, 15, 92, 65, 35, 89], [7, 7]]
+    params = SamplingParams(max_new_tokens=40, temperature=0)
+    cached = Engine(model, params).generate(prompts)
+    assert_same_completions(cached, reference_generate(model, prompts, params))
+    assert_same_completions(cached[1:], Engine(model, params).generate(prompts[1:]))  # as if alone
+    unwindowed = tiny_gpt(positions="rope", n_kv_head=2, bias=False, qkv_bias=True)
+    assert Engine(unwindowed, params).generate(prompts)[0].token_ids != cached[0].token_ids
+
+
 def test_a_bigram_model_whose_cache_forgets_the_last_token_is_caught(monkeypatch):
     model = tiny_gpt(positions="rope", bigram_hash=101)
     with torch.no_grad():

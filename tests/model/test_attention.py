@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from tinylm.model.attention import reference_attention, repeat_kv, sdpa_attention, tiled_attention
+from tinylm.model.attention import reference_attention, repeat_kv, sdpa_attention, tiled_attention, window_keys
 
 ATOL = 1e-5
 
@@ -34,8 +34,9 @@ def padding_mask(kind: str | None, B: int, T: int) -> torch.Tensor | None:
     return mask
 
 
-def by_definition(q, k, v, mask):
-    """The lecture notes' formula, one head and one batch row at a time, with plain Python loops for M."""
+def by_definition(q, k, v, mask, window=None):
+    """The lecture notes' formula, one head and one batch row at a time, with plain Python loops for M
+    (with a ``window`` W, query i also stops seeing key j once i - j >= W)."""
     B, nh, T_q, hs = q.shape
     T_k = k.size(2)
     group = nh // k.size(1)
@@ -45,7 +46,9 @@ def by_definition(q, k, v, mask):
             M = torch.zeros(T_q, T_k)
             for i in range(T_q):
                 for j in range(T_k):
-                    if j > i + (T_k - T_q) or (mask is not None and not mask[b, j]):
+                    i_abs = i + (T_k - T_q)
+                    too_old = window is not None and i_abs - j >= window
+                    if j > i_abs or too_old or (mask is not None and not mask[b, j]):
                         M[i, j] = float("-inf")
             Q, K, V = q[b, h], k[b, h // group], v[b, h // group]
             scores = Q @ K.T / math.sqrt(hs) + M
@@ -70,6 +73,47 @@ def test_the_three_implementations_agree_with_the_definition(nh, n_kv, pad, T_q,
     torch.testing.assert_close(sdpa_attention(q, k, v, mask), expected, atol=ATOL, rtol=0)
     for tile in (1, 4, 5, 13, 64):  # 4 and 5 do not divide 13: a ragged last block
         torch.testing.assert_close(tiled_attention(q, k, v, mask, tile_size=tile), expected, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("window", [1, 4, 13])
+@pytest.mark.parametrize("pad", [None, "left"])
+@pytest.mark.parametrize("T_q,T_k", [(13, 13), (5, 13), (1, 13)], ids=["full", "cached", "one-step"])
+def test_a_sliding_window_is_the_definition_with_a_band_mask(window, pad, T_q, T_k):
+    q, k, v = qkv(3, 4, 2, T_q, T_k)
+    mask = padding_mask(pad, 3, T_k)
+    expected = by_definition(q, k, v, mask, window)
+    if window == 4:  # a window that hides keys changes the output; 13 keys in a window of 13 do not
+        assert not torch.allclose(expected, by_definition(q, k, v, mask), atol=1e-3)
+    torch.testing.assert_close(reference_attention(q, k, v, mask, window=window), expected, atol=ATOL, rtol=0)
+    torch.testing.assert_close(sdpa_attention(q, k, v, mask, window=window), expected, atol=ATOL, rtol=0)
+    for tile in (1, 5, 64):
+        torch.testing.assert_close(tiled_attention(q, k, v, mask, tile_size=tile, window=window), expected,
+                                   atol=ATOL, rtol=0)
+    # what the module does first: drop the keys no window reaches, then attend over the rest
+    k2, v2, mask2, rest = window_keys(k, v, mask, T_q, window)
+    assert k2.size(2) == min(T_k, T_q + window - 1)
+    torch.testing.assert_close(sdpa_attention(q, k2, v2, mask2, window=rest), expected, atol=ATOL, rtol=0)
+
+
+def test_a_windowed_model_never_takes_the_written_out_causal_backward(monkeypatch):
+    """bfloat16 training on a CPU takes `_CausalAttention` for plain causal attention; its backward assumes
+    the causal triangle, so a windowed model must go through the masked kernel instead."""
+    from tinylm.model import attention
+
+    calls = []
+    written_out = attention._CausalAttention.apply
+
+    def counted(*args):
+        calls.append(1)
+        return written_out(*args)
+
+    monkeypatch.setattr(attention._CausalAttention, "apply", counted)
+    q, k, v = (t.to(torch.bfloat16).requires_grad_() for t in qkv(2, 4, 4, 9, 9))
+    sdpa_attention(q, k, v)
+    assert calls == [1]  # the test sees the shortcut when it is taken
+    y = sdpa_attention(q, k, v, window=3)
+    assert calls == [1]
+    torch.testing.assert_close(y.float(), by_definition(q.float(), k.float(), v.float(), None, 3), atol=2e-2, rtol=0)
 
 
 @pytest.mark.parametrize("nh,n_kv", HEADS, ids=["mha", "gqa", "mqa"])

@@ -29,6 +29,10 @@ Shared conventions:
 - ``key_padding_mask`` (B, T_k) bool, False at padding: padded keys get -inf like future ones.
   A query that can see no key at all (a padding query at the left of a left-padded row) would
   make the softmax divide 0 by 0; its output is defined as zeros instead, in all three functions.
+- ``window`` W (Mistral's sliding window): M is also -inf where j <= i - W, so query i sees keys
+  i - W + 1 .. i, itself and the W - 1 before it. Columns count, not real tokens; a left-padded
+  row's real tokens are contiguous, so for them the two are the same. `CausalSelfAttention` first
+  drops the keys no query can see (`window_keys`), so a cached decoding step reads W keys, not all.
 """
 
 from __future__ import annotations
@@ -65,14 +69,40 @@ def repeat_kv(x: Tensor, n_rep: int) -> Tensor:
     return x[:, :, None].expand(B, n_kv, n_rep, T, hs).reshape(B, n_kv * n_rep, T, hs)
 
 
-def visible_keys(T_q: int, T_k: int, key_padding_mask: Tensor | None, device: torch.device) -> Tensor:
+def visible_keys(T_q: int, T_k: int, key_padding_mask: Tensor | None, device: torch.device,
+                 window: int | None = None) -> Tensor:
     """Which keys each query may attend to: (1 or B, 1, T_q, T_k) bool, the complement of M's -inf entries."""
     q_pos = torch.arange(T_k - T_q, T_k, device=device)  # absolute positions of the queries
     k_pos = torch.arange(T_k, device=device)
-    visible = k_pos[None, :] <= q_pos[:, None]  # (T_q, T_k): causal, the lower triangle
+    visible = _causal(q_pos, k_pos, window)  # (T_q, T_k)
     if key_padding_mask is None:
         return visible[None, None]  # (1, 1, T_q, T_k)
     return visible[None, None] & key_padding_mask[:, None, None, :]  # (B, 1, T_q, T_k)
+
+
+def _causal(q_pos: Tensor, k_pos: Tensor, window: int | None) -> Tensor:
+    """(T_q, T_k) bool: key j is at or before query i, and within its window when there is one."""
+    visible = k_pos[None, :] <= q_pos[:, None]  # the lower triangle
+    if window is not None:
+        visible = visible & (k_pos[None, :] > q_pos[:, None] - window)  # a band of W diagonals
+    return visible
+
+
+def window_keys(k: Tensor, v: Tensor, key_padding_mask: Tensor | None, T_q: int,
+                window: int | None) -> tuple[Tensor, Tensor, Tensor | None, int | None]:
+    """Drop the keys (and values, and mask columns) that no query's window reaches; the window still to apply.
+
+    The first of the T_q queries, at T_k - T_q, sees back to T_k - T_q - W + 1; everything before
+    goes. When every key left is within every query's window, the window changes nothing and
+    comes back as None, so the fused kernels' plain causal paths apply.
+    """
+    if window is None:
+        return k, v, key_padding_mask, None
+    first = max(0, k.size(2) - T_q - window + 1)
+    k, v = k[:, :, first:], v[:, :, first:]  # (B, n_kv, T_k - first, hs)
+    if key_padding_mask is not None:
+        key_padding_mask = key_padding_mask[:, first:]  # (B, T_k - first)
+    return k, v, key_padding_mask, (window if k.size(2) > window else None)
 
 
 def reference_attention(
@@ -82,13 +112,14 @@ def reference_attention(
     key_padding_mask: Tensor | None = None,
     dropout_p: float = 0.0,
     return_weights: bool = False,
+    window: int | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """softmax_row(Q K^T / sqrt(d_h) + M) V for every head, exactly as defined; optionally with the weights."""
     n_head, T_q, hs = q.size(1), q.size(2), q.size(3)
     T_k = k.size(2)
     k = repeat_kv(k, n_head // k.size(1))  # (B, nh, T_k, hs)
     v = repeat_kv(v, n_head // v.size(1))  # (B, nh, T_k, hs)
-    visible = visible_keys(T_q, T_k, key_padding_mask, q.device)  # (1 or B, 1, T_q, T_k)
+    visible = visible_keys(T_q, T_k, key_padding_mask, q.device, window)  # (1 or B, 1, T_q, T_k)
     has_key = visible.any(dim=-1, keepdim=True)  # (1 or B, 1, T_q, 1)
     # M: -inf where a key is in the future or padding. A row with no visible key keeps 0s, so the
     # softmax stays finite there; that row's weights are zeroed right after.
@@ -105,13 +136,16 @@ def reference_attention(
 
 
 def sdpa_attention(
-    q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None = None, dropout_p: float = 0.0
+    q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None = None, dropout_p: float = 0.0,
+    window: int | None = None,
 ) -> Tensor:
     """The same function through `torch.nn.functional.scaled_dot_product_attention` (fused kernels)."""
     n_head, T_q, T_k = q.size(1), q.size(2), k.size(2)
     k = repeat_kv(k, n_head // k.size(1))  # (B, nh, T_k, hs)
     v = repeat_kv(v, n_head // v.size(1))  # (B, nh, T_k, hs)
-    if key_padding_mask is None:
+    # with a window the mask is a band, which the kernel's is_causal cannot say (nor does the
+    # written-out backward assume it): the explicit mask below
+    if key_padding_mask is None and window is None:
         if T_q == T_k:
             if _use_written_out_backward(q, k, v, dropout_p):
                 # one dtype for all three (value embeddings add a float32 term to v under autocast)
@@ -122,7 +156,7 @@ def sdpa_attention(
             # one new query at the last position sees every key: no mask at all
             return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)
         # note: is_causal=True would align the triangle to the top-left corner, wrong when T_q < T_k
-    visible = visible_keys(T_q, T_k, key_padding_mask, q.device)  # (1 or B, 1, T_q, T_k)
+    visible = visible_keys(T_q, T_k, key_padding_mask, q.device, window)  # (1 or B, 1, T_q, T_k)
     has_key = visible.any(dim=-1, keepdim=True)  # (1 or B, 1, T_q, 1)
     # rows with no visible key: let them see everything (finite softmax), then zero their output
     y = F.scaled_dot_product_attention(q, k, v, attn_mask=visible | ~has_key, dropout_p=dropout_p)
@@ -193,6 +227,7 @@ def tiled_attention(
     key_padding_mask: Tensor | None = None,
     dropout_p: float = 0.0,
     tile_size: int = 64,
+    window: int | None = None,
 ) -> Tensor:
     """The same function by an online softmax over blocks of ``tile_size`` keys: never forms the T x T matrix.
 
@@ -221,7 +256,7 @@ def tiled_attention(
     for start in range(0, T_k, tile_size):
         end = min(start + tile_size, T_k)
         k_pos = torch.arange(start, end, device=q.device)
-        visible = k_pos[None, :] <= q_pos[:, None]  # (T_q, Tb): causal part of M for this block
+        visible = _causal(q_pos, k_pos, window)  # (T_q, Tb): the causal (and window) part of M for this block
         if key_padding_mask is not None:
             visible = visible & key_padding_mask[:, None, None, start:end]  # (B, 1, T_q, Tb)
         s = (q @ k[:, :, start:end].transpose(-2, -1)).float() * scale  # (B, nh, T_q, Tb)
@@ -257,9 +292,10 @@ class CausalSelfAttention(nn.Module):
         self.n_kv_head = config.kv_heads
         self.head_dim = config.head_dim
         d, hs = config.d_model, config.head_dim
-        self.W_q = nn.Linear(d, self.n_head * hs, bias=config.bias)
-        self.W_k = nn.Linear(d, self.n_kv_head * hs, bias=config.bias)
-        self.W_v = nn.Linear(d, self.n_kv_head * hs, bias=config.bias)
+        qkv_bias = config.bias or config.qkv_bias  # Qwen2: biases on q, k, v only
+        self.W_q = nn.Linear(d, self.n_head * hs, bias=qkv_bias)
+        self.W_k = nn.Linear(d, self.n_kv_head * hs, bias=qkv_bias)
+        self.W_v = nn.Linear(d, self.n_kv_head * hs, bias=qkv_bias)
         self.W_o = nn.Linear(self.n_head * hs, d, bias=config.bias)
         # QK-norm: each head's q and k normalized (RMSNorm over d_h, one gain per coordinate)
         self.q_norm = nn.RMSNorm(hs, eps=config.norm_eps) if config.qk_norm else None
@@ -268,6 +304,7 @@ class CausalSelfAttention(nn.Module):
         self.ve_weight = nn.Parameter(torch.ones(1)) if config.value_embed else None
         self.implementation = config.attention
         self.tile_size = config.tile_size
+        self.window = config.sliding_window
         self.dropout = config.dropout
 
     def forward(
@@ -303,16 +340,18 @@ class CausalSelfAttention(nn.Module):
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if kv_cache is not None:
             k, v = kv_cache.update(k, v)  # (B, n_kv, T_k, hs), the stored positions then these T
+        # a sliding window: only the last keys matter (a decoding step keeps W of them, a full pass all)
+        k, v, key_padding_mask, window = window_keys(k, v, key_padding_mask, T, self.window)
         dropout_p = self.dropout if self.training else 0.0
         weights = None
         if need_weights:
-            y, weights = reference_attention(q, k, v, key_padding_mask, dropout_p, return_weights=True)
+            y, weights = reference_attention(q, k, v, key_padding_mask, dropout_p, return_weights=True, window=window)
         elif self.implementation == "sdpa":
-            y = sdpa_attention(q, k, v, key_padding_mask, dropout_p)
+            y = sdpa_attention(q, k, v, key_padding_mask, dropout_p, window)
         elif self.implementation == "tiled":
-            y = tiled_attention(q, k, v, key_padding_mask, dropout_p, self.tile_size)
+            y = tiled_attention(q, k, v, key_padding_mask, dropout_p, self.tile_size, window)
         else:
-            y = reference_attention(q, k, v, key_padding_mask, dropout_p)
+            y = reference_attention(q, k, v, key_padding_mask, dropout_p, window=window)
         # concatenate the heads: position t's row is (head_1 output, ..., head_nh output)
         y = y.transpose(1, 2).reshape(B, T, self.n_head * hs)  # (B, T, nh * hs)
         return self.W_o(y), weights  # (B, T, d)

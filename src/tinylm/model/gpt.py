@@ -38,7 +38,7 @@ from tinylm.config import GPTConfig
 from tinylm.errors import TinyLMError
 from tinylm.model.attention import CausalSelfAttention, KVCacheLayer
 from tinylm.model.head_loss import IGNORE_INDEX, head_loss
-from tinylm.model.positions import LearnedPositions, RotaryPositions, SinusoidalPositions
+from tinylm.model.positions import LearnedPositions, RopeScaling, RotaryPositions, SinusoidalPositions
 
 
 class RMSNorm(nn.Module):
@@ -138,7 +138,7 @@ class GPT(nn.Module):
         elif config.positions == "sinusoidal":
             self.pos_emb = SinusoidalPositions(d)
         elif config.positions == "rope":
-            self.rope = RotaryPositions(config.head_dim, config.rope_theta)
+            self.rope = RotaryPositions(config.head_dim, config.rope_theta, RopeScaling.of(config))
         self.dropout = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         # post-norm blocks already end in a norm; pre-norm leaves the stream unnormalized

@@ -25,12 +25,26 @@ RoPE layout: the "rotate half" layout of GPT-NeoX and Hugging Face's Llama. Coor
 head is paired with coordinate i + d_h/2 (not with its neighbour i+1 as in the RoFormer paper
 and Meta's original Llama code); pair i turns at frequency theta^(-2i/d_h). Hugging Face's Llama
 checkpoints use this layout, so an export needs no permutation of W_q and W_k.
+
+RoPE scaling (``GPTConfig.rope_scaling``) changes the frequencies, nothing else, to stretch a
+model trained at one context over a longer one. "linear" divides every frequency by a factor s
+(position t turns as far as t / s did). "llama3" (Llama 3.1) looks at each pair's wavelength
+lambda = 2 pi / omega against the original context L: pairs that turn many times within L
+(lambda < L / high_freq_factor) keep their frequency, pairs that turn less than about once
+(lambda > L / low_freq_factor) are divided by s, and in between the frequency blends linearly,
+omega' = (1 - a) omega / s + a omega with a = (L / lambda - low) / (high - low), which is 1 and 0
+at the two bounds, so omega' is continuous. See `rope_inverse_frequencies`.
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor, nn
+
+from tinylm.config import GPTConfig
 
 
 class LearnedPositions(nn.Module):
@@ -61,16 +75,51 @@ class SinusoidalPositions(nn.Module):
         return torch.stack((angles.sin(), angles.cos()), dim=-1).flatten(-2)  # (B or 1, T, d)
 
 
+@dataclass(frozen=True)
+class RopeScaling:
+    """How RoPE's frequencies are stretched (module docstring): "linear" reads ``factor`` only."""
+
+    kind: str  # "linear" or "llama3"
+    factor: float
+    low_freq_factor: float | None = None
+    high_freq_factor: float | None = None
+    original_context: int | None = None
+
+    @classmethod
+    def of(cls, config: GPTConfig) -> RopeScaling | None:
+        """The scaling a configuration asks for, or None for plain RoPE."""
+        if config.rope_scaling == "none":
+            return None
+        return cls(config.rope_scaling, config.rope_factor, config.rope_low_freq_factor,
+                   config.rope_high_freq_factor, config.rope_original_context)
+
+
+def rope_inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = None,
+                             device: torch.device | str = "cpu") -> Tensor:
+    """omega_i = theta^(-2i/d_h) for i = 0..d_h/2-1, then scaled as ``scaling`` says: (d_h/2,) float32."""
+    inv_freq = _inverse_frequencies(head_dim, theta, device)  # (hs/2,)
+    if scaling is None:
+        return inv_freq
+    s = scaling.factor
+    if scaling.kind == "linear":
+        return inv_freq / s
+    L, low, high = scaling.original_context, scaling.low_freq_factor, scaling.high_freq_factor
+    wavelength = 2 * math.pi / inv_freq  # (hs/2,) positions per turn
+    a = ((L / wavelength - low) / (high - low)).clamp(0.0, 1.0)  # 1: keep omega (short waves), 0: omega / s
+    return (1 - a) * inv_freq / s + a * inv_freq  # (hs/2,)
+
+
 class RotaryPositions(nn.Module):
     """Rotary position embeddings (Su et al., 2021): the cos and sin that `apply_rope` rotates q and k by."""
 
-    def __init__(self, head_dim: int, theta: float = 10000.0) -> None:
+    def __init__(self, head_dim: int, theta: float = 10000.0, scaling: RopeScaling | None = None) -> None:
         super().__init__()
         self.head_dim = head_dim
         self.theta = theta
+        self.scaling = scaling
 
     def forward(self, position_ids: Tensor) -> tuple[Tensor, Tensor]:
-        inv_freq = _inverse_frequencies(self.head_dim, self.theta, position_ids.device)  # (hs/2,)
+        inv_freq = rope_inverse_frequencies(self.head_dim, self.theta, self.scaling, position_ids.device)  # (hs/2,)
         angles = position_ids[..., None].float() * inv_freq  # (B or 1, T, hs/2)
         # rotate-half layout: coordinate i and coordinate i + hs/2 form pair i, so both halves of the
         # head see the same angles
