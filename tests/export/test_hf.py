@@ -396,8 +396,9 @@ def test_a_shard_missing_from_a_sharded_checkpoint_is_named(tmp_path, tokenizer)
     "changes, message",
     [
         (dict(model_type="bert", architectures=["BertForMaskedLM"]), "describes a bert model .* tinylm imports "
-                                                                     "GPT2LMHeadModel, LlamaForCausalLM and "
-                                                                     "Qwen3ForCausalLM checkpoints only"),
+                                                                     "GPT2LMHeadModel, LlamaForCausalLM, "
+                                                                     "Qwen3ForCausalLM, Qwen2ForCausalLM and "
+                                                                     "MistralForCausalLM checkpoints only"),
         (dict(activation_function="gelu"), "activation_function is 'gelu'"),
         (dict(scale_attn_by_inverse_layer_idx=True), "scale_attn_by_inverse_layer_idx"),
         (dict(n_embd=48), r"'transformer.wte.weight' is \(302, 32\), but config.json implies \(302, 48\)"),
@@ -414,7 +415,9 @@ def test_unsupported_architectures_and_mismatched_configs_are_clear_errors(gpt2_
 def test_llama_variants_tinylm_does_not_compute_are_refused(tmp_path, tokenizer):
     save_hf(hf_llama(), tmp_path / "hf", tokenizer)
     for changes, message in [
-        (dict(rope_parameters={"rope_type": "llama3", "rope_theta": 1000.0, "factor": 8.0}), "RoPE is scaled"),
+        (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1000.0, "factor": 8.0}), "RoPE is scaled"),
+        (dict(rope_parameters={"rope_type": "llama3", "rope_theta": 1000.0, "factor": 8.0}),
+         "its 'llama3' RoPE scaling has no 'low_freq_factor'"),
         (dict(hidden_act="gelu"), "hidden_act is 'gelu'"),
         (dict(attention_bias=True), "attention_bias and mlp_bias differ"),
         (dict(head_dim=16), "head_dim is 16"),

@@ -5,8 +5,19 @@ whole tokenizer) followed by named tensors. We write it with `gguf`, the Python 
 llama.cpp maintains, and take the tensor names from its own table (``gguf.TENSOR_NAMES``), so a
 renamed tensor upstream shows up here as a failing test rather than a file llama.cpp rejects.
 
-**Architecture.** llama.cpp's "gpt2", "llama" and "qwen3" graphs are the same three architectures
-as in `tinylm.export.hf`, and `architecture_for` decides between them (or refuses) the same way.
+**Architecture.** llama.cpp's "gpt2", "llama", "qwen3" and "qwen2" graphs are the architectures of
+the same names in `tinylm.export.hf`, and `architecture_for` decides between them (or refuses) the
+same way; a Mistral goes into the "llama" graph, as llama.cpp's own converter writes it. Three
+settings need more than the table below (`gguf_problems` refuses what llama.cpp cannot run):
+
+- ``qkv_bias`` (Qwen2): ``attn_q.bias``, ``attn_k.bias``, ``attn_v.bias``, which the qwen2 graph adds.
+- ``sliding_window``: llama.cpp's llama graph attends to the whole context, so a windowed model is
+  written only when the window is at least ``block_size``, where it hides nothing.
+- ``rope_scaling``: "linear" is llama.cpp's own ``rope.scaling.type = linear`` with
+  ``rope.scaling.factor`` (its frequencies are divided by the factor, as ours). "llama3" scales
+  each frequency differently; llama.cpp's llama graph reads that as a ``rope_freqs`` tensor of
+  d_h/2 divisors, omega_plain / omega_scaled (what convert_hf_to_gguf writes for Llama 3.1), and
+  its other graphs do not read it, so there it is refused.
 
 **Tensors.** ggml lists a tensor's dimensions fastest-first, the reverse of numpy, so a matrix
 that llama.cpp describes as ``{n_embd, n_ff}`` is the numpy array (n_ff, n_embd): exactly an
@@ -105,6 +116,7 @@ from tinylm.config import GPTConfig
 from tinylm.errors import TinyLMError
 from tinylm.export.hf import Architecture, TensorRule, architecture_for, convert_to_theirs
 from tinylm.model.gpt import GPT
+from tinylm.model.positions import RopeScaling, rope_inverse_frequencies
 from tinylm.tokenizers.base import Tokenizer
 from tinylm.tokenizers.bpe import BPETokenizer, pattern_name
 from tinylm.tokenizers.formats import bytes_to_byte_level
@@ -113,6 +125,9 @@ from tinylm.tokenizers.formats import bytes_to_byte_level
 LLAMA_CPP_PRE: dict[str, str] = {"gpt2": "gpt-2", "gpt4": "dbrx"}
 
 GGUFDtype = Literal["f32", "f16"]
+
+# llama.cpp's graph for each architecture, where the name differs (its converter writes Mistral as Llama)
+LLAMA_CPP_ARCH: dict[str, str] = {"mistral": "llama"}
 
 
 def _require_gguf() -> ModuleType:
@@ -131,9 +146,39 @@ def _name(tensor: str, block: int | None = None, kind: str = "weight") -> str:
     return f"{base.format(bid=block) if block is not None else base}.{kind}"
 
 
+def llama_cpp_arch(config: GPTConfig) -> str:
+    """llama.cpp's name for the graph that runs ``config``: "gpt2", "llama", "qwen3" or "qwen2"."""
+    arch = architecture_for(config)
+    return LLAMA_CPP_ARCH.get(arch, arch)
+
+
+def gguf_problems(config: GPTConfig) -> list[str]:
+    """What llama.cpp cannot run of a model that `transformers` can (empty: the file computes the model)."""
+    arch = llama_cpp_arch(config)
+    problems = []
+    if config.sliding_window is not None and config.sliding_window < config.block_size:
+        problems.append(f"sliding_window = {config.sliding_window} is shorter than block_size = {config.block_size}, "
+                        "and llama.cpp's llama graph attends to the whole context")
+    if config.rope_scaling == "llama3" and arch != "llama":
+        problems.append(f"rope_scaling = 'llama3' needs llama.cpp's rope_freqs tensor, which its {arch} graph "
+                        "does not read")
+    return problems
+
+
+def rope_freqs(config: GPTConfig) -> np.ndarray:
+    """llama.cpp's ``rope_freqs`` for llama3 scaling: the d_h/2 divisors omega_plain / omega_scaled, float32."""
+    plain = rope_inverse_frequencies(config.head_dim, config.rope_theta)
+    scaled = rope_inverse_frequencies(config.head_dim, config.rope_theta, RopeScaling.of(config))
+    return (plain / scaled).numpy().astype(np.float32)
+
+
 def gguf_rules(config: GPTConfig, arch: Architecture | None = None) -> list[TensorRule]:
-    """The GGUF tensors of ``config``, in file order, and which tinylm parameters each is made from."""
+    """The GGUF tensors of ``config`` made from its parameters, in file order, and which each is made from.
+
+    (A llama3-scaled RoPE adds one tensor computed from the configuration, `rope_freqs`.)
+    """
     arch = arch or architecture_for(config)
+    arch = LLAMA_CPP_ARCH.get(arch, arch)
     R = TensorRule
     if arch == "gpt2":
         kinds = ("weight", "bias")  # llama.cpp's GPT-2 graph requires every bias
@@ -150,19 +195,20 @@ def gguf_rules(config: GPTConfig, arch: Architecture | None = None) -> list[Tens
                           R(_name("FFN_DOWN", i, k), (f"{b}mlp.W_2.{k}",))]
         rules += [R(_name("OUTPUT_NORM", kind=k), (f"norm_f.{k}",)) for k in kinds]
     else:
-        kinds = ("weight", "bias") if config.bias else ("weight",)  # qwen3 has no bias (architecture_for)
+        kinds = ("weight", "bias") if config.bias else ("weight",)  # only llama has them (architecture_for)
+        qkv_kinds = ("weight", "bias") if config.bias or config.qkv_bias else ("weight",)  # qwen2: q, k, v
         # llama.cpp rotates neighbours in its llama graph (so q and k rows are permuted) and halves,
-        # as we do, in its qwen3 graph (so they go in as they are): see the module docstring
+        # as we do, in its qwen3 and qwen2 graphs (so they go in as they are): see the module docstring
         qk = "rope_interleave" if arch == "llama" else "copy"
         rules = [R(_name("TOKEN_EMBD"), ("E.weight",))]
         for i in range(config.n_layer):
             b = f"blocks.{i}."
             rules.append(R(_name("ATTN_NORM", i), (f"{b}norm_1.weight",)))
-            for k in kinds:
+            for k in qkv_kinds:
                 rules += [R(_name("ATTN_Q", i, k), (f"{b}attn.W_q.{k}",), qk, config.n_head),
                           R(_name("ATTN_K", i, k), (f"{b}attn.W_k.{k}",), qk, config.kv_heads),
-                          R(_name("ATTN_V", i, k), (f"{b}attn.W_v.{k}",)),
-                          R(_name("ATTN_OUT", i, k), (f"{b}attn.W_o.{k}",))]
+                          R(_name("ATTN_V", i, k), (f"{b}attn.W_v.{k}",))]
+            rules += [R(_name("ATTN_OUT", i, k), (f"{b}attn.W_o.{k}",)) for k in kinds]
             if arch == "qwen3":  # (d_h,) gains, applied to every head before RoPE; not permuted either
                 rules += [R(_name("ATTN_Q_NORM", i), (f"{b}attn.q_norm.weight",)),
                           R(_name("ATTN_K_NORM", i), (f"{b}attn.k_norm.weight",))]
@@ -229,7 +275,10 @@ def export_gguf(
     """
     g = _require_gguf()
     config = model.config
-    arch = architecture_for(config)
+    arch = llama_cpp_arch(config)
+    problems = gguf_problems(config)
+    if problems:
+        raise TinyLMError(f"this model exports to transformers but not to llama.cpp: {'; '.join(problems)}")
     if not isinstance(tokenizer, BPETokenizer):
         raise TinyLMError(f"a {tokenizer.kind} tokenizer cannot go into a GGUF file: llama.cpp reads byte-level BPE "
                           "(tokenizer.ggml.model 'gpt2'); train the model with a BPE tokenizer")
@@ -262,12 +311,15 @@ def export_gguf(
         writer.add_head_count_kv(config.kv_heads)
         if arch == "gpt2":
             writer.add_layer_norm_eps(config.norm_eps)
-        else:  # llama and qwen3 read the same keys (qwen3's q and k norms use the rms eps too)
+        else:  # llama, qwen3 and qwen2 read the same keys (qwen3's q and k norms use the rms eps too)
             writer.add_layer_norm_rms_eps(config.norm_eps)
             writer.add_key_length(config.head_dim)
             writer.add_value_length(config.head_dim)
             writer.add_rope_dimension_count(config.head_dim)  # every coordinate of a head is rotated
             writer.add_rope_freq_base(config.rope_theta)
+            if config.rope_scaling == "linear":
+                writer.add_rope_scaling_type(g.RopeScalingType.LINEAR)
+                writer.add_rope_scaling_factor(config.rope_factor)
         # the tokenizer
         writer.add_tokenizer_model("gpt2")  # llama.cpp's name for byte-level BPE
         writer.add_tokenizer_pre(pre)
@@ -279,6 +331,8 @@ def export_gguf(
         writer.add_pad_token_id(tokenizer.pad_id)
         writer.add_add_bos_token(False)
         writer.add_add_eos_token(False)
+        if config.rope_scaling == "llama3":  # a vector: float32 in every file type
+            writer.add_tensor(_name("ROPE_FREQS"), rope_freqs(config))
         for tensor_name, t in tensors.items():
             writer.add_tensor(tensor_name, _to_numpy(t, dtype))
         writer.write_header_to_file()
@@ -294,4 +348,5 @@ def _to_numpy(t: torch.Tensor, dtype: GGUFDtype) -> np.ndarray:
     return t.detach().to(torch.float32).cpu().numpy().astype(target)
 
 
-__all__ = ["LLAMA_CPP_PRE", "gguf_rules", "tokenizer_metadata", "export_gguf"]
+__all__ = ["LLAMA_CPP_PRE", "LLAMA_CPP_ARCH", "llama_cpp_arch", "gguf_problems", "rope_freqs", "gguf_rules",
+           "tokenizer_metadata", "export_gguf"]

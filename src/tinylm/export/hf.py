@@ -1,4 +1,4 @@
-"""Hugging Face `transformers` checkpoints: export a tinylm model as GPT-2, Llama or Qwen3, and import one back.
+"""Hugging Face `transformers` checkpoints: export a tinylm model as GPT-2, Llama, Qwen3, Qwen2 or Mistral, and import one back.
 
 A tinylm `GPT` is one family of models with switches (positions, norm, MLP, heads); `transformers`
 has one class per architecture. Three of its classes compute exactly what some settings of ours
@@ -20,6 +20,10 @@ bias            always there: ``bias = false``  ``attention_bias`` =          fa
 norm_position   "pre"                           "pre"                         "pre"
 tie_embeddings  ``tie_word_embeddings``         ``tie_word_embeddings``       ``tie_word_embeddings``
 ==============  ==============================  ============================  ==============================
+
+Qwen2 (biases on q, k and v alone: ``qkv_bias``) and Mistral (a ``sliding_window``) are Llama variants
+too, and any of the Llama-shaped four may scale its RoPE ("linear", "llama3": ``rope_scaling``);
+`tinylm.export.hf_families` has their table and their config.json fields.
 
 Qwen3 is Llama plus QK-norm: each head's q and k go through an RMSNorm over d_h (one gain vector
 per layer for q and one for k, shared by the heads) before RoPE, which is what our ``qk_norm``
@@ -111,6 +115,18 @@ from torch import Tensor
 from tinylm.atomic import atomic_path, atomic_write_text
 from tinylm.config import FAMILY_NAMES, Config, GPTConfig, dump_toml
 from tinylm.errors import TinyLMError
+from tinylm.export.hf_families import (
+    HF_CLASSES,
+    NAMES,
+    Architecture,
+    default_rule,
+    llama_family_config,
+    llama_family_fields,
+    llama_family_problems,
+    llama_shaped,
+    refusal,
+    required,
+)
 from tinylm.model.gpt import GPT
 from tinylm.run import CONFIG_FILE as RUN_CONFIG_FILE
 from tinylm.run import (
@@ -126,8 +142,6 @@ from tinylm.tokenizers.base import BOS, EOS, PAD, Tokenizer, generation_excluded
 from tinylm.tokenizers.bpe import BPETokenizer
 from tinylm.tokenizers.formats import load_hf_tokenizer_json, save_hf_tokenizer_json
 
-Architecture = Literal["gpt2", "llama", "qwen3"]
-
 # what `from_pretrained` reads; `export_hf` writes all of them
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -138,11 +152,6 @@ SPECIAL_TOKENS_FILE = "special_tokens_map.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
 EXPORTED_FILES = (CONFIG_FILE, WEIGHTS_FILE, TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, SPECIAL_TOKENS_FILE,
                   GENERATION_CONFIG_FILE)
-
-# `transformers` class name and model_type of each architecture
-HF_CLASSES: dict[Architecture, str] = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM",
-                                       "qwen3": "Qwen3ForCausalLM"}
-_NAMES: dict[Architecture, str] = {"gpt2": "GPT-2", "llama": "Llama", "qwen3": "Qwen3"}
 
 # GELU activations of GPT-2 configs that are the tanh form we compute (the erf form "gelu" is not)
 _TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
@@ -166,15 +175,15 @@ def architecture_problems(config: GPTConfig) -> dict[Architecture, list[str]]:
         gpt2.append(f"n_kv_head = {config.kv_heads} (GPT-2 has no grouped-query attention: n_kv_head = n_head)")
     if config.qk_norm:
         gpt2.append("qk_norm = true (GPT-2 does not normalize q and k)")
-    # Qwen3 is Llama with q and k normalized per head, and no biases in its MLP (tinylm has one bias
-    # switch for every projection, so a biased model's MLP biases would have nowhere to go)
-    llama, qwen3 = _llama_shape_problems(config, "Llama"), _llama_shape_problems(config, "Qwen3")
-    if config.qk_norm:
-        llama.append("qk_norm = true (Llama does not normalize q and k; Qwen3 does)")
-    else:
-        qwen3.append("qk_norm = false (Qwen3 normalizes every head's q and k)")
-    if config.bias:
-        qwen3.append("bias = true (Qwen3's MLP has no biases)")
+    if config.qkv_bias:
+        gpt2.append("qkv_bias = true (GPT-2's bias switch covers every projection)")
+    if config.sliding_window is not None:
+        gpt2.append(f"sliding_window = {config.sliding_window} (GPT-2 attends to the whole context)")
+    if config.rope_scaling != "none":
+        gpt2.append(f"rope_scaling = {config.rope_scaling!r} (GPT-2 has no RoPE)")
+    # Llama, Qwen3 (QK-norm, no MLP biases), Qwen2 (q, k, v biases only) and Mistral (a sliding window):
+    # `tinylm.export.hf_families`
+    others = llama_family_problems(config)
     # the recipe's options that no architecture has (zero-init projections and an untied head's init
     # change only the starting weights, so they export)
     unsupported = []
@@ -184,29 +193,17 @@ def architecture_problems(config: GPTConfig) -> dict[Architecture, list[str]]:
         unsupported.append("value_embed = true (neither has value embeddings)")
     if config.bigram_hash:
         unsupported.append(f"bigram_hash = {config.bigram_hash} (neither has a bigram-hash embedding)")
-    return {"gpt2": gpt2 + unsupported, "llama": llama + unsupported, "qwen3": qwen3 + unsupported}
-
-
-def _llama_shape_problems(config: GPTConfig, name: str) -> list[str]:
-    """What keeps ``config`` from Llama's shape (RoPE, RMSNorm, SwiGLU, pre-norm), which Qwen3 shares."""
-    problems = []
-    if config.norm_position != "pre":
-        problems.append(f"norm_position = {config.norm_position!r} ({name} normalizes each sublayer's input: 'pre')")
-    if config.positions != "rope":
-        problems.append(f"positions = {config.positions!r} ({name} rotates q and k: 'rope')")
-    if config.norm != "rmsnorm":
-        problems.append(f"norm = {config.norm!r} ({name} uses 'rmsnorm')")
-    if config.mlp != "swiglu":
-        problems.append(f"mlp = {config.mlp!r} ({name}'s MLP is 'swiglu')")
-    return problems
+    return {"gpt2": gpt2 + unsupported, **{arch: issues + unsupported for arch, issues in others.items()}}
 
 
 def architecture_for(config: GPTConfig) -> Architecture:
-    """The `transformers` (and llama.cpp) architecture that computes this model exactly: "gpt2", "llama" or "qwen3".
+    """The `transformers` (and llama.cpp) architecture that computes this model exactly: "gpt2", "llama",
+    "qwen3", "qwen2" or "mistral" (the first that fits, in that order).
 
     Anything else is a `TinyLMError` that lists, for the closer architecture first, what does not map.
-    The refusal weighs GPT-2 against Llama, or against Qwen3 for a ``qk_norm`` model (the two differ
-    in that switch alone, so the other one would only add it to the list).
+    The refusal weighs GPT-2 against the Llama-shaped architecture the model's switches point to:
+    Qwen3 for ``qk_norm``, Qwen2 for ``qkv_bias``, Mistral for ``sliding_window``, else Llama (they
+    differ in those switches, so the others would only add them to the list).
     """
     if config.family != "gpt":
         raise TinyLMError(f"{FAMILY_NAMES[config.family]} model cannot be exported: the transformers and llama.cpp formats hold "
@@ -215,13 +212,14 @@ def architecture_for(config: GPTConfig) -> Architecture:
     for arch, issues in problems.items():
         if not issues:
             return arch
-    candidates: tuple[Architecture, ...] = ("gpt2", "qwen3" if config.qk_norm else "llama")
+    candidates: tuple[Architecture, ...] = ("gpt2", llama_shaped(config))
     ranked = sorted(candidates, key=lambda arch: len(problems[arch]))
     detail = "; ".join(f"as {HF_CLASSES[arch]}: {', '.join(problems[arch])}" for arch in ranked)
     raise TinyLMError(
-        f"this model cannot be exported: neither GPT-2 nor {_NAMES[candidates[1]]} computes it ({detail}). Export "
+        f"this model cannot be exported: neither GPT-2 nor {NAMES[candidates[1]]} computes it ({detail}). Export "
         "needs a GPT-2-style configuration (learned positions, LayerNorm, GELU, pre-norm), a Llama-style one "
-        "(RoPE, RMSNorm, SwiGLU, pre-norm) or a Qwen3-style one (Llama's with qk_norm and no biases)"
+        "(RoPE, RMSNorm, SwiGLU, pre-norm) or one of its variants without biases: Qwen3 (qk_norm), Qwen2 "
+        "(qkv_bias) or Mistral (sliding_window)"
     )
 
 
@@ -288,8 +286,9 @@ def hf_rules(config: GPTConfig, arch: Architecture | None = None) -> list[Tensor
     """The tensors of the `transformers` checkpoint of ``config``, in file order, with where each comes from.
 
     GPT-2 rules always include the biases (GPT-2 has them everywhere; `export_hf` writes zeros for
-    a ``bias = false`` model). Qwen3's are Llama's names plus each layer's q_norm and k_norm. An
-    untied output head is one more rule; a tied one is E itself.
+    a ``bias = false`` model). The Llama-shaped ones share Llama's names, with biases where our model
+    has them (all projections with ``bias``, q, k and v with Qwen2's ``qkv_bias``), plus each layer's
+    q_norm and k_norm for Qwen3. An untied output head is one more rule; a tied one is E itself.
     """
     arch = arch or architecture_for(config)
     rules: list[TensorRule] = []
@@ -315,12 +314,14 @@ def hf_rules(config: GPTConfig, arch: Architecture | None = None) -> list[Tensor
         rules += [TensorRule(f"transformer.ln_f.{k}", (f"norm_f.{k}",)) for k in kinds]
     else:
         kinds = ("weight", "bias") if config.bias else ("weight",)
+        qkv_kinds = ("weight", "bias") if config.bias or config.qkv_bias else ("weight",)
         rules.append(TensorRule("model.embed_tokens.weight", ("E.weight",)))
         for i in range(config.n_layer):
             h, b = f"model.layers.{i}.", f"blocks.{i}."
             rules.append(TensorRule(f"{h}input_layernorm.weight", (f"{b}norm_1.weight",)))
             for theirs, ours in (("q_proj", "W_q"), ("k_proj", "W_k"), ("v_proj", "W_v"), ("o_proj", "W_o")):
-                rules += [TensorRule(f"{h}self_attn.{theirs}.{k}", (f"{b}attn.{ours}.{k}",)) for k in kinds]
+                rules += [TensorRule(f"{h}self_attn.{theirs}.{k}", (f"{b}attn.{ours}.{k}",))
+                          for k in (kinds if ours == "W_o" else qkv_kinds)]
             if arch == "qwen3":  # one gain of d_h per layer for q and one for k, shared by all heads
                 rules += [TensorRule(f"{h}self_attn.{n}.weight", (f"{b}attn.{n}.weight",)) for n in ("q_norm", "k_norm")]
             rules.append(TensorRule(f"{h}post_attention_layernorm.weight", (f"{b}norm_2.weight",)))
@@ -390,7 +391,8 @@ def convert_to_ours(
 
 
 def hf_config(config: GPTConfig, tokenizer: Tokenizer | None = None, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
-    """config.json for ``config``: the `transformers` GPT2Config, LlamaConfig or Qwen3Config fields that say the same."""
+    """config.json for ``config``: the `transformers` GPT2Config, LlamaConfig, Qwen3Config, Qwen2Config or
+    MistralConfig fields that say the same."""
     arch = architecture_for(config)
     specials: dict[str, Any] = {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
     if tokenizer is not None:
@@ -413,24 +415,7 @@ def hf_config(config: GPTConfig, tokenizer: Tokenizer | None = None, dtype: torc
                 "resid_pdrop": config.dropout, "embd_pdrop": config.dropout, "attn_pdrop": config.dropout,
                 "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
                 "reorder_and_upcast_attn": False}
-    llama_shape = {
-        "hidden_size": config.d_model, "intermediate_size": config.hidden_dim,
-        "num_hidden_layers": config.n_layer, "num_attention_heads": config.n_head,
-        # Qwen3Config's head_dim defaults to 128, not hidden_size / heads: always written
-        "num_key_value_heads": config.kv_heads, "head_dim": config.head_dim,
-        "hidden_act": "silu", "max_position_embeddings": config.block_size,
-        "rms_norm_eps": config.norm_eps,  # Qwen3's q_norm and k_norm use it too, as ours use norm_eps
-        # transformers 5 reads rope_parameters, 4.x rope_theta
-        "rope_theta": config.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
-        "attention_bias": config.bias, "attention_dropout": config.dropout,
-    }
-    if arch == "qwen3":
-        # every layer attends to the whole context: no sliding window (max_window_layers, the layers
-        # that would use one, is then unused; Qwen's own configs set it to the depth)
-        return {**common, **llama_shape, "use_sliding_window": False, "sliding_window": None,
-                "max_window_layers": config.n_layer, "layer_types": ["full_attention"] * config.n_layer}
-    return {**common, **llama_shape, "mlp_bias": config.bias, "pretraining_tp": 1}
+    return {**common, **llama_family_fields(config, arch)}
 
 
 def _tokenizer_files(tokenizer: BPETokenizer, block_size: int, model_vocab: int) -> dict[str, dict[str, Any]]:
@@ -547,78 +532,34 @@ def _arch_of(hf: Mapping[str, Any], source: str) -> Architecture:
     )
 
 
-def _default_rule(d_ff: int, d_model: int, mlp: str) -> int | None:
-    """d_ff, or None when it equals the default rule (so a round trip gives back the same GPTConfig)."""
-    default = GPTConfig(vocab_size=1, block_size=1, n_layer=1, d_model=d_model, n_head=1, mlp=mlp).hidden_dim
-    return None if d_ff == default else d_ff
-
-
 def config_from_hf(hf: Mapping[str, Any], source: str = CONFIG_FILE) -> tuple[GPTConfig, Architecture]:
-    """The `GPTConfig` of a GPT-2, Llama or Qwen3 config.json, and which it is; variants tinylm does not compute are errors."""
+    """The `GPTConfig` of a GPT-2, Llama, Qwen3, Qwen2 or Mistral config.json, and which it is; variants
+    tinylm does not compute are errors (one line naming the key)."""
     arch = _arch_of(hf, source)
+    if arch != "gpt2":
+        return llama_family_config(hf, arch, source), arch
 
     def need(key: str, *alternatives: str) -> Any:
-        for k in (key, *alternatives):
-            if hf.get(k) is not None:
-                return hf[k]
-        raise TinyLMError(f"{source} has no {key!r}, which a {HF_CLASSES[arch]} config needs")
-
-    def refuse(what: str) -> TinyLMError:
-        return TinyLMError(f"{source}: {what}; tinylm's model cannot compute that variant of {HF_CLASSES[arch]}")
+        return required(hf, source, arch, key, *alternatives)
 
     tie = bool(hf.get("tie_word_embeddings", True))
-    if arch == "gpt2":
-        act = hf.get("activation_function", "gelu_new")
-        if act not in _TANH_GELUS:
-            raise refuse(f"activation_function is {act!r}, and tinylm's GELU is the tanh form ({', '.join(_TANH_GELUS)})")
-        for key, ok in (("scale_attn_by_inverse_layer_idx", False), ("add_cross_attention", False),
-                        ("scale_attn_weights", True)):
-            if bool(hf.get(key, ok)) != ok:
-                raise refuse(f"{key} is {hf.get(key)}")
-        d_model = int(need("n_embd", "hidden_size"))
-        d_ff = hf.get("n_inner")
-        config = GPTConfig(
-            vocab_size=int(need("vocab_size")), block_size=int(need("n_positions", "n_ctx")),
-            n_layer=int(need("n_layer")), d_model=d_model, n_head=int(need("n_head")), mlp="gelu",
-            d_ff=None if d_ff is None else _default_rule(int(d_ff), d_model, "gelu"),
-            norm="layernorm", norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)), positions="learned",
-            bias=True, tie_embeddings=tie, dropout=float(hf.get("resid_pdrop", 0.0)),
-            init_std=float(hf.get("initializer_range", 0.02)),
-        )
-        return config, arch
-    act = hf.get("hidden_act", "silu")
-    if act != "silu":
-        raise refuse(f"hidden_act is {act!r}, and tinylm's SwiGLU gates with SiLU")
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
-        raise refuse(f"its RoPE is scaled ({rope_type!r}); tinylm computes the plain rotation")
-    if arch == "qwen3":
-        if hf.get("attention_bias", False):
-            raise refuse("attention_bias is true, but its MLP has no biases, and tinylm has one bias switch for all "
-                         "projections")
-        windowed = [t for t in hf.get("layer_types") or [] if t != "full_attention"]
-        if hf.get("use_sliding_window", False) or windowed:
-            raise refuse("it turns on a sliding window (use_sliding_window or layer_types), and tinylm's attention "
-                         "always sees the whole context")
-    elif bool(hf.get("attention_bias", False)) != bool(hf.get("mlp_bias", False)):
-        raise refuse("attention_bias and mlp_bias differ, and tinylm has one bias switch for all projections")
-    d_model, n_head = int(need("hidden_size")), int(need("num_attention_heads"))
-    # a config.json without head_dim means hidden_size / heads to Llama, but 128 to Qwen3Config
-    head_dim = hf.get("head_dim") or (128 if arch == "qwen3" else d_model // n_head)
-    if head_dim != d_model // n_head or d_model % n_head:
-        raise refuse(f"head_dim is {head_dim}, not hidden_size / num_attention_heads = {d_model / n_head:g}; "
-                     "tinylm's heads split d_model evenly")
-    n_kv = int(hf.get("num_key_value_heads") or n_head)
+    act = hf.get("activation_function", "gelu_new")
+    if act not in _TANH_GELUS:
+        raise refusal(source, arch, f"activation_function is {act!r}, and tinylm's GELU is the tanh form "
+                                    f"({', '.join(_TANH_GELUS)})")
+    for key, ok in (("scale_attn_by_inverse_layer_idx", False), ("add_cross_attention", False),
+                    ("scale_attn_weights", True)):
+        if bool(hf.get(key, ok)) != ok:
+            raise refusal(source, arch, f"{key} is {hf.get(key)}")
+    d_model = int(need("n_embd", "hidden_size"))
+    d_ff = hf.get("n_inner")
     config = GPTConfig(
-        vocab_size=int(need("vocab_size")), block_size=int(need("max_position_embeddings")),
-        n_layer=int(need("num_hidden_layers")), d_model=d_model, n_head=n_head,
-        n_kv_head=None if n_kv == n_head else n_kv, mlp="swiglu",
-        d_ff=_default_rule(int(need("intermediate_size")), d_model, "swiglu"),
-        norm="rmsnorm", norm_eps=float(hf.get("rms_norm_eps", 1e-6)), positions="rope",
-        rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))), qk_norm=arch == "qwen3",
-        bias=bool(hf.get("attention_bias", False)), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        dropout=float(hf.get("attention_dropout", 0.0)), init_std=float(hf.get("initializer_range", 0.02)),
+        vocab_size=int(need("vocab_size")), block_size=int(need("n_positions", "n_ctx")),
+        n_layer=int(need("n_layer")), d_model=d_model, n_head=int(need("n_head")), mlp="gelu",
+        d_ff=None if d_ff is None else default_rule(int(d_ff), d_model, "gelu"),
+        norm="layernorm", norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)), positions="learned",
+        bias=True, tie_embeddings=tie, dropout=float(hf.get("resid_pdrop", 0.0)),
+        init_std=float(hf.get("initializer_range", 0.02)),
     )
     return config, arch
 
