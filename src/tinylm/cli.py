@@ -232,8 +232,13 @@ def cmd_tokenizer_info(args: argparse.Namespace) -> int:
         info["merges"] = len(tok.merges)
         longest = sorted(range(256, tok.base_vocab_size), key=lambda i: (-len(tok.token_bytes(i)), i))[:5]
         info["longest_tokens"] = [tok.token_bytes(i).decode("utf-8", "backslashreplace") for i in longest]
-    else:
+    elif tok.kind in ("char", "word"):
         info["unknown"] = tok.unknown
+    else:  # imported: the author's ids, roles and pipeline
+        info["roles"] = tok.roles
+        info["adds_bos"] = tok.add_bos
+        info["merges"] = len(tok.merges)
+        info["chat_template"] = tok.chat_template is not None
     if args.json:
         print(json.dumps(info, ensure_ascii=False, indent=1))
     else:
@@ -252,13 +257,19 @@ def cmd_tokenizer_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _roles(args: argparse.Namespace) -> dict[str, str] | None:
+    """--bos/--eos/--pad: the special tokens a Hugging Face tokenizer's own files do not name."""
+    roles = {role: getattr(args, role) for role in ("bos", "eos", "pad") if getattr(args, role, None)}
+    return roles or None
+
+
 def cmd_tokenizer_import(args: argparse.Namespace) -> int:
     from tinylm.tokenizers.formats import import_tokenizer
 
     out = Path(args.out)
     if out.exists() and not args.force:
         raise TinyLMError(f"{out} already exists; choose another --out or pass --force to overwrite it")
-    tok = import_tokenizer(args.path, pattern=args.pattern, n_reserved=args.reserved)
+    tok = import_tokenizer(args.path, pattern=args.pattern, n_reserved=args.reserved, roles=_roles(args))
     tok.save(out)
     print(f"imported a {tok.kind} tokenizer with |V| = {tok.vocab_size} from {args.path}; saved to {out}")
     return 0
@@ -606,7 +617,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_import(args: argparse.Namespace) -> int:
     from tinylm.export import import_hf_into_run
 
-    run = import_hf_into_run(args.source, args.out, force=args.force)
+    run = import_hf_into_run(args.source, args.out, force=args.force, roles=_roles(args))
     print(f"imported {args.source} into the run {run}; sample, eval, serve or fine-tune it with --init-from {run}")
     return 0
 
@@ -697,14 +708,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="overwrite --out if it exists")
     p.set_defaults(func=cmd_tokenizer_export, parser=p)
 
-    p = tsub.add_parser("import", help="read a tokenizer.json or .tiktoken file into tinylm",
-                        description="Import a Hugging Face tokenizer.json (byte-level BPE) or a tiktoken "
-                        "ranks file as a tinylm tokenizer.")
-    p.add_argument("path", help="a tokenizer.json, a folder holding one, or a .tiktoken file")
+    p = tsub.add_parser("import", help="read a tokenizer.json, vocab.json + merges.txt or .tiktoken file into tinylm",
+                        description="Import a Hugging Face tokenizer (tokenizer.json: byte-level BPE such as GPT-2's, "
+                        "Llama 3's or Qwen2's, or SentencePiece-style BPE with byte fallback such as Llama 2's and "
+                        "Mistral's; or GPT-2's vocab.json + merges.txt) or a tiktoken ranks file as a tinylm "
+                        "tokenizer. Every token keeps its id.")
+    p.add_argument("path", help="a tokenizer.json, a vocab.json (merges.txt beside it), a folder holding one, or a "
+                   ".tiktoken file; tokenizer_config.json beside it names bos, eos, pad and the chat template")
     p.add_argument("--out", required=True, help="where to save the tinylm tokenizer JSON")
     p.add_argument("--pattern", help="only for .tiktoken files, which carry no split pattern (default: gpt4)")
     p.add_argument("--reserved", type=int, help="only for .tiktoken files, which carry no special tokens: "
                    "how many reserved tokens follow bos, eos, pad (default: 0)")
+    _role_arguments(p)
     p.add_argument("--force", action="store_true", help="overwrite --out if it exists")
     p.set_defaults(func=cmd_tokenizer_import, parser=p)
 
@@ -881,16 +896,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="overwrite --out if it exists")
     p.set_defaults(func=cmd_export, parser=p)
 
-    p = sub.add_parser("import", help="turn a local Hugging Face GPT-2, Llama or Qwen3 checkpoint into a tinylm run",
-                       description="Import a local transformers checkpoint (config.json, model.safetensors, "
-                       "tokenizer.json in tinylm's byte-level layout) as a run folder that sample, eval, serve "
-                       "and train --init-from can use.")
+    p = sub.add_parser("import", help="turn a local Hugging Face GPT-2, Llama, Qwen2/3 or Mistral checkpoint into "
+                       "a tinylm run",
+                       description="Import a local transformers checkpoint (config.json, model.safetensors, and its "
+                       "tokenizer: tokenizer.json or vocab.json + merges.txt, with tokenizer_config.json) as a run "
+                       "folder that sample, eval, serve and train --init-from can use. Token ids stay the model's.")
     p.add_argument("--from", dest="source", required=True, help="the Hugging Face model folder")
     p.add_argument("--out", required=True, help="the run folder to create")
+    _role_arguments(p)
     p.add_argument("--force", action="store_true", help="replace --out if it is an existing tinylm run")
     p.set_defaults(func=cmd_import, parser=p)
 
     return parser
+
+
+def _role_arguments(p: argparse.ArgumentParser) -> None:
+    for role, what in (("bos", "starts a text"), ("eos", "ends a text (generation stops there)"),
+                       ("pad", "fills short rows")):
+        p.add_argument(f"--{role}", metavar="TOKEN", help=f"the special token that {what}, where the tokenizer's files "
+                       "do not name it (default: tokenizer_config.json's; bos and pad fall back to eos)")
 
 
 def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:

@@ -592,8 +592,9 @@ def write_run_info(run_dir: str | os.PathLike, info: Mapping[str, Any]) -> None:
 
 
 def start_ids(config: Config, tokenizer: Tokenizer) -> list[int]:
-    """The token a document starts after in training: BOS in document mode, EOS (the separator) when packed."""
-    return [tokenizer.bos_id if config.train.batch_mode == "documents" else tokenizer.eos_id]
+    """The token a document starts after in training: BOS in document mode, EOS (the separator) when packed;
+    BOS for a tokenizer whose own pipeline starts every text with it (an imported Llama's "<s>")."""
+    return [tokenizer.bos_id if config.train.batch_mode == "documents" or tokenizer.add_bos else tokenizer.eos_id]
 
 
 @dataclass

@@ -377,7 +377,7 @@ def test_missing_files_are_named(tmp_path, gpt2_folder):
     with pytest.raises(TinyLMError, match=r"has no model.safetensors .*pytorch_model.bin: pickle files"):
         import_hf(gpt2_folder)
     (gpt2_folder / "tokenizer.json").unlink()
-    with pytest.raises(TinyLMError, match=r"tokenizer.json is missing"):
+    with pytest.raises(TinyLMError, match=r"has no tokenizer.json \(nor vocab.json"):
         import_hf(gpt2_folder)
     (gpt2_folder / "config.json").unlink()
     with pytest.raises(TinyLMError, match=r"config.json is missing"):
@@ -451,15 +451,22 @@ def test_qwen3_variants_tinylm_does_not_compute_are_refused(tmp_path, tokenizer)
         import_hf(tmp_path / "hf")
 
 
-def test_a_tokenizer_in_gpt2s_byte_order_is_refused_with_the_reason(gpt2_folder, tokenizer):
-    """OpenAI's GPT-2 vocab starts with '!' (byte 33) at id 0: not tinylm's layout, so not silently misread."""
+def test_a_tokenizer_in_gpt2s_byte_order_is_imported_with_its_ids(gpt2_folder, tokenizer):
+    """OpenAI's GPT-2 vocab starts with '!' (byte 33) at id 0: not tinylm's layout, so it is read with its own ids
+    (the embedding rows stay where they are) and encodes as the `tokenizers` library does with the same file."""
+    from tokenizers import Tokenizer as HFTokenizer
+
     data = to_hf_tokenizer_json(tokenizer)
     order = sorted(range(256), key=lambda b: (b < 33 or 126 < b < 161 or b == 173, BYTE_TO_UNICODE[b]))
     for new_id, b in enumerate(order):
         data["model"]["vocab"][BYTE_TO_UNICODE[b]] = new_id
     (gpt2_folder / "tokenizer.json").write_text(json.dumps(data))
-    with pytest.raises(TinyLMError, match="weights are readable, but the tokenizer is not: .*id 0 is b'!'.*renumbered"):
-        import_hf(gpt2_folder)
+    _, imported, _ = import_hf(gpt2_folder)
+    assert imported.kind == "bytelevel" and imported.token_bytes(0) == b"!"
+    oracle = HFTokenizer.from_file(str(gpt2_folder / "tokenizer.json"))
+    text = PROMPT + " naïve 😀 \x00\t\t  end"
+    assert imported.encode(text) == oracle.encode(text, add_special_tokens=False).ids
+    assert imported.decode(imported.encode(text)) == text
 
 
 # ----- run directories ---------------------------------------------------------------------------------

@@ -112,7 +112,7 @@ def test_load_errors_are_clear(tmp_path, char_tok):
     with pytest.raises(TinyLMError, match="special token ids"):
         load_tokenizer(tmp_path / "wrong.json")
 
-    unknown_kind = dict(data, kind="sentencepiece")
+    unknown_kind = dict(data, kind="wordpiece")
     (tmp_path / "kind.json").write_text(json.dumps(unknown_kind))
     with pytest.raises(TinyLMError, match="unknown kind"):
         load_tokenizer(tmp_path / "kind.json")

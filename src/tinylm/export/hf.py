@@ -140,7 +140,9 @@ from tinylm.run import (
 from tinylm.run import TOKENIZER_FILE as RUN_TOKENIZER_FILE
 from tinylm.tokenizers.base import BOS, EOS, PAD, Tokenizer, generation_excluded
 from tinylm.tokenizers.bpe import BPETokenizer
-from tinylm.tokenizers.formats import load_hf_tokenizer_json, save_hf_tokenizer_json
+from tinylm.tokenizers.formats import export_tokenizer
+from tinylm.tokenizers.hf_files import read_hf_tokenizer
+from tinylm.tokenizers.imported import ImportedTokenizer
 
 # what `from_pretrained` reads; `export_hf` writes all of them
 CONFIG_FILE = "config.json"
@@ -418,27 +420,36 @@ def hf_config(config: GPTConfig, tokenizer: Tokenizer | None = None, dtype: torc
     return {**common, **llama_family_fields(config, arch)}
 
 
-def _tokenizer_files(tokenizer: BPETokenizer, block_size: int, model_vocab: int) -> dict[str, dict[str, Any]]:
+def _tokenizer_files(tokenizer: Tokenizer, block_size: int, model_vocab: int) -> dict[str, dict[str, Any]]:
     """tokenizer_config.json, special_tokens_map.json and generation_config.json for ``tokenizer``, with a model
     of ``model_vocab`` outputs (more than the tokenizer's ids when its output layer is padded)."""
-    reserved = [name for name in tokenizer.special_tokens if name not in (BOS, EOS, PAD)]
+    bos, eos, pad = (tokenizer.roles[role] for role in ("bos", "eos", "pad"))
+    reserved = [name for name in tokenizer.special_tokens if name not in (bos, eos, pad)]
+    added_words = getattr(tokenizer, "added_words", {})
     added = {
         str(i): {"content": name, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False,
-                 "special": True}
-        for name, i in tokenizer.special_tokens.items()
+                 "special": name in tokenizer.special_tokens}
+        for name, i in sorted({**tokenizer.special_tokens, **added_words}.items(), key=lambda kv: kv[1])
     }
+    unk = getattr(tokenizer, "unk", None)
     tokenizer_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",  # reads tokenizer.json alone; no vocab.json/merges.txt
-        "bos_token": BOS, "eos_token": EOS, "pad_token": PAD, "unk_token": None,
+        "bos_token": bos, "eos_token": eos, "pad_token": pad, "unk_token": unk,
         "additional_special_tokens": reserved,
         "added_tokens_decoder": added,
         "model_max_length": block_size,
-        # tinylm adds no BOS/EOS while encoding; the caller puts the start token (see run.start_ids)
-        "add_bos_token": False, "add_eos_token": False,
+        # tinylm's own tokenizers add no BOS/EOS while encoding: the caller puts the start token (see
+        # run.start_ids); an imported Llama's tokenizer.json puts its "<s>" in front itself
+        "add_bos_token": tokenizer.add_bos, "add_eos_token": False,
         # transformers' old default strips spaces before punctuation when decoding: not our text
         "clean_up_tokenization_spaces": False,
     }
-    special_tokens_map = {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD, "additional_special_tokens": reserved}
+    template = getattr(tokenizer, "chat_template", None)
+    if template is not None:
+        tokenizer_config["chat_template"] = template
+    special_tokens_map = {"bos_token": bos, "eos_token": eos, "pad_token": pad, "additional_special_tokens": reserved}
+    if unk is not None:
+        special_tokens_map["unk_token"] = unk
     # suppress_tokens: transformers' generate then never draws what tinylm's samplers never draw (PAD, BOS, ...)
     generation_config = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id,
                          "pad_token_id": tokenizer.pad_id,
@@ -448,10 +459,10 @@ def _tokenizer_files(tokenizer: BPETokenizer, block_size: int, model_vocab: int)
             GENERATION_CONFIG_FILE: generation_config}
 
 
-def _check_tokenizer(tokenizer: Tokenizer | None, config: GPTConfig, what: str) -> BPETokenizer | None:
+def _check_tokenizer(tokenizer: Tokenizer | None, config: GPTConfig, what: str) -> Tokenizer | None:
     if tokenizer is None:
         return None
-    if not isinstance(tokenizer, BPETokenizer):
+    if not isinstance(tokenizer, (BPETokenizer, ImportedTokenizer)):
         raise TinyLMError(
             f"a {tokenizer.kind} tokenizer cannot be exported for {what}: tokenizer.json and GGUF hold byte-level "
             "BPE only. Train the model with a BPE tokenizer (--tokenizer-kind bpe), or export the weights alone "
@@ -498,7 +509,7 @@ def export_hf(model: GPT, tokenizer: Tokenizer | None, out_dir: str | os.PathLik
         save_safetensors(tensors, tmp, metadata={"format": "pt"})
     _write_json(out_dir / CONFIG_FILE, hf_config(config, tok, state["E.weight"].dtype))
     if tok is not None:
-        save_hf_tokenizer_json(tok, out_dir / TOKENIZER_FILE)
+        export_tokenizer(tok, out_dir / TOKENIZER_FILE, "hf", overwrite=True)
         for name, data in _tokenizer_files(tok, config.block_size, config.vocab_size).items():
             _write_json(out_dir / name, data)
     return out_dir
@@ -610,7 +621,8 @@ def _normalize_names(tensors: dict[str, Tensor], arch: Architecture, config: GPT
     return out
 
 
-def import_hf(src_dir: str | os.PathLike) -> tuple[GPT, BPETokenizer, GPTConfig]:
+def import_hf(src_dir: str | os.PathLike, *,
+              roles: dict[str, str] | None = None) -> tuple[GPT, Tokenizer, GPTConfig]:
     """A local `transformers` GPT-2, Llama or Qwen3 checkpoint as a tinylm model (eval mode, float32), tokenizer and config.
 
     ``src_dir`` holds config.json, model.safetensors (or sharded safetensors with their index) and
@@ -621,19 +633,14 @@ def import_hf(src_dir: str | os.PathLike) -> tuple[GPT, BPETokenizer, GPTConfig]
     if not src_dir.is_dir():
         raise TinyLMError(f"{src_dir} is not a folder; give the folder that holds config.json and model.safetensors")
     config, arch = config_from_hf(_read_json(src_dir / CONFIG_FILE, "config.json"), str(src_dir / CONFIG_FILE))
-    if not (src_dir / TOKENIZER_FILE).is_file():
-        raise TinyLMError(f"{src_dir / TOKENIZER_FILE} is missing: tinylm needs the tokenizer.json the model was "
-                          "trained with (slow tokenizers' vocab.json/merges.txt alone are not read)")
+    if not (src_dir / TOKENIZER_FILE).is_file() and not (src_dir / "vocab.json").is_file():
+        raise TinyLMError(f"{src_dir} has no {TOKENIZER_FILE} (nor vocab.json + merges.txt): tinylm needs the "
+                          "tokenizer the model was trained with")
     tensors = _normalize_names(read_hf_weights(src_dir), arch, config)
     try:
-        tokenizer = load_hf_tokenizer_json(src_dir / TOKENIZER_FILE)
+        tokenizer = read_hf_tokenizer(src_dir, roles=roles)
     except TinyLMError as e:
-        raise TinyLMError(
-            f"the weights are readable, but the tokenizer is not: {e}. tinylm numbers byte-level BPE tokens as "
-            "the 256 bytes in byte order, then one id per merge, then <|bos|>, <|eos|>, <|pad|>; OpenAI's GPT-2 "
-            "tokenizer (and Llama 3's) number the bytes in another order, so importing them would need the "
-            "embedding rows renumbered, which tinylm does not do yet"
-        ) from None
+        raise TinyLMError(f"the weights are readable, but the tokenizer is not: {e}") from None
     if tokenizer.vocab_size > config.vocab_size:
         raise TinyLMError(f"{src_dir}: the tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is "
                           f"{config.vocab_size}; they are not a pair")
@@ -648,7 +655,8 @@ def import_hf(src_dir: str | os.PathLike) -> tuple[GPT, BPETokenizer, GPTConfig]
     return model.eval(), tokenizer, config
 
 
-def import_hf_into_run(src_dir: str | os.PathLike, run_dir: str | os.PathLike, *, force: bool = False) -> Path:
+def import_hf_into_run(src_dir: str | os.PathLike, run_dir: str | os.PathLike, *, force: bool = False,
+                       roles: dict[str, str] | None = None) -> Path:
     """Import a `transformers` checkpoint (see `import_hf`) as a tinylm run directory at ``run_dir``.
 
     The run has config.toml (the imported [model] table and default [train] settings),
@@ -664,7 +672,7 @@ def import_hf_into_run(src_dir: str | os.PathLike, run_dir: str | os.PathLike, *
         if not run_dir.is_dir() or not ((run_dir / RUN_FILE).exists() or (run_dir / RUN_CONFIG_FILE).exists()):
             raise TinyLMError(f"{run_dir} is not a tinylm run folder; --force replaces only run folders, so choose "
                               "another --out")
-    model, tokenizer, model_config = import_hf(src_dir)  # everything is read before anything is deleted
+    model, tokenizer, model_config = import_hf(src_dir, roles=roles)  # everything is read before anything is deleted
     if run_dir.exists():
         shutil.rmtree(run_dir)
     config = Config(model=model_config)

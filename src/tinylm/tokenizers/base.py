@@ -47,6 +47,7 @@ FORMAT_NAME = "tinylm.tokenizer"
 FORMAT_VERSION = 1
 
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
+ROLES = ("bos", "eos", "pad")
 
 
 # More reserved tokens than any model family uses (Llama 3 reserves 256), few enough that a
@@ -94,9 +95,21 @@ class Tokenizer(ABC):
     def __init__(self, n_reserved: int = 0) -> None:
         names = special_token_names(n_reserved)
         self.n_reserved = n_reserved
-        self.special_tokens: dict[str, int] = {
-            name: self.base_vocab_size + i for i, name in enumerate(names)
-        }
+        self._set_specials({name: self.base_vocab_size + i for i, name in enumerate(names)},
+                           {"bos": BOS, "eos": EOS, "pad": PAD})
+
+    def _set_specials(self, specials: dict[str, int], roles: dict[str, str]) -> None:
+        """The special tokens (name -> id) and which of them plays each role (bos, eos, pad -> a name).
+
+        tinylm's own tokenizers put theirs right after the base vocabulary; an imported tokenizer
+        (`tinylm.tokenizers.imported`) keeps its author's ids and names, wherever they are.
+        """
+        missing = [role for role in ROLES if roles.get(role) not in specials]
+        if missing:
+            raise TinyLMError(f"no special token plays the role of {', '.join(missing)} (roles {roles}, "
+                              f"special tokens {sorted(specials)[:8]})")
+        self.special_tokens: dict[str, int] = dict(specials)
+        self.roles = {role: roles[role] for role in ROLES}
         self._special_bytes = {i: name.encode("utf-8") for name, i in self.special_tokens.items()}
 
     # ----- the vocabulary -------------------------------------------------------------------
@@ -113,18 +126,23 @@ class Tokenizer(ABC):
 
     @property
     def bos_id(self) -> int:
-        return self.special_tokens[BOS]
+        return self.special_tokens[self.roles["bos"]]
 
     @property
     def eos_id(self) -> int:
-        return self.special_tokens[EOS]
+        return self.special_tokens[self.roles["eos"]]
 
     @property
     def pad_id(self) -> int:
-        return self.special_tokens[PAD]
+        return self.special_tokens[self.roles["pad"]]
+
+    # Whether a document starts with BOS in the tokenizer's own pipeline (Llama's does: "<s>" first).
+    # tinylm's own tokenizers leave the start token to `tinylm.run.start_ids`.
+    add_bos: bool = False
 
     def is_special(self, token_id: int) -> bool:
-        return token_id >= self.base_vocab_size
+        """A special token (or an id no token uses): no text, never counted as bytes, not sampled as text."""
+        return token_id in self._special_bytes
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes that token stands for (a special token stands for its own name)."""
@@ -132,8 +150,9 @@ class Tokenizer(ABC):
             raise TinyLMError(
                 f"token id {token_id} is outside this tokenizer's vocabulary 0..{self.vocab_size - 1}"
             )
-        if token_id >= self.base_vocab_size:
-            return self._special_bytes[token_id]
+        special = self._special_bytes.get(token_id)
+        if special is not None:
+            return special
         return self._base_token_bytes(token_id)
 
     @abstractmethod

@@ -106,76 +106,25 @@ def pattern_name(pattern: str) -> str | None:
     return None
 
 
-class BPETokenizer(Tokenizer):
-    """Byte-level BPE with a pre-tokenization pattern and special tokens after the merges."""
+class TiktokenPath:
+    """Encoding through a tiktoken `Encoding` (token bytes -> id), with the long-whitespace path beside it.
 
-    kind = "bpe"
+    Shared by `BPETokenizer` and the imported byte-level BPE (`tinylm.tokenizers.imported`). A class
+    using it sets ``pattern``, ``_split`` (the compiled pattern), ``tiktoken_encoding``,
+    ``_id_bytes`` (each id's bytes), ``_token_ids`` (the inverse, for the tokens BPE may produce) and
+    ``_byte_ids`` (the id of each single byte, or None for byte b = id b), and has ``_allowed``.
+    """
 
-    def __init__(
-        self,
-        merges: Sequence[tuple[int, int]],
-        pattern: str = "gpt4",
-        n_reserved: int = 0,
-    ) -> None:
-        self.pattern = resolve_pattern(pattern)
-        self.merges: list[tuple[int, int]] = [(int(a), int(b)) for a, b in merges]
-        self.ranks: dict[tuple[int, int], int] = {}  # pair -> rank (the new token is 256 + rank)
-        self.vocab: list[bytes] = [bytes([b]) for b in range(256)]
-        for rank, (a, b) in enumerate(self.merges):
-            new_id = 256 + rank
-            if not (0 <= a < new_id and 0 <= b < new_id):
-                raise ValueError(f"merge {rank} ({a}, {b}) refers to a token that does not exist yet")
-            if (a, b) in self.ranks:
-                raise ValueError(f"merge {rank} ({a}, {b}) repeats merge {self.ranks[a, b]}")
-            self.ranks[a, b] = rank
-            self.vocab.append(self.vocab[a] + self.vocab[b])
-        if len(set(self.vocab)) != len(self.vocab):
-            raise ValueError("two merges produce the same bytes; tinylm's BPE needs every token's bytes unique")
-        self._split = regex.compile(self.pattern)
-        super().__init__(n_reserved)
-
-    @property
-    def base_vocab_size(self) -> int:
-        return len(self.vocab)
-
-    def _base_token_bytes(self, token_id: int) -> bytes:
-        return self.vocab[token_id]
-
-    # ----- the reference encoder ------------------------------------------------------------
-
-    def encode_reference(self, text: str, *, allowed_special: AllowedSpecial = ()) -> list[int]:
-        """The readable encoder: the same ids as `encode`, computed the way the notes say."""
-        return self._encode_with_specials(text, self._allowed(allowed_special), self._encode_reference_ordinary)
-
-    def _encode_reference_ordinary(self, text: str) -> list[int]:
-        ids: list[int] = []
-        for chunk in self._split.findall(without_lone_surrogates(text)):
-            ids.extend(self._merge_chunk(list(chunk.encode("utf-8"))))
-        return ids
-
-    def _merge_chunk(self, ids: list[int]) -> list[int]:
-        inf = len(self.ranks)
-        while len(ids) >= 2:
-            # the adjacent pair whose merge was learned earliest (lowest rank)
-            pair = min(zip(ids, ids[1:]), key=lambda p: self.ranks.get(p, inf))
-            rank = self.ranks.get(pair)
-            if rank is None:
-                break  # no adjacent pair has a merge: the chunk is fully encoded
-            ids = _replace_pair(ids, pair, 256 + rank)
-        return ids
+    pattern: str
+    _split: regex.Pattern
+    tiktoken_encoding: tiktoken.Encoding
+    _id_bytes: Sequence[bytes]
+    _token_ids: dict[bytes, int]
+    _byte_ids: np.ndarray | None = None
+    _allowed: Any
+    _encode_with_specials: Any
 
     # ----- the fast path --------------------------------------------------------------------
-
-    @functools.cached_property
-    def tiktoken_encoding(self) -> tiktoken.Encoding:
-        """Our ranks as a tiktoken Encoding: token bytes -> id, specials after the merges."""
-        return tiktoken.Encoding(
-            name=f"tinylm-bpe-{len(self.merges)}",
-            pat_str=self.pattern,
-            mergeable_ranks={b: i for i, b in enumerate(self.vocab)},
-            special_tokens=dict(self.special_tokens),
-            explicit_n_vocab=self.vocab_size,
-        )
 
     def encode_ordinary(self, text: str) -> list[int]:
         text = without_lone_surrogates(text)
@@ -253,10 +202,84 @@ class BPETokenizer(Tokenizer):
     def _encode_chunk(self, chunk: str) -> list[int]:
         data = chunk.encode("utf-8")
         if len(data) >= self.long_run:
-            ids = merge_long_chunk(data, self.vocab, self._token_ids)
+            ids = merge_long_chunk(data, self._id_bytes, self._token_ids, self._byte_ids)
             if ids is not None:
                 return ids
         return _tiktoken_call(self.tiktoken_encoding._core_bpe.encode_single_piece, data)
+
+
+class BPETokenizer(TiktokenPath, Tokenizer):
+    """Byte-level BPE with a pre-tokenization pattern and special tokens after the merges."""
+
+    kind = "bpe"
+
+    def __init__(
+        self,
+        merges: Sequence[tuple[int, int]],
+        pattern: str = "gpt4",
+        n_reserved: int = 0,
+    ) -> None:
+        self.pattern = resolve_pattern(pattern)
+        self.merges: list[tuple[int, int]] = [(int(a), int(b)) for a, b in merges]
+        self.ranks: dict[tuple[int, int], int] = {}  # pair -> rank (the new token is 256 + rank)
+        self.vocab: list[bytes] = [bytes([b]) for b in range(256)]
+        for rank, (a, b) in enumerate(self.merges):
+            new_id = 256 + rank
+            if not (0 <= a < new_id and 0 <= b < new_id):
+                raise ValueError(f"merge {rank} ({a}, {b}) refers to a token that does not exist yet")
+            if (a, b) in self.ranks:
+                raise ValueError(f"merge {rank} ({a}, {b}) repeats merge {self.ranks[a, b]}")
+            self.ranks[a, b] = rank
+            self.vocab.append(self.vocab[a] + self.vocab[b])
+        if len(set(self.vocab)) != len(self.vocab):
+            raise ValueError("two merges produce the same bytes; tinylm's BPE needs every token's bytes unique")
+        self._split = regex.compile(self.pattern)
+        super().__init__(n_reserved)
+
+    @property
+    def base_vocab_size(self) -> int:
+        return len(self.vocab)
+
+    def _base_token_bytes(self, token_id: int) -> bytes:
+        return self.vocab[token_id]
+
+    # ----- the reference encoder ------------------------------------------------------------
+
+    def encode_reference(self, text: str, *, allowed_special: AllowedSpecial = ()) -> list[int]:
+        """The readable encoder: the same ids as `encode`, computed the way the notes say."""
+        return self._encode_with_specials(text, self._allowed(allowed_special), self._encode_reference_ordinary)
+
+    def _encode_reference_ordinary(self, text: str) -> list[int]:
+        ids: list[int] = []
+        for chunk in self._split.findall(without_lone_surrogates(text)):
+            ids.extend(self._merge_chunk(list(chunk.encode("utf-8"))))
+        return ids
+
+    def _merge_chunk(self, ids: list[int]) -> list[int]:
+        inf = len(self.ranks)
+        while len(ids) >= 2:
+            # the adjacent pair whose merge was learned earliest (lowest rank)
+            pair = min(zip(ids, ids[1:]), key=lambda p: self.ranks.get(p, inf))
+            rank = self.ranks.get(pair)
+            if rank is None:
+                break  # no adjacent pair has a merge: the chunk is fully encoded
+            ids = _replace_pair(ids, pair, 256 + rank)
+        return ids
+
+    @functools.cached_property
+    def tiktoken_encoding(self) -> tiktoken.Encoding:
+        """Our ranks as a tiktoken Encoding: token bytes -> id, specials after the merges."""
+        return tiktoken.Encoding(
+            name=f"tinylm-bpe-{len(self.merges)}",
+            pat_str=self.pattern,
+            mergeable_ranks={b: i for i, b in enumerate(self.vocab)},
+            special_tokens=dict(self.special_tokens),
+            explicit_n_vocab=self.vocab_size,
+        )
+
+    @property
+    def _id_bytes(self) -> Sequence[bytes]:
+        return self.vocab
 
     @functools.cached_property
     def _token_ids(self) -> dict[bytes, int]:
@@ -298,7 +321,8 @@ def _tiktoken_call(fn, *args: Any, **kwargs: Any) -> Any:
 _MAX_DISTINCT = 512
 
 
-def merge_long_chunk(data: bytes, vocab: Sequence[bytes], token_ids: dict[bytes, int]) -> list[int] | None:
+def merge_long_chunk(data: bytes, vocab: Sequence[bytes], token_ids: dict[bytes, int],
+                     byte_ids: np.ndarray | None = None) -> list[int] | None:
     """BPE of one chunk, vectorised: the reference's rule, each pass a few numpy operations.
 
     Each pass finds the adjacent pair whose concatenated bytes are the lowest-ranked token (the
@@ -307,9 +331,12 @@ def merge_long_chunk(data: bytes, vocab: Sequence[bytes], token_ids: dict[bytes,
     tiktoken merge) when the chunk holds too many distinct tokens for the pair table, or when a
     pass would make a pair of lower rank than the one just merged: merging every occurrence at
     once equals tiktoken's one-at-a-time order only while ranks rise, which they do for every
-    tokenizer tinylm trains. ``vocab`` is each id's bytes, ``token_ids`` its inverse.
+    tokenizer tinylm trains. ``vocab`` is each id's bytes, ``token_ids`` its inverse, ``byte_ids`` (256,)
+    the id of each single byte (byte b is id b when it is None, as in tinylm's own layout).
     """
     ids = np.frombuffer(data, dtype=np.uint8).astype(np.int64)
+    if byte_ids is not None:
+        ids = byte_ids[ids]
     last_rank = -1
     while len(ids) >= 2:
         present = np.flatnonzero(np.bincount(ids))  # (P,) the distinct tokens, sorted

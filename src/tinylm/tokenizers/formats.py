@@ -225,14 +225,34 @@ def _bpe_below(token: bytes, ranks: dict[bytes, int], max_rank: int) -> list[byt
     return parts
 
 
-def load_tiktoken(path: str | os.PathLike, pattern: str = "gpt4", n_reserved: int = 0) -> BPETokenizer:
-    """Load a tiktoken ranks file whose ids follow tinylm's layout (as `save_tiktoken` writes).
+def load_tiktoken(path: str | os.PathLike, pattern: str = "gpt4", n_reserved: int = 0) -> Tokenizer:
+    """Load a tiktoken ranks file; every rank stays the token's id.
 
     ``pattern`` (a name in `PATTERNS` or a regex) and ``n_reserved`` are not in the file and
-    must be given; the special tokens bos, eos, pad and the reserved range follow the vocab.
+    must be given; the special tokens bos, eos, pad and the reserved range follow the highest rank.
+    A file in tinylm's own layout (as `save_tiktoken` writes) gives back a `BPETokenizer`; any other
+    (OpenAI's cl100k/o200k, whose bytes are in another order) a `ByteLevelBPETokenizer` that
+    encodes exactly as ``tiktoken.Encoding`` does with the same ranks.
     """
-    merges = merges_from_ranks(read_tiktoken_ranks(path), str(path))
-    return BPETokenizer(merges, pattern=pattern, n_reserved=n_reserved)
+    from tinylm.tokenizers.base import special_token_names
+    from tinylm.tokenizers.imported import ByteLevelBPETokenizer
+
+    ranks = read_tiktoken_ranks(path)
+    try:
+        return BPETokenizer(merges_from_ranks(ranks, str(path)), pattern=pattern, n_reserved=n_reserved)
+    except TinyLMError:
+        pass
+    size = max(ranks.values(), default=-1) + 1
+    if len(set(ranks.values())) != len(ranks):
+        raise TinyLMError(f"{path}: two tokens share a rank; a tiktoken file gives every token its own")
+    tokens: list[bytes | None] = [None] * size
+    for token, rank in ranks.items():
+        if rank < 0:
+            raise TinyLMError(f"{path}: rank {rank} is negative")
+        tokens[rank] = token
+    specials = {name: size + i for i, name in enumerate(special_token_names(n_reserved))}
+    return ByteLevelBPETokenizer(tokens, [], pattern, specials=specials, roles={"bos": BOS, "eos": EOS, "pad": PAD},
+                                 ignore_merges=True)
 
 
 # ----- Oniguruma <-> tiktoken regex dialects ------------------------------------------------
@@ -498,24 +518,34 @@ def tokenizer_from_hf_json(data: dict[str, Any], source: str = "<tokenizer.json>
 
 def _pattern_from_pre_tokenizer(pre: dict[str, Any] | None, fail: Callable[[str], TinyLMError]) -> str:
     """The split pattern a pre_tokenizer stands for: Split(Regex) + ByteLevel, or GPT-2's ByteLevel."""
+    pattern, prefix_space = byte_level_pre_tokenizer(pre, fail)
+    if prefix_space:
+        raise fail("ByteLevel adds a prefix space, which tinylm's own BPE does not do")
+    return pattern
+
+
+def byte_level_pre_tokenizer(pre: dict[str, Any] | None, fail: Callable[[str], TinyLMError]) -> tuple[str, bool]:
+    """The split pattern of a ByteLevel pre_tokenizer (alone, or after one Split) and its add_prefix_space."""
     steps = pre.get("pretokenizers", []) if pre and pre.get("type") == "Sequence" else [pre] if pre else []
     if not steps or steps[-1].get("type") != "ByteLevel":
         raise fail("the pre_tokenizer does not end in ByteLevel, so the model does not see bytes")
     byte_level = steps[-1]
-    if byte_level.get("add_prefix_space"):
-        raise fail("ByteLevel adds a prefix space, which tinylm does not do")
+    prefix_space = bool(byte_level.get("add_prefix_space"))
     if len(steps) == 1:
         # ByteLevel's own regex is GPT-2's original pattern; our "gpt2" gives the same chunks
-        return "gpt2" if byte_level.get("use_regex", True) else "none"
+        return ("gpt2" if byte_level.get("use_regex", True) else "none"), prefix_space
+    if len(steps) == 2 and prefix_space:
+        raise fail("ByteLevel adds a prefix space to every chunk the Split before it cut, which tinylm does not do")
     if len(steps) != 2 or byte_level.get("use_regex", True):
-        raise fail("the pre_tokenizer is not Split(regex) followed by ByteLevel(use_regex=false)")
+        kinds = " + ".join(str(step.get("type")) for step in steps)
+        raise fail(f"the pre_tokenizer is {kinds}, not Split(regex) followed by ByteLevel(use_regex=false)")
     split = steps[0]
     regex_text = split.get("pattern", {}).get("Regex")
     if split.get("type") != "Split" or regex_text is None:
         raise fail(f"the pre_tokenizer step {split.get('type')} is not a Split on a regex")
     if split.get("behavior") != "Isolated" or split.get("invert"):
         raise fail(f"the Split behaviour is {split.get('behavior')} (invert={split.get('invert')}), not Isolated")
-    return pattern_from_oniguruma(regex_text)
+    return pattern_from_oniguruma(regex_text), prefix_space
 
 
 # ----- one entry point for all formats ------------------------------------------------------
@@ -544,6 +574,17 @@ def export_tokenizer(tok: Tokenizer, path: str | os.PathLike, format: str, *, ov
         raise TinyLMError(f"{path} already exists; choose another output or overwrite it explicitly (--force)")
     if format == "tinylm":
         return tok.save(path)
+    from tinylm.tokenizers.imported import ByteLevelBPETokenizer, ImportedTokenizer
+
+    if format == "hf" and isinstance(tok, ImportedTokenizer):
+        from tinylm.tokenizers.hf_files import imported_to_hf_json
+
+        return atomic_write_text(path, json.dumps(imported_to_hf_json(tok), ensure_ascii=False, indent=2) + "\n")
+    if format == "tiktoken" and isinstance(tok, ByteLevelBPETokenizer):
+        # the ranks tiktoken merges with are the ids; the specials and the split pattern have no place in the file
+        lines = [f"{base64.b64encode(b).decode('ascii')} {i}\n" for b, i in sorted(tok._token_ids.items(),
+                                                                                   key=lambda kv: kv[1])]
+        return atomic_write_text(path, "".join(lines))
     _require_bpe(tok, format)
     assert isinstance(tok, BPETokenizer)
     if format == "tiktoken":
@@ -574,6 +615,9 @@ def detect_format(path: str | os.PathLike) -> str:
             return "tinylm"
         if isinstance(data, dict) and "model" in data:
             return "hf"
+        if isinstance(data, dict) and data and all(isinstance(i, int) for i in data.values()) and \
+                (path.parent / "merges.txt").is_file():
+            return "hf"  # GPT-2's own vocab.json, with merges.txt beside it
         raise TinyLMError(f"{path} is JSON but neither a tinylm tokenizer nor a Hugging Face tokenizer.json")
     first_line = text.split("\n", 1)[0].strip()
     if path.suffix == ".tiktoken" or _TIKTOKEN_LINE.fullmatch(first_line):
@@ -584,22 +628,31 @@ def detect_format(path: str | os.PathLike) -> str:
 
 
 def import_tokenizer(
-    path: str | os.PathLike, *, pattern: str | None = None, n_reserved: int | None = None
+    path: str | os.PathLike, *, pattern: str | None = None, n_reserved: int | None = None,
+    roles: dict[str, str] | None = None,
 ) -> Tokenizer:
-    """Load a tokenizer from a tinylm file, a tokenizer.json or a .tiktoken file (or a folder with one).
+    """Load a tokenizer from a tinylm file, a tokenizer.json, GPT-2's vocab.json + merges.txt or a .tiktoken
+    file (or a folder with one), keeping every id the file gives.
 
     ``pattern`` and ``n_reserved`` are for .tiktoken files only, which do not record them
-    (defaults "gpt4" and 0); the other formats carry their own.
+    (defaults "gpt4" and 0); the other formats carry their own. ``roles`` names the bos, eos or pad
+    token of a Hugging Face tokenizer whose files do not (see `tinylm.tokenizers.hf_files`).
     """
+    from tinylm.tokenizers.hf_files import read_hf_tokenizer
+
     path = Path(path)
     if path.is_dir():
-        found = [path / name for name in ("tokenizer.json", "tinylm_tokenizer.json", "tokenizer.tiktoken")]
+        found = [path / name for name in ("tokenizer.json", "vocab.json", "tinylm_tokenizer.json", "tokenizer.tiktoken")]
         found = [p for p in found if p.is_file()] or sorted(path.glob("*.tiktoken"))
         if not found:
-            raise TinyLMError(f"{path} has no tokenizer.json, tinylm_tokenizer.json or *.tiktoken file")
+            raise TinyLMError(f"{path} has no tokenizer.json, vocab.json + merges.txt, tinylm_tokenizer.json or "
+                              "*.tiktoken file")
         path = found[0]
     fmt = detect_format(path)
     if fmt == "tiktoken":
+        if roles:
+            raise TinyLMError(f"{path} is a .tiktoken file, which has no special tokens to name as bos, eos or pad; "
+                              "tinylm adds its own after the ranks")
         return load_tiktoken(path, pattern=pattern or "gpt4", n_reserved=n_reserved or 0)
     if pattern is not None or n_reserved is not None:
         raise TinyLMError(
@@ -607,5 +660,8 @@ def import_tokenizer(
             "pattern and n_reserved are only for .tiktoken files"
         )
     if fmt == "tinylm":
+        if roles:
+            raise TinyLMError(f"{path} is a tinylm tokenizer, whose bos, eos and pad are fixed; --bos/--eos/--pad "
+                              "are for Hugging Face files")
         return load_tokenizer(path)
-    return load_hf_tokenizer_json(path)
+    return read_hf_tokenizer(path, roles=roles)

@@ -1,0 +1,420 @@
+"""Read (and write back) the tokenizer files of `transformers` and `tokenizers`, in any id layout.
+
+A checkpoint folder made by `transformers` holds its tokenizer in one of two ways:
+
+- ``tokenizer.json`` (the `tokenizers` library's pipeline: normalizer, pre-tokenizer, BPE model,
+  post-processor, decoder, added tokens), usually with ``tokenizer_config.json`` beside it;
+- or the older ``vocab.json`` + ``merges.txt`` (GPT-2's own files), with the same side files.
+
+``tokenizer_config.json`` (or ``special_tokens_map.json``) names the bos, eos, pad and unk tokens,
+says whether a text starts with BOS (``add_bos_token``), and holds the ``chat_template``
+(transformers 4.47+ may write it to ``chat_template.jinja`` instead).
+
+`read_hf_tokenizer` turns them into the tokenizer that computes the same ids:
+
+- a byte-level BPE in tinylm's own layout (as tinylm exports it) stays a `BPETokenizer`;
+- any other byte-level BPE (GPT-2, Llama 3, Qwen2, SmolLM-style files) is a `ByteLevelBPETokenizer`;
+- a BPE over "▁"-pieces with ``<0xNN>`` byte tokens (Llama 2, TinyLlama, Mistral) is a
+  `SentencePieceBPETokenizer`.
+
+Everything that does not map (WordPiece or Unigram models, other normalizers or pre-tokenizers)
+is one `TinyLMError` that names the part, never a tokenizer that gives other ids.
+
+`imported_to_hf_json` writes an imported tokenizer back as a tokenizer.json with the same ids.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from tinylm.errors import TinyLMError
+from tinylm.tokenizers.base import Tokenizer
+from tinylm.tokenizers.bpe import pattern_name
+from tinylm.tokenizers.formats import (
+    BYTE_TO_UNICODE,
+    UNICODE_TO_BYTE,
+    byte_level_pre_tokenizer,
+    bytes_to_byte_level,
+    oniguruma_pattern,
+    tokenizer_from_hf_json,
+)
+from tinylm.tokenizers.imported import (
+    NORMALIZERS,
+    SPACE_MARK,
+    ByteLevelBPETokenizer,
+    ImportedTokenizer,
+    SentencePieceBPETokenizer,
+)
+
+SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json")
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+ROLE_KEYS = {"bos": "bos_token", "eos": "eos_token", "pad": "pad_token", "unk": "unk_token"}
+# names that usually end a text, tried in order when no file says which token is eos
+EOS_GUESSES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<|eos|>", "<eos>", "<|im_end|>")
+
+
+def _load_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise TinyLMError(f"{path} does not exist") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise TinyLMError(f"cannot read {path}: {e}") from None
+    except json.JSONDecodeError as e:
+        raise TinyLMError(f"{path} is not valid JSON (line {e.lineno}, column {e.colno})") from None
+
+
+def _content(value: Any) -> str | None:
+    """A token as tokenizer_config.json writes it: a string, or {"content": ...}, or null."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) and value else None
+
+
+def _side_config(folder: Path) -> dict[str, Any]:
+    """tokenizer_config.json over special_tokens_map.json (either may be missing), plus chat_template.jinja."""
+    merged: dict[str, Any] = {}
+    for name in reversed(SIDE_FILES):
+        path = folder / name
+        if path.is_file():
+            data = _load_json(path)
+            if isinstance(data, dict):
+                merged.update({k: v for k, v in data.items() if v is not None})
+    template_file = folder / CHAT_TEMPLATE_FILE
+    if template_file.is_file():
+        merged["chat_template"] = template_file.read_text(encoding="utf-8")
+    template = merged.get("chat_template")
+    if isinstance(template, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        merged["chat_template"] = named.get("default") or next(iter(named.values()), None)
+    return merged
+
+
+def read_hf_tokenizer(path: str | os.PathLike, *, roles: dict[str, str] | None = None) -> Tokenizer:
+    """The tokenizer in a `transformers` folder, or in one tokenizer.json / vocab.json file (side files beside it).
+
+    ``roles`` names the bos, eos or pad token where the files do not (e.g. {"eos": "<|endoftext|>"}).
+    """
+    path = Path(path)
+    folder = path if path.is_dir() else path.parent
+    if path.is_dir():
+        if (path / "tokenizer.json").is_file():
+            path = path / "tokenizer.json"
+        elif (path / "vocab.json").is_file() and (path / "merges.txt").is_file():
+            path = path / "vocab.json"
+        else:
+            raise TinyLMError(f"{path} has neither tokenizer.json nor vocab.json with merges.txt")
+    side = _side_config(folder)
+    if path.name == "vocab.json" or (path.suffix == ".json" and (folder / "merges.txt").is_file()
+                                     and "model" not in _load_json(path)):
+        return _from_vocab_and_merges(path, folder / "merges.txt", side, roles or {})
+    data = _load_json(path)
+    if not isinstance(data, dict) or not isinstance(data.get("model"), dict):
+        raise TinyLMError(f"{path} is not a Hugging Face tokenizer.json (no \"model\")")
+    try:  # tinylm's own layout keeps tinylm's own (faster, trainable) tokenizer
+        return tokenizer_from_hf_json(data, str(path))
+    except TinyLMError:
+        pass
+    return tokenizer_from_any_hf_json(data, side, roles or {}, str(path))
+
+
+def tokenizer_from_any_hf_json(data: dict[str, Any], side: dict[str, Any], roles: dict[str, str],
+                               source: str) -> ImportedTokenizer:
+    """A parsed tokenizer.json (and its side config) as a byte-level or SentencePiece-style tokenizer."""
+
+    def fail(what: str) -> TinyLMError:
+        return TinyLMError(f"{source}: {what}; tinylm reads BPE tokenizers (byte-level, or SentencePiece-style "
+                           "with byte fallback) only")
+
+    model = data["model"]
+    if model.get("type", "BPE") != "BPE":
+        raise fail(f"the model is {model.get('type')}, not BPE")
+    for key in ("continuing_subword_prefix", "end_of_word_suffix", "dropout"):
+        if model.get(key):
+            raise fail(f"the BPE model sets {key}={model[key]!r}")
+    vocab: dict[str, int] = model.get("vocab") or {}
+    merges = [m.split(" ", 1) if isinstance(m, str) else list(m) for m in model.get("merges") or []]
+    added = data.get("added_tokens") or []
+    specials = {t["content"]: int(t["id"]) for t in added if t.get("special")}
+    words = {t["content"]: int(t["id"]) for t in added if not t.get("special")}
+    byte_level = _is_byte_level(data)
+    if byte_level:
+        pattern, prefix_space = byte_level_pre_tokenizer(data.get("pre_tokenizer"), fail)
+        normalizer = _unicode_normalizer(data.get("normalizer"), fail)
+        if model.get("byte_fallback"):
+            raise fail("a byte-level BPE with byte_fallback")
+        return _byte_level(vocab, merges, pattern, specials, words, side, roles, fail, add_prefix_space=prefix_space,
+                           normalizer=normalizer, ignore_merges=bool(model.get("ignore_merges")),
+                           add_bos=_adds_bos(data, side, specials))
+    return _sentencepiece(data, vocab, merges, specials, words, side, roles, fail)
+
+
+def _is_byte_level(data: dict[str, Any]) -> bool:
+    def has(node: Any) -> bool:
+        if not isinstance(node, dict):
+            return False
+        parts = node.get("pretokenizers") or node.get("decoders") or []
+        return node.get("type") == "ByteLevel" or any(has(p) for p in parts)
+    return has(data.get("pre_tokenizer")) or has(data.get("decoder"))
+
+
+def _unicode_normalizer(node: Any, fail) -> str | None:
+    steps = node.get("normalizers", []) if isinstance(node, dict) and node.get("type") == "Sequence" else \
+        [node] if node else []
+    if not steps:
+        return None
+    if len(steps) == 1 and steps[0].get("type") in NORMALIZERS:
+        return steps[0]["type"]
+    raise fail(f"its normalizer is {' + '.join(str(s.get('type')) for s in steps)}; tinylm applies NFC, NFKC, "
+               "NFD or NFKD alone to byte-level BPE")
+
+
+def _adds_bos(data: dict[str, Any], side: dict[str, Any], specials: dict[str, int]) -> bool:
+    """Whether the pipeline starts a text with a special token (TemplateProcessing, or add_bos_token)."""
+    if "add_bos_token" in side:
+        return bool(side["add_bos_token"])
+    post = data.get("post_processor") or {}
+    steps = post.get("processors", []) if post.get("type") == "Sequence" else [post]
+    for step in steps:
+        if step.get("type") == "TemplateProcessing":
+            single = step.get("single") or []
+            return bool(single) and "SpecialToken" in single[0]
+    return False
+
+
+def _resolve_roles(specials: dict[str, int], vocab_ids: dict[str, int], side: dict[str, Any],
+                   given: dict[str, str], fail) -> tuple[dict[str, str], dict[str, int]]:
+    """bos, eos, pad as special-token names: the caller's, the side files', then a guess for eos;
+    bos and pad fall back to eos (as `transformers` users do). A role token the files keep as an
+    ordinary vocab entry (GPT-2's "<|endoftext|>" in vocab.json) becomes a special token."""
+    specials = dict(specials)
+    names: dict[str, str] = {}
+    for role, key in ROLE_KEYS.items():
+        name = given.get(role) or _content(side.get(key))
+        if name is None:
+            continue
+        if name not in specials:
+            if name not in vocab_ids:
+                if role in given:
+                    raise TinyLMError(f"--{role} {name!r} is not a token of this tokenizer")
+                continue  # the side file names a token this vocabulary lacks: ignore it
+            specials[name] = vocab_ids[name]
+        names[role] = name
+    if "eos" not in names:
+        guess = next((n for n in EOS_GUESSES if n in specials), None)
+        if guess is None:
+            raise fail(f"no token is named as eos (end of text) and none of {', '.join(EOS_GUESSES)} is a special "
+                       f"token (it has {sorted(specials)[:6]}); name it, e.g. `--eos TOKEN`")
+        names["eos"] = guess
+    names.setdefault("bos", names["eos"])
+    names.setdefault("pad", names["eos"])
+    names.pop("unk", None)
+    return names, specials
+
+
+def _byte_level(vocab: dict[str, int], merges: list[list[str]], pattern: str, specials: dict[str, int],
+                words: dict[str, int], side: dict[str, Any], roles: dict[str, str], fail, *,
+                add_prefix_space: bool, normalizer: str | None, ignore_merges: bool,
+                add_bos: bool) -> ByteLevelBPETokenizer:
+    names, specials = _resolve_roles(specials, vocab, side, roles, fail)
+    size = max([*vocab.values(), *specials.values(), *words.values(), -1]) + 1
+    tokens: list[bytes | None] = [None] * size
+    outside = {**specials, **words}
+    for text, i in vocab.items():
+        if text in outside and outside[text] == i:
+            continue
+        if set(text) - UNICODE_TO_BYTE.keys():
+            raise fail(f"vocab entry {text!r} (id {i}) is not spelled in GPT-2's byte-level characters")
+        if tokens[i] is not None:
+            raise fail(f"id {i} appears twice in the vocab")
+        tokens[i] = text.translate(_FROM_STAND_IN).encode("latin-1")
+    for text, i in words.items():
+        tokens[i] = text.encode("utf-8")
+    pairs = []
+    for r, pair in enumerate(merges):
+        if len(pair) != 2 or pair[0] not in vocab or pair[1] not in vocab:
+            raise fail(f"merge {r} {pair!r} is not two tokens of the vocab")
+        pairs.append((vocab[pair[0]], vocab[pair[1]]))
+    try:
+        return ByteLevelBPETokenizer(tokens, pairs, pattern, specials=specials, roles=names, vocab_size=size,
+                                     add_prefix_space=add_prefix_space, normalizer=normalizer,
+                                     ignore_merges=ignore_merges, add_bos=add_bos, added_words=words,
+                                     chat_template=side.get("chat_template"))
+    except ValueError as e:
+        raise fail(str(e)) from None
+
+
+_FROM_STAND_IN = {ord(ch): b for b, ch in enumerate(BYTE_TO_UNICODE)}
+
+
+def _from_vocab_and_merges(vocab_path: Path, merges_path: Path, side: dict[str, Any],
+                           roles: dict[str, str]) -> ByteLevelBPETokenizer:
+    """GPT-2's own files: vocab.json (byte-level string -> id) and merges.txt ("a b" per line)."""
+    source = str(vocab_path)
+
+    def fail(what: str) -> TinyLMError:
+        return TinyLMError(f"{source}: {what}; tinylm reads GPT-2-style vocab.json + merges.txt")
+
+    vocab = _load_json(vocab_path)
+    if not isinstance(vocab, dict) or not all(isinstance(i, int) for i in vocab.values()):
+        raise fail("it is not a JSON object of token -> id")
+    try:
+        lines = merges_path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise TinyLMError(f"cannot read {merges_path}: {e}") from None
+    merges = [line.split(" ") for line in lines if line and not line.startswith("#version")]
+    specials: dict[str, int] = {}
+    for i, info in (side.get("added_tokens_decoder") or {}).items():
+        if isinstance(info, dict) and info.get("special"):
+            specials[info["content"]] = int(i)
+    for name in side.get("additional_special_tokens") or []:
+        name = _content(name)
+        if name in vocab:
+            specials[name] = vocab[name]
+    added_file = vocab_path.parent / "added_tokens.json"
+    words = {}
+    if added_file.is_file():
+        words = {k: v for k, v in _load_json(added_file).items() if k not in specials}
+    return _byte_level(vocab, merges, "gpt2", specials, words, side, roles, fail,
+                       add_prefix_space=bool(side.get("add_prefix_space", False)), normalizer=None,
+                       ignore_merges=False, add_bos=bool(side.get("add_bos_token", False)))
+
+
+# ----- SentencePiece-style BPE ------------------------------------------------------------------------
+
+
+def _sentencepiece(data: dict[str, Any], vocab: dict[str, int], merges: list[list[str]], specials: dict[str, int],
+                   words: dict[str, int], side: dict[str, Any], roles: dict[str, str],
+                   fail) -> SentencePieceBPETokenizer:
+    prefix, split = _sentencepiece_prefix(data.get("normalizer"), data.get("pre_tokenizer"), fail)
+    names, specials = _resolve_roles(specials, vocab, side, roles, fail)
+    size = max([*vocab.values(), *specials.values(), *words.values(), -1]) + 1
+    pieces: list[str | None] = [None] * size
+    for text, i in vocab.items():
+        if specials.get(text) != i:
+            pieces[i] = text
+    for text, i in words.items():
+        pieces[i] = text
+    pairs = []
+    for r, pair in enumerate(merges):
+        if len(pair) != 2 or pair[0] not in vocab or pair[1] not in vocab:
+            raise fail(f"merge {r} {pair!r} is not two tokens of the vocab")
+        pairs.append((vocab[pair[0]], vocab[pair[1]]))
+    model = data["model"]
+    try:
+        return SentencePieceBPETokenizer(
+            pieces, pairs, specials=specials, roles=names, unk=model.get("unk_token"),
+            byte_fallback=bool(model.get("byte_fallback")), fuse_unk=bool(model.get("fuse_unk")), prefix=prefix,
+            split=split, strip_leading_space=_strips_leading_space(data.get("decoder")), vocab_size=size,
+            add_bos=_adds_bos(data, side, specials), added_words=words, chat_template=side.get("chat_template"))
+    except ValueError as e:
+        raise fail(str(e)) from None
+
+
+def _sentencepiece_prefix(normalizer: Any, pre: Any, fail) -> tuple[str, bool]:
+    """Where the "▁" goes in front, and whether the text is split before each "▁"."""
+    steps = normalizer.get("normalizers", []) if isinstance(normalizer, dict) and \
+        normalizer.get("type") == "Sequence" else [normalizer] if normalizer else []
+    kinds = [s.get("type") for s in steps]
+    replaces = any(s.get("type") == "Replace" and s.get("pattern", {}).get("String") == " "
+                   and s.get("content") == SPACE_MARK for s in steps)
+    prepends = any(s.get("type") == "Prepend" and s.get("prepend") == SPACE_MARK for s in steps)
+    if steps and (set(kinds) - {"Replace", "Prepend"} or not replaces):
+        raise fail(f"its normalizer is {' + '.join(map(str, kinds))}; tinylm reads SentencePiece-style files whose "
+                   "normalizer replaces spaces with '▁' (and prepends one), or that use the Metaspace pre-tokenizer")
+    if pre:
+        if pre.get("type") != "Metaspace" or pre.get("replacement", SPACE_MARK) != SPACE_MARK:
+            raise fail(f"its pre_tokenizer is {pre.get('type')}, not Metaspace('▁')")
+        scheme = pre.get("prepend_scheme") or ("always" if pre.get("add_prefix_space", True) else "never")
+        return (("prepend" if prepends else scheme), bool(pre.get("split", False)))
+    if not replaces:
+        raise fail("it neither replaces spaces with '▁' nor has a Metaspace pre-tokenizer, so it is not "
+                   "SentencePiece-style; and it has no ByteLevel step, so it is not byte-level")
+    return ("prepend" if prepends else "never"), False
+
+
+def _strips_leading_space(decoder: Any) -> bool:
+    steps = decoder.get("decoders", []) if isinstance(decoder, dict) and decoder.get("type") == "Sequence" else \
+        [decoder] if decoder else []
+    for s in steps:
+        if s.get("type") == "Strip" and s.get("content") == " " and int(s.get("start", 0)) >= 1:
+            return True
+        if s.get("type") == "Metaspace":
+            return (s.get("prepend_scheme") or ("always" if s.get("add_prefix_space", True) else "never")) != "never"
+    return False
+
+
+# ----- writing an imported tokenizer back as tokenizer.json ------------------------------------------
+
+
+def _added(tok: ImportedTokenizer) -> list[dict[str, Any]]:
+    rows = [(i, name, True) for name, i in tok.special_tokens.items()] + \
+        [(i, name, False) for name, i in tok.added_words.items()]
+    return [{"id": i, "content": name, "single_word": False, "lstrip": False, "rstrip": False,
+             "normalized": False, "special": special} for i, name, special in sorted(rows)]
+
+
+def _post_processor(tok: ImportedTokenizer) -> dict[str, Any] | None:
+    if not tok.add_bos:
+        return None
+    bos = tok.roles["bos"]
+    return {"type": "TemplateProcessing",
+            "single": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+            "pair": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+                     {"SpecialToken": {"id": bos, "type_id": 1}}, {"Sequence": {"id": "B", "type_id": 1}}],
+            "special_tokens": {bos: {"id": bos, "ids": [tok.bos_id], "tokens": [bos]}}}
+
+
+def imported_to_hf_json(tok: ImportedTokenizer) -> dict[str, Any]:
+    """An imported tokenizer as a tokenizer.json that gives the same ids (its author's ids)."""
+    base: dict[str, Any] = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": _added(tok),
+                            "post_processor": _post_processor(tok)}
+    if isinstance(tok, ByteLevelBPETokenizer):
+        spell = {i: bytes_to_byte_level(b) for i, b in enumerate(tok.tokens)
+                 if b is not None and i not in tok.added_words.values()}
+        byte_level = {"type": "ByteLevel", "add_prefix_space": tok.add_prefix_space, "trim_offsets": False,
+                      "use_regex": False}
+        if tok.add_prefix_space:  # only ByteLevel alone puts the space before a whole text (not every chunk)
+            name = pattern_name(tok.pattern)
+            if name not in ("gpt2", "none"):
+                raise TinyLMError("a byte-level tokenizer that adds a prefix space splits with GPT-2's pattern (or "
+                                  f"none) in tokenizer.json, not {name or tok.pattern!r}")
+            pre = {**byte_level, "use_regex": name == "gpt2"}
+        else:
+            pre = {"type": "Sequence", "pretokenizers": [
+                {"type": "Split", "pattern": {"Regex": oniguruma_pattern(tok.pattern)}, "behavior": "Isolated",
+                 "invert": False}, byte_level]}
+        return {**base, "normalizer": {"type": tok.normalizer} if tok.normalizer else None,
+                "pre_tokenizer": pre,
+                "decoder": {**byte_level, "use_regex": True},
+                "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                          "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
+                          "ignore_merges": tok.ignore_merges,
+                          "vocab": {s: i for i, s in spell.items()},
+                          "merges": [[spell[a], spell[b]] for a, b in tok.merges]}}
+    assert isinstance(tok, SentencePieceBPETokenizer)
+    vocab = {p: i for i, p in enumerate(tok.pieces) if p is not None}
+    vocab.update(tok.special_tokens)
+    pre = None
+    normalizer: dict[str, Any] | None = {"type": "Sequence", "normalizers": [
+        {"type": "Prepend", "prepend": SPACE_MARK}, {"type": "Replace", "pattern": {"String": " "},
+                                                     "content": SPACE_MARK}]}
+    if tok.prefix != "prepend":
+        normalizer = None
+        pre = {"type": "Metaspace", "replacement": SPACE_MARK, "prepend_scheme": tok.prefix, "split": tok.split_on_mark}
+    decoders: list[dict[str, Any]] = [{"type": "Replace", "pattern": {"String": SPACE_MARK}, "content": " "},
+                                      {"type": "ByteFallback"}, {"type": "Fuse"}]
+    if tok.strip_leading_space:
+        decoders.append({"type": "Strip", "content": " ", "start": 1, "stop": 0})
+    return {**base, "normalizer": normalizer, "pre_tokenizer": pre,
+            "decoder": {"type": "Sequence", "decoders": decoders},
+            "model": {"type": "BPE", "dropout": None, "unk_token": tok.unk, "continuing_subword_prefix": None,
+                      "end_of_word_suffix": None, "fuse_unk": tok.fuse_unk, "byte_fallback": tok.byte_fallback,
+                      "ignore_merges": False, "vocab": vocab,
+                      "merges": [[tok.pieces[a], tok.pieces[b]] for a, b in tok.merges]}}
+
+
+__all__ = ["read_hf_tokenizer", "tokenizer_from_any_hf_json", "imported_to_hf_json"]

@@ -1,0 +1,410 @@
+"""Tokenizers made by other tools, kept with their own ids: byte-level BPE and SentencePiece-style BPE.
+
+tinylm's own tokenizers lay their vocabulary out one way (`tinylm.tokenizers.base`). A model trained
+elsewhere was trained on its tokenizer's ids, whatever they are, so an imported tokenizer keeps
+every id where its author put it and no embedding row has to move. Two kinds cover the models
+people have:
+
+**Byte-level BPE** (`ByteLevelBPETokenizer`, kind "bytelevel"): GPT-2, SmolLM, Llama 3, Qwen2,
+OpenAI's cl100k/o200k. Its model is tiktoken's: every token is a byte string with an id, the 256
+single bytes among them in any order, specials anywhere, gaps allowed. Within a chunk of text BPE
+merges, again and again, the adjacent pair whose joined bytes form the token merged earliest; the
+merge list (``merges.txt``, tokenizer.json's ``merges``) gives that order, and a ``.tiktoken`` file,
+which has none, uses the ids themselves. When the merged tokens' ids rise in merge order, as in
+every file written by a BPE trainer, tiktoken's ranks are the ids and tiktoken's Rust core encodes
+with them as is (`TiktokenPath`). Around it: an optional Unicode normalization (Qwen2's NFC), GPT-2's
+``add_prefix_space`` (one space before each piece of text that does not start with one), and added
+tokens that are not special, which are cut out of the text before anything else.
+
+**SentencePiece-style BPE** (`SentencePieceBPETokenizer`, kind "sentencepiece"): Llama 2, TinyLlama,
+Mistral. Spaces become "▁" (U+2581), a "▁" goes in front of the text, and BPE runs on *characters*,
+merging the adjacent pair of lowest merge rank first (leftmost among equals), as the `tokenizers`
+library does. A character the vocabulary lacks is spelled as its UTF-8 bytes with the
+``<0x00>``..``<0xFF>`` tokens ("byte fallback"), or becomes ``<unk>`` without them. Decoding maps
+"▁" back to a space, byte tokens to their bytes, and drops the one space the encoder put in front.
+
+Both keep a ``chat_template`` (the Jinja template from tokenizer_config.json) and say which special
+token is bos, eos and pad, and whether the tokenizer's own pipeline starts a text with BOS
+(``add_bos``: Llama's does). Reading the files of `transformers` and `tokenizers` into these
+classes is `tinylm.tokenizers.hf_files`.
+"""
+
+from __future__ import annotations
+
+import base64
+import functools
+import heapq
+import unicodedata
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+import regex
+import tiktoken
+
+from tinylm.errors import TinyLMError
+from tinylm.tokenizers.base import AllowedSpecial, Tokenizer, without_lone_surrogates
+from tinylm.tokenizers.bpe import PATTERNS, TiktokenPath, _tiktoken_call, resolve_pattern
+
+NORMALIZERS = ("NFC", "NFKC", "NFD", "NFKD")
+SPACE_MARK = "\u2581"  # "▁": SentencePiece's stand-in for a space
+
+
+class ImportedTokenizer(Tokenizer):
+    """What both imported kinds share: specials at their own ids, roles, added words, a chat template."""
+
+    def _init_imported(self, vocab_size: int, specials: dict[str, int], roles: dict[str, str], *,
+                       add_bos: bool, added_words: dict[str, int] | None, chat_template: str | None) -> None:
+        self._vocab_size = vocab_size
+        self.n_reserved = 0
+        self.add_bos = bool(add_bos)
+        self.added_words = dict(added_words or {})
+        self.chat_template = chat_template
+        for name, i in {**specials, **self.added_words}.items():
+            if not 0 <= i < vocab_size:
+                raise ValueError(f"token {name!r} has id {i}, outside the vocabulary 0..{vocab_size - 1}")
+        self._set_specials(specials, roles)
+        self._added_split = (regex.compile("(" + "|".join(regex.escape(w) for w in
+                                                         sorted(self.added_words, key=len, reverse=True)) + ")")
+                             if self.added_words else None)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    @property
+    def base_vocab_size(self) -> int:
+        return self._vocab_size
+
+    def is_special(self, token_id: int) -> bool:
+        return token_id in self._special_bytes or not self._has_token(token_id)
+
+    def _has_token(self, token_id: int) -> bool:
+        raise NotImplementedError
+
+    def encode_ordinary(self, text: str) -> list[int]:
+        return self._encode_text(without_lone_surrogates(text), first=True)
+
+    def encode(self, text: str, *, allowed_special: AllowedSpecial = ()) -> list[int]:
+        allowed = self._allowed(allowed_special)
+        text = without_lone_surrogates(text)
+        if not allowed:
+            return self._encode_text(text, first=True)
+        ids: list[int] = []
+        cut = "(" + "|".join(regex.escape(name) for name in sorted(allowed, key=len, reverse=True)) + ")"
+        for i, piece in enumerate(regex.split(cut, text)):
+            if i % 2:
+                ids.append(self.special_tokens[piece])
+            elif piece:
+                ids.extend(self._encode_text(piece, first=i == 0))  # only the first piece starts the text
+        return ids
+
+    def _encode_text(self, text: str, first: bool) -> list[int]:
+        """Text without special tokens: cut out the added words, encode what lies between them."""
+        if self._added_split is None:
+            return self._encode_piece(text, first)
+        ids: list[int] = []
+        for i, piece in enumerate(self._added_split.split(text)):
+            if i % 2:
+                ids.append(self.added_words[piece])
+            elif piece:
+                ids.extend(self._encode_piece(piece, first and i == 0))
+        return ids
+
+    def encode_batch(self, texts: Sequence[str], *, allowed_special: AllowedSpecial = ()) -> list[list[int]]:
+        return [self.encode(t, allowed_special=allowed_special) for t in texts]
+
+    def _encode_piece(self, text: str, first: bool) -> list[int]:
+        raise NotImplementedError
+
+    def _common_dict(self) -> dict[str, Any]:
+        return {"vocab_size": self._vocab_size, "roles": self.roles, "add_bos": self.add_bos,
+                "added_words": self.added_words, "chat_template": self.chat_template}
+
+    @staticmethod
+    def _common_args(data: dict[str, Any]) -> dict[str, Any]:
+        return {"vocab_size": int(data["vocab_size"]), "specials": dict(data["special_tokens"]),
+                "roles": dict(data["roles"]), "add_bos": bool(data["add_bos"]),
+                "added_words": dict(data.get("added_words") or {}), "chat_template": data.get("chat_template")}
+
+
+def _encode_token_list(tokens: Sequence[bytes | None]) -> list[str | None]:
+    return [None if t is None else base64.b64encode(t).decode("ascii") for t in tokens]
+
+
+def _decode_token_list(items: Sequence[str | None]) -> list[bytes | None]:
+    return [None if t is None else base64.b64decode(t, validate=True) for t in items]
+
+
+# ----- byte-level BPE with any id layout -------------------------------------------------------------
+
+
+class ByteLevelBPETokenizer(ImportedTokenizer, TiktokenPath):
+    """Byte-level BPE whose tokens, bytes and specials have any ids (GPT-2, Llama 3, Qwen2, cl100k...).
+
+    ``tokens[i]`` is the bytes of id i (None for a special token or an id no token uses); ``merges``
+    the merge list as pairs of ids, earliest first (empty: the ids are the merge order, as in a
+    .tiktoken file). ``ignore_merges`` (Llama 3's setting) lets a chunk that is itself a token be
+    that token without running BPE, which then may use every token, not only merge results.
+    """
+
+    kind = "bytelevel"
+
+    def __init__(self, tokens: Sequence[bytes | None], merges: Sequence[tuple[int, int]], pattern: str,
+                 *, specials: dict[str, int], roles: dict[str, str], vocab_size: int | None = None,
+                 add_prefix_space: bool = False, normalizer: str | None = None, ignore_merges: bool = False,
+                 add_bos: bool = False, added_words: dict[str, int] | None = None,
+                 chat_template: str | None = None) -> None:
+        self.tokens: list[bytes | None] = list(tokens)
+        vocab_size = max(vocab_size or 0, len(self.tokens), *(i + 1 for i in specials.values()),
+                         *(i + 1 for i in (added_words or {}).values()))
+        self.tokens += [None] * (vocab_size - len(self.tokens))
+        self.pattern = resolve_pattern(pattern)
+        self._split = regex.compile(self.pattern)
+        if normalizer is not None and normalizer not in NORMALIZERS:
+            raise ValueError(f"normalizer {normalizer!r} is not one of {NORMALIZERS}")
+        self.normalizer = normalizer
+        self.add_prefix_space = bool(add_prefix_space)
+        self.ignore_merges = bool(ignore_merges)
+        self.merges = [(int(a), int(b)) for a, b in merges]
+        self._init_imported(vocab_size, specials, roles, add_bos=add_bos, added_words=added_words,
+                            chat_template=chat_template)
+        self._token_ids, self._byte_ids = self._ranks()
+
+    def _ranks(self) -> tuple[dict[bytes, int], np.ndarray]:
+        """The tokens BPE may produce, bytes -> id (tiktoken's ranks), and each single byte's id."""
+        ids_of: dict[bytes, int] = {}
+        for i, b in enumerate(self.tokens):
+            if b is not None and b not in ids_of and i not in self._special_bytes:
+                ids_of[b] = i
+        byte_ids = np.array([ids_of.get(bytes([b]), -1) for b in range(256)], dtype=np.int64)
+        missing = np.flatnonzero(byte_ids < 0)
+        if len(missing):
+            raise TinyLMError(
+                f"the vocabulary lacks {len(missing)} of the 256 single bytes (such as {bytes([int(missing[0])])!r}), "
+                "so some text has no spelling in it; byte-level BPE needs all 256 (train it with the ByteLevel "
+                "initial alphabet)")
+        if not self.merges:  # a .tiktoken file: every token, ranked by its id
+            return ids_of, byte_ids
+        ranks = {bytes([b]): int(byte_ids[b]) for b in range(256)}
+        last = -1
+        for r, (a, b) in enumerate(self.merges):
+            for side in (a, b):
+                if not 0 <= side < len(self.tokens) or self.tokens[side] is None:
+                    raise ValueError(f"merge {r} ({a}, {b}) uses id {side}, which is not a token")
+            joined = self.tokens[a] + self.tokens[b]
+            made = ids_of.get(joined)
+            if made is None:
+                raise ValueError(f"merge {r} makes {joined!r}, which is not in the vocabulary")
+            if joined in ranks:
+                continue  # made by an earlier merge already: tiktoken ranks a token once
+            if made <= last:
+                raise TinyLMError(
+                    f"merge {r} makes id {made}, below the id {last} of an earlier merge: this tokenizer's ids do "
+                    "not follow its merge order, which tinylm's (tiktoken's) BPE needs")
+            ranks[joined] = last = made
+        if self.ignore_merges:  # a chunk may be any token as a whole
+            for b, i in ids_of.items():
+                ranks.setdefault(b, i)
+        return ranks, byte_ids
+
+    def _has_token(self, token_id: int) -> bool:
+        return 0 <= token_id < len(self.tokens) and self.tokens[token_id] is not None
+
+    def _base_token_bytes(self, token_id: int) -> bytes:
+        return self.tokens[token_id] or b""
+
+    @property
+    def _id_bytes(self) -> Sequence[bytes]:
+        return [b or b"" for b in self.tokens]
+
+    @functools.cached_property
+    def tiktoken_encoding(self) -> tiktoken.Encoding:
+        # no special tokens: they are cut out of the text before tiktoken sees it
+        return tiktoken.Encoding(name=f"tinylm-bytelevel-{self._vocab_size}", pat_str=self.pattern,
+                                 mergeable_ranks=self._token_ids, special_tokens={})
+
+    def _encode_piece(self, text: str, first: bool) -> list[int]:
+        if self.normalizer is not None:
+            text = unicodedata.normalize(self.normalizer, text)
+        if self.add_prefix_space and not text.startswith(" "):
+            text = " " + text
+        return TiktokenPath.encode_ordinary(self, text)
+
+    def _to_dict(self) -> dict[str, Any]:
+        from tinylm.tokenizers.bpe import pattern_name
+
+        return {**self._common_dict(), "pattern": pattern_name(self.pattern) or self.pattern,
+                "tokens": _encode_token_list(self.tokens), "merges": [list(m) for m in self.merges],
+                "add_prefix_space": self.add_prefix_space, "normalizer": self.normalizer,
+                "ignore_merges": self.ignore_merges}
+
+    @classmethod
+    def _from_dict(cls, data: dict[str, Any]) -> ByteLevelBPETokenizer:
+        return cls(_decode_token_list(data["tokens"]), [tuple(m) for m in data["merges"]], data["pattern"],
+                   add_prefix_space=bool(data["add_prefix_space"]), normalizer=data["normalizer"],
+                   ignore_merges=bool(data["ignore_merges"]), **cls._common_args(data))
+
+
+# ----- SentencePiece-style BPE with byte fallback ------------------------------------------------------
+
+PREFIX_MODES = ("prepend", "first", "always", "never")
+
+
+class SentencePieceBPETokenizer(ImportedTokenizer):
+    """BPE over characters with "▁" for spaces and byte fallback: Llama 2, TinyLlama, Mistral.
+
+    ``pieces[i]`` is the text of id i ("▁the", "<0x0A>", or None for a special token or an unused id);
+    ``merges`` pairs of ids in rank order. ``prefix`` says where a "▁" goes in front: "prepend" (the
+    `Prepend` normalizer: before every piece of text), "first" or "always" (the `Metaspace`
+    pre-tokenizer: before the text's first piece, or every piece, unless it already starts with
+    "▁"), or "never". ``split`` cuts the text before every "▁" first (Metaspace's split=true).
+    """
+
+    kind = "sentencepiece"
+
+    def __init__(self, pieces: Sequence[str | None], merges: Sequence[tuple[int, int]], *,
+                 specials: dict[str, int], roles: dict[str, str], unk: str | None = None, byte_fallback: bool = True,
+                 fuse_unk: bool = True, prefix: str = "prepend", split: bool = False,
+                 strip_leading_space: bool = True, vocab_size: int | None = None, add_bos: bool = True,
+                 added_words: dict[str, int] | None = None, chat_template: str | None = None) -> None:
+        if prefix not in PREFIX_MODES:
+            raise ValueError(f"prefix {prefix!r} is not one of {PREFIX_MODES}")
+        self.pieces: list[str | None] = list(pieces)
+        vocab_size = max(vocab_size or 0, len(self.pieces), *(i + 1 for i in specials.values()))
+        self.pieces += [None] * (vocab_size - len(self.pieces))
+        self.prefix, self.split_on_mark = prefix, bool(split)
+        self.byte_fallback, self.fuse_unk = bool(byte_fallback), bool(fuse_unk)
+        self.strip_leading_space = bool(strip_leading_space)
+        self.unk = unk
+        self._init_imported(vocab_size, specials, roles, add_bos=add_bos, added_words=added_words,
+                            chat_template=chat_template)
+        self._ids = {p: i for i, p in enumerate(self.pieces) if p is not None}
+        for name, i in specials.items():  # "<unk>" is both a special token and the model's unknown piece
+            self._ids.setdefault(name, i)
+        if unk is not None and unk not in self._ids:
+            raise ValueError(f"the unknown token {unk!r} is not in the vocabulary")
+        self._unk_id = self._ids[unk] if unk is not None else None
+        self._bytes_of: list[bytes | None] = [None] * vocab_size
+        self._byte_token = [-1] * 256
+        for i, p in enumerate(self.pieces):
+            if p is None:
+                continue
+            m = _BYTE_PIECE.fullmatch(p)
+            if m:
+                self._bytes_of[i] = bytes([int(m.group(1), 16)])
+                self._byte_token[int(m.group(1), 16)] = i
+            else:
+                self._bytes_of[i] = p.replace(SPACE_MARK, " ").encode("utf-8")
+        self.merges = [(int(a), int(b)) for a, b in merges]
+        self._merge: dict[tuple[int, int], tuple[int, int]] = {}
+        for r, (a, b) in enumerate(self.merges):
+            pa, pb = self.pieces[a] if 0 <= a < vocab_size else None, self.pieces[b] if 0 <= b < vocab_size else None
+            made = self._ids.get(pa + pb) if pa is not None and pb is not None else None
+            if made is None:
+                raise ValueError(f"merge {r} ({a}, {b}) does not join two pieces into a piece of the vocabulary")
+            self._merge.setdefault((a, b), (r, made))
+        # Text can be cut before every "▁" that follows another character when no piece has a "▁" after
+        # another character: no merge can then cross such a cut, and each word is merged (and cached) alone.
+        self._cut_words = self.split_on_mark or not any(
+            _MARK_INSIDE.search(p) for p in self.pieces if p is not None)
+
+    @property
+    def unk_id(self) -> int | None:
+        return self._unk_id
+
+    def _has_token(self, token_id: int) -> bool:
+        return 0 <= token_id < len(self.pieces) and self.pieces[token_id] is not None
+
+    def _base_token_bytes(self, token_id: int) -> bytes:
+        return self._bytes_of[token_id] or b""
+
+    def decode(self, ids: Iterable[int], errors: str = "replace") -> str:
+        text = super().decode(ids, errors)
+        return text[1:] if self.strip_leading_space and text.startswith(" ") else text
+
+    def _encode_piece(self, text: str, first: bool) -> list[int]:
+        text = text.replace(" ", SPACE_MARK)
+        if self.prefix == "prepend" or (self.prefix == "always" or (self.prefix == "first" and first)) \
+                and not text.startswith(SPACE_MARK):
+            text = SPACE_MARK + text
+        if not self._cut_words:
+            return self._merge_word(text)
+        ids: list[int] = []
+        for word in (_WORDS_SPLIT if self.split_on_mark else _WORDS).findall(text):
+            if word:
+                ids.extend(self._cached_word(word))
+        return ids
+
+    @functools.lru_cache(maxsize=1 << 16)  # noqa: B019 (one cache per tokenizer is what we want)
+    def _cached_word(self, word: str) -> tuple[int, ...]:
+        return tuple(self._merge_word(word))
+
+    def _symbols(self, text: str) -> list[int]:
+        """Each character's id; a character without one as its byte tokens, or <unk> (runs fused)."""
+        out: list[int] = []
+        for ch in text:
+            i = self._ids.get(ch)
+            if i is not None:
+                out.append(i)
+                continue
+            if self.byte_fallback:
+                spelled = [self._byte_token[b] for b in ch.encode("utf-8")]
+                if all(t >= 0 for t in spelled):
+                    out.extend(spelled)
+                    continue
+            if self._unk_id is None:
+                raise TinyLMError(f"the character {ch!r} has no token and this tokenizer has no <unk>")
+            if not (self.fuse_unk and out and out[-1] == self._unk_id):
+                out.append(self._unk_id)
+        return out
+
+    def _merge_word(self, text: str) -> list[int]:
+        """BPE on one word: merge the adjacent pair of lowest rank (leftmost first) until none has a merge."""
+        sym = self._symbols(text)
+        n = len(sym)
+        if n < 2:
+            return sym
+        nxt, prv, alive = list(range(1, n + 1)), list(range(-1, n - 1)), [True] * n
+        nxt[-1] = -1
+        merge = self._merge
+        heap = [(rank_made[0], i, rank_made[1]) for i in range(n - 1)
+                if (rank_made := merge.get((sym[i], sym[i + 1]))) is not None]
+        heapq.heapify(heap)
+        while heap:
+            rank, i, made = heapq.heappop(heap)
+            j = nxt[i]
+            if not alive[i] or j < 0 or merge.get((sym[i], sym[j]), (None, None))[1] != made:
+                continue  # stale: one side merged since this pair was queued
+            sym[i] = made
+            alive[j] = False
+            nxt[i] = nxt[j]
+            if nxt[j] >= 0:
+                prv[nxt[j]] = i
+            if prv[i] >= 0 and (m := merge.get((sym[prv[i]], made))) is not None:
+                heapq.heappush(heap, (m[0], prv[i], m[1]))
+            if nxt[i] >= 0 and (m := merge.get((made, sym[nxt[i]]))) is not None:
+                heapq.heappush(heap, (m[0], i, m[1]))
+        return [sym[i] for i in range(n) if alive[i]]
+
+    def _to_dict(self) -> dict[str, Any]:
+        return {**self._common_dict(), "pieces": self.pieces, "merges": [list(m) for m in self.merges],
+                "unk": self.unk, "byte_fallback": self.byte_fallback, "fuse_unk": self.fuse_unk,
+                "prefix": self.prefix, "split": self.split_on_mark, "strip_leading_space": self.strip_leading_space}
+
+    @classmethod
+    def _from_dict(cls, data: dict[str, Any]) -> SentencePieceBPETokenizer:
+        return cls(data["pieces"], [tuple(m) for m in data["merges"]], unk=data["unk"],
+                   byte_fallback=bool(data["byte_fallback"]), fuse_unk=bool(data["fuse_unk"]), prefix=data["prefix"],
+                   split=bool(data["split"]), strip_leading_space=bool(data["strip_leading_space"]),
+                   **cls._common_args(data))
+
+
+_BYTE_PIECE = regex.compile(r"<0x([0-9A-Fa-f]{2})>")
+_MARK_INSIDE = regex.compile(f"[^{SPACE_MARK}]{SPACE_MARK}")
+# words: a run of "▁" and what follows it up to the next "▁" after another character
+_WORDS = regex.compile(f"{SPACE_MARK}*[^{SPACE_MARK}]*")
+_WORDS_SPLIT = regex.compile(f"{SPACE_MARK}?[^{SPACE_MARK}]*")
+
+
+__all__ = ["ByteLevelBPETokenizer", "SentencePieceBPETokenizer", "ImportedTokenizer", "PATTERNS", "SPACE_MARK"]
