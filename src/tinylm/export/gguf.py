@@ -118,11 +118,8 @@ from tinylm.export.hf import Architecture, TensorRule, architecture_for, convert
 from tinylm.model.gpt import GPT
 from tinylm.model.positions import RopeScaling, rope_inverse_frequencies
 from tinylm.tokenizers.base import Tokenizer
-from tinylm.tokenizers.bpe import BPETokenizer, pattern_name
-from tinylm.tokenizers.formats import bytes_to_byte_level
+from tinylm.export.gguf_vocab import LLAMA_CPP_PRE, check_tokenizer, tokenizer_metadata, write_tokenizer
 
-# our split pattern name -> llama.cpp's tokenizer.ggml.pre (see the module docstring)
-LLAMA_CPP_PRE: dict[str, str] = {"gpt2": "gpt-2", "gpt4": "dbrx"}
 
 GGUFDtype = Literal["f32", "f16"]
 
@@ -223,40 +220,6 @@ def gguf_rules(config: GPTConfig, arch: Architecture | None = None) -> list[Tens
     return rules
 
 
-def _pre_tokenizer(tokenizer: BPETokenizer, pre_tokenizer: str | None) -> str:
-    if pre_tokenizer is not None:
-        return pre_tokenizer
-    name = pattern_name(tokenizer.pattern)
-    if name in LLAMA_CPP_PRE:
-        return LLAMA_CPP_PRE[name]
-    shown = name or tokenizer.pattern
-    raise TinyLMError(
-        f"the tokenizer splits text with the pattern {shown!r}, which llama.cpp has no pre-tokenizer for (it knows "
-        f"ours as {', '.join(f'{k} -> {v}' for k, v in LLAMA_CPP_PRE.items())}); name one with pre_tokenizer=... "
-        "if you accept that llama.cpp will split text differently, or train the tokenizer with the gpt2 or gpt4 pattern"
-    )
-
-
-def tokenizer_metadata(tokenizer: BPETokenizer, vocab_size: int) -> dict[str, list]:
-    """The token strings, token types and merges llama.cpp reads, padded to the model's ``vocab_size`` rows."""
-    g = _require_gguf()
-    tokens: list[str] = []
-    types: list[int] = []
-    for i in range(tokenizer.vocab_size):
-        if tokenizer.is_special(i):
-            tokens.append(tokenizer.token_bytes(i).decode("utf-8"))  # a special token is stored as its name
-            types.append(int(g.TokenType.CONTROL))
-        else:
-            tokens.append(bytes_to_byte_level(tokenizer.token_bytes(i)))
-            types.append(int(g.TokenType.NORMAL))
-    for i in range(tokenizer.vocab_size, vocab_size):  # embedding rows no token uses (never sampled by name)
-        tokens.append(f"[PAD{i}]")
-        types.append(int(g.TokenType.UNUSED))
-    spell = [bytes_to_byte_level(b) for b in tokenizer.vocab]
-    merges = [f"{spell[a]} {spell[b]}" for a, b in tokenizer.merges]
-    return {"tokens": tokens, "token_types": types, "merges": merges}
-
-
 def export_gguf(
     model: GPT,
     tokenizer: Tokenizer,
@@ -279,15 +242,12 @@ def export_gguf(
     problems = gguf_problems(config)
     if problems:
         raise TinyLMError(f"this model exports to transformers but not to llama.cpp: {'; '.join(problems)}")
-    if not isinstance(tokenizer, BPETokenizer):
-        raise TinyLMError(f"a {tokenizer.kind} tokenizer cannot go into a GGUF file: llama.cpp reads byte-level BPE "
-                          "(tokenizer.ggml.model 'gpt2'); train the model with a BPE tokenizer")
     if tokenizer.vocab_size > config.vocab_size:
         raise TinyLMError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only {config.vocab_size} "
                           "rows of embeddings: they are not a pair")
     if dtype not in ("f32", "f16"):
         raise TinyLMError(f"unknown GGUF dtype {dtype!r}; expected f32 or f16")
-    pre = _pre_tokenizer(tokenizer, pre_tokenizer)
+    check_tokenizer(tokenizer, pre_tokenizer)  # before anything is written
     path = Path(path)
     if path.is_dir():
         raise TinyLMError(f"{path} is a folder; give the GGUF file to write, e.g. {path / 'model.gguf'}")
@@ -295,7 +255,6 @@ def export_gguf(
         raise TinyLMError(f"{path} already exists; choose another --out or overwrite it explicitly (--force)")
 
     tensors = convert_to_theirs(model.state_dict(), gguf_rules(config, arch))
-    vocab = tokenizer_metadata(tokenizer, config.vocab_size)
     with atomic_path(path) as tmp:
         writer = g.GGUFWriter(tmp, arch)
         writer.add_name(name)
@@ -320,17 +279,7 @@ def export_gguf(
             if config.rope_scaling == "linear":
                 writer.add_rope_scaling_type(g.RopeScalingType.LINEAR)
                 writer.add_rope_scaling_factor(config.rope_factor)
-        # the tokenizer
-        writer.add_tokenizer_model("gpt2")  # llama.cpp's name for byte-level BPE
-        writer.add_tokenizer_pre(pre)
-        writer.add_token_list(vocab["tokens"])
-        writer.add_token_types(vocab["token_types"])
-        writer.add_token_merges(vocab["merges"])
-        writer.add_bos_token_id(tokenizer.bos_id)
-        writer.add_eos_token_id(tokenizer.eos_id)
-        writer.add_pad_token_id(tokenizer.pad_id)
-        writer.add_add_bos_token(False)
-        writer.add_add_eos_token(False)
+        write_tokenizer(writer, tokenizer, config.vocab_size, pre_tokenizer)
         if config.rope_scaling == "llama3":  # a vector: float32 in every file type
             writer.add_tensor(_name("ROPE_FREQS"), rope_freqs(config))
         for tensor_name, t in tensors.items():

@@ -1,0 +1,211 @@
+"""Models people already have: a `transformers` checkpoint with the tokenizer its family uses, imported whole.
+
+Each family is a tiny random checkpoint saved by `transformers` next to a tokenizer trained by Hugging Face
+`tokenizers` in that family's layout (`hfkit`): GPT-2 with GPT-2's byte-level BPE (one special at id 0, the
+bytes in the trainer's order), Llama 3 (GQA, llama3 RoPE scaling) with a Llama-3-style tokenizer (its
+specials after the merges, BOS in front), Qwen2 (q/k/v biases, an output layer padded past the tokenizer)
+with an NFC-normalizing one, Mistral (MQA, a sliding window, untied head) and a TinyLlama-style Llama with
+SentencePiece-style tokenizers (byte fallback). Every id stays the model's, so:
+
+- the run's tokenizer gives transformers' ids, and the model transformers' logits (within 1e-4) on them;
+- tinylm's cached greedy decoding gives transformers' ``generate`` tokens;
+- exported back to Hugging Face, the checkpoint and its tokenizer give the same logits and ids again;
+- as GGUF, llama.cpp gives the same greedy tokens (and the same ids for the text where it tokenizes);
+- the commands a user runs on a run (sample, next-token, eval --corpus, train --init-from) work on it.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from exportkit import randomize
+from hfkit import PROBE_TEXT, build
+
+from tinylm.export import export_gguf, export_hf, import_hf_into_run
+from tinylm.generate.engine import Engine
+from tinylm.generate.sampling import SamplingParams
+from tinylm.run import load_run
+
+transformers = pytest.importorskip("transformers", reason="transformers is the oracle for these tests")
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+
+ATOL = 1e-4
+TEXT = "To be, or not to be: that is the question. Grüße, 東京 😀\n\tdef f(x):  return x"
+SHAPE = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+             max_position_embeddings=128)
+
+
+def _gpt2(vocab: int, hf_tok):
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=vocab, n_embd=32, n_layer=2, n_head=2, n_positions=128,
+        bos_token_id=hf_tok.bos_token_id, eos_token_id=hf_tok.eos_token_id))
+
+
+def _llama3(vocab: int, hf_tok):
+    rope = {"rope_type": "llama3", "rope_theta": 500.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=vocab, num_key_value_heads=2, rope_parameters=rope, tie_word_embeddings=True,
+        bos_token_id=hf_tok.bos_token_id, eos_token_id=hf_tok.eos_token_id, **SHAPE))
+
+
+def _qwen2(vocab: int, hf_tok):
+    return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+        vocab_size=vocab + 36, num_key_value_heads=2, tie_word_embeddings=True,  # rows past the tokenizer
+        eos_token_id=hf_tok.eos_token_id, **SHAPE))
+
+
+def _mistral(vocab: int, hf_tok):
+    return transformers.MistralForCausalLM(transformers.MistralConfig(
+        vocab_size=vocab, num_key_value_heads=1, sliding_window=16, tie_word_embeddings=False,
+        bos_token_id=hf_tok.bos_token_id, eos_token_id=hf_tok.eos_token_id, **SHAPE))
+
+
+def _tinyllama(vocab: int, hf_tok):
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=vocab, num_key_value_heads=4, tie_word_embeddings=False,
+        bos_token_id=hf_tok.bos_token_id, eos_token_id=hf_tok.eos_token_id, **SHAPE))
+
+
+# family -> (tokenizer style, model maker, whether llama.cpp can run it with its own tokenizer too)
+FAMILIES = {
+    "gpt2": ("gpt2", _gpt2),
+    "llama3": ("llama3", _llama3),
+    "qwen2": ("qwen2", _qwen2),
+    "mistral": ("sentencepiece", _mistral),
+    "tinyllama": ("sentencepiece-metaspace", _tinyllama),
+}
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request, tmp_path_factory):
+    """(name, transformers tokenizer, transformers model, its folder, the imported run)."""
+    style, make = FAMILIES[request.param]
+    root = tmp_path_factory.mktemp(request.param)
+    folder = build(style, root / "hf")
+    hf_tok = AutoTokenizer.from_pretrained(str(folder))
+    torch.manual_seed(0)
+    hf = randomize(make(len(hf_tok), hf_tok)).eval()
+    hf.save_pretrained(folder, safe_serialization=True)
+    run = load_run(import_hf_into_run(folder, root / "run"))
+    return request.param, hf_tok, hf, folder, run
+
+
+def hf_ids(hf_tok, text: str) -> list[int]:
+    return hf_tok(text)["input_ids"]  # with the family's own BOS, where its pipeline puts one
+
+
+def test_same_ids_and_logits_as_transformers(family):
+    name, hf_tok, hf, _, run = family
+    assert run.tokenizer.encode(PROBE_TEXT) == hf_tok(PROBE_TEXT, add_special_tokens=False)["input_ids"]
+    ids = hf_ids(hf_tok, TEXT)
+    assert ids == run.start_ids + run.tokenizer.encode(TEXT) if run.tokenizer.add_bos else \
+        ids == run.tokenizer.encode(TEXT)
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        theirs = hf(x).logits
+        ours = run.model(x)[0]
+    assert ours.shape == theirs.shape
+    assert (ours - theirs).abs().max().item() < ATOL
+
+
+def test_same_greedy_tokens_as_transformers_generate(family):
+    name, hf_tok, hf, _, run = family
+    ids = hf_ids(hf_tok, TEXT)
+    with torch.no_grad():
+        theirs = hf.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False, eos_token_id=None,
+                             pad_token_id=0, attention_mask=torch.ones(1, len(ids), dtype=torch.long))[0].tolist()
+    [completion] = Engine(run.model, SamplingParams(max_new_tokens=24, temperature=0, stop_ids=[])).generate([ids])
+    assert ids + completion.token_ids == theirs
+
+
+def test_export_back_to_hugging_face_gives_the_same_logits_and_ids(family, tmp_path):
+    name, hf_tok, hf, _, run = family
+    export_hf(run.model, run.tokenizer, tmp_path / "back")
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
+    back_tok = AutoTokenizer.from_pretrained(str(tmp_path / "back"))
+    assert type(back).__name__ == type(hf).__name__
+    ids = hf_ids(hf_tok, TEXT)
+    assert back_tok(TEXT)["input_ids"] == ids and back_tok(PROBE_TEXT)["input_ids"] == hf_ids(hf_tok, PROBE_TEXT)
+    assert back_tok.decode(ids) == hf_tok.decode(ids)
+    with torch.no_grad():
+        assert (back(torch.tensor([ids])).logits - hf(torch.tensor([ids])).logits).abs().max().item() < ATOL
+
+
+def test_llama_cpp_runs_the_gguf_export_with_the_same_greedy_tokens(family, tmp_path):
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama.cpp (llama-cpp-python) is the oracle for this test")
+    name, hf_tok, hf, _, run = family
+    if name == "mistral":  # llama.cpp's llama graph has no window: a model whose window matters is refused
+        from tinylm.errors import TinyLMError
+
+        with pytest.raises(TinyLMError, match="window"):
+            export_gguf(run.model, run.tokenizer, tmp_path / "m.gguf")
+        return
+    export_gguf(run.model, run.tokenizer, tmp_path / "m.gguf")
+    llm = llama_cpp.Llama(model_path=str(tmp_path / "m.gguf"), n_ctx=128, logits_all=True, n_threads=1,
+                          type_k=0, type_v=0, verbose=False)
+    ids = hf_ids(hf_tok, TEXT)
+    # llama.cpp's own tokenizer, from the file: the same ids for ordinary text (its BOS rule included)
+    plain = "To be, or not to be: that is the question."
+    assert llm.tokenize(plain.encode(), add_bos=run.tokenizer.add_bos, special=False) == hf_ids(hf_tok, plain)
+    llm.eval(ids)
+    tokens = list(ids)
+    for _ in range(16):
+        tokens.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+        llm.eval([tokens[-1]])
+    [completion] = Engine(run.model, SamplingParams(max_new_tokens=16, temperature=0, stop_ids=[])).generate([ids])
+    assert tokens == ids + completion.token_ids
+
+
+def tinylm(*args: str, cwd) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tinylm", *args], capture_output=True, text=True, cwd=cwd,
+                          timeout=600)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["llama3", "mistral"])
+def test_the_commands_work_on_an_imported_run(name, tmp_path):
+    """import, sample, next-token, eval --corpus, train --init-from and export, as a user types them."""
+    style, make = FAMILIES[name]
+    folder = build(style, tmp_path / "hf")
+    hf_tok = AutoTokenizer.from_pretrained(str(folder))
+    torch.manual_seed(0)
+    randomize(make(len(hf_tok), hf_tok)).save_pretrained(folder, safe_serialization=True)
+    done = tinylm("import", "--from", "hf", "--out", "run", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    run = load_run(tmp_path / "run")
+
+    sample = tinylm("sample", "--run", "run", "--prompt", "def f", "--max-new-tokens", "8", "--temperature", "0",
+                    cwd=tmp_path)
+    assert sample.returncode == 0, sample.stderr
+    ids = run.start_ids + run.tokenizer.encode("def f")
+    [completion] = Engine(run.model, SamplingParams(max_new_tokens=8, temperature=0)).generate([ids])
+    assert sample.stdout == "def f" + run.tokenizer.decode(completion.token_ids) + "\n"
+
+    nxt = tinylm("next-token", "--run", "run", "--prompt", "def f", "--top", "3", cwd=tmp_path)
+    assert nxt.returncode == 0, nxt.stderr
+    with torch.no_grad():
+        best = int(run.model(torch.tensor([ids]))[0][0, -1].argmax())
+    first = nxt.stdout.splitlines()[1].split()
+    assert first[:2] == ["1", str(best)]
+
+    corpus = tmp_path / "text.txt"
+    corpus.write_text(PROBE_TEXT * 4)
+    ev = tinylm("eval", "--run", "run", "--corpus", str(corpus), "--json", cwd=tmp_path)
+    assert ev.returncode == 0, ev.stderr
+    assert 0 < json.loads(ev.stdout)["bits_per_byte"] < 40
+
+    tuned = tinylm("train", "--init-from", "run", "--out", "tuned", "--corpus", str(corpus), "--max-steps", "2",
+                   "--batch-size", "2", "--eval-tokens", "64", "--final-eval-tokens", "64", "--sample-tokens", "0",
+                   "--threads", "1", "--no-progress", "--val-fraction", "0.5", cwd=tmp_path)
+    assert tuned.returncode == 0, tuned.stderr
+    assert load_run(tmp_path / "tuned").tokenizer.fingerprint() == run.tokenizer.fingerprint()
+
+    out = tinylm("export", "--run", "tuned", "--format", "hf", "--out", "back", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert AutoTokenizer.from_pretrained(str(tmp_path / "back"))(TEXT)["input_ids"] == hf_tok(TEXT)["input_ids"]
