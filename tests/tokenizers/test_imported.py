@@ -17,7 +17,7 @@ from hfkit import PROBE_TEXT, STYLES, build
 
 from tinylm.errors import TinyLMError
 from tinylm.tokenizers import load_tokenizer
-from tinylm.tokenizers.base import generation_excluded
+from tinylm.tokenizers.base import default_stop_ids, generation_excluded
 from tinylm.tokenizers.formats import export_tokenizer, import_tokenizer
 
 pytest.importorskip("transformers")
@@ -68,6 +68,7 @@ def test_the_tinylm_file_keeps_every_id_and_exports_back_to_the_same_ids(folders
     text = corpus[:50_000] + PROBE_TEXT
     assert again.encode(text) == tok.encode(text) and again.fingerprint() == tok.fingerprint()
     assert again.roles == tok.roles and again.add_bos == tok.add_bos and again.chat_template == tok.chat_template
+    assert again.stop_ids == tok.stop_ids
     # written back as tokenizer.json, the `tokenizers` library reads it to the same ids
     path = export_tokenizer(again, tmp_path / "out", "hf")
     oracle = HFTokenizer.from_file(str(path))
@@ -80,8 +81,9 @@ def test_roles_come_from_the_side_files_and_generation_leaves_out_the_other_spec
     assert llama3.roles == {"bos": "<|begin_of_text|>", "eos": "<|end_of_text|>", "pad": "<|end_of_text|>"}
     assert llama3.add_bos and llama3.chat_template and "<|start_header_id|>" in llama3.chat_template
     excluded = set(generation_excluded(llama3))
-    assert llama3.eos_id not in excluded
-    assert {llama3.special_tokens[n] for n in ("<|begin_of_text|>", "<|eot_id|>")} <= excluded
+    assert llama3.eos_id not in excluded and llama3.special_tokens["<|begin_of_text|>"] in excluded
+    assert llama3.special_tokens["<|eot_id|>"] not in excluded  # it ends a turn (a stop id): a model may write it
+    assert {llama3.special_tokens[n] for n in ("<|start_header_id|>", "<|end_header_id|>")} <= excluded
     qwen2 = import_tokenizer(folders["qwen2"])  # no bos: it falls back to eos
     assert qwen2.roles == {"bos": "<|im_end|>", "eos": "<|im_end|>", "pad": "<|endoftext|>"} and not qwen2.add_bos
     sp = import_tokenizer(folders["sentencepiece"])
@@ -92,6 +94,30 @@ def test_roles_come_from_the_side_files_and_generation_leaves_out_the_other_spec
     assert gpt2.pad_id == gpt2.eos_id == 0
     with pytest.raises(TinyLMError, match="--eos '<nope>' is not a token of this tokenizer"):
         import_tokenizer(folders["gpt2"], roles={"eos": "<nope>"})
+
+
+def test_stop_ids_come_from_generation_config_and_the_chat_templates_end_of_turn(folders, tmp_path):
+    import shutil
+
+    # no generation_config.json: the token Llama 3's template writes after an assistant's message
+    llama3 = import_tokenizer(folders["llama3"])
+    eot, end = llama3.special_tokens["<|eot_id|>"], llama3.eos_id
+    assert llama3.stop_ids == [eot] and default_stop_ids(llama3) == {end, eot}
+    # ChatML ends a turn with <|im_end|>, eos already; Llama 2's writes eos after the reply; GPT-2 has no template
+    for style in ("qwen2", "sentencepiece", "gpt2"):
+        assert import_tokenizer(folders[style]).stop_ids == []
+    # generation_config.json's eos_token_id, an id or a list; eos itself and ids past the vocabulary are left out
+    folder = shutil.copytree(folders["gpt2"], tmp_path / "gpt2")
+    for given, expected in ((5, [5]), ([0, 7, 5, 10**6], [5, 7]), (None, []), ("x", [])):
+        (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": given}))
+        tok = import_tokenizer(folder)
+        assert tok.stop_ids == expected and default_stop_ids(tok) == {0, *expected}
+        assert not set(expected) & set(generation_excluded(tok))
+    tok.save(tmp_path / "tok.json")
+    saved = json.loads((tmp_path / "tok.json").read_text())
+    del saved["stop_ids"]  # a file written before stop ids were kept
+    (tmp_path / "old.json").write_text(json.dumps(saved))
+    assert load_tokenizer(tmp_path / "old.json").stop_ids == []
 
 
 def test_gpt2s_own_vocab_json_and_merges_txt(folders, corpus, tmp_path):

@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from tinylm.generate.cache import KVCache, cache_for
 from tinylm.generate.engine import Completion, context_start, decode_one_token, prefill, warn_window, window_keep
 from tinylm.generate.sampling import SamplingParams, excluded_mask
-from tinylm.tokenizers.base import Tokenizer
+from tinylm.tokenizers.base import Tokenizer, default_stop_ids
 
 
 @dataclass
@@ -160,7 +160,7 @@ def select_beams(alive: list[Beam], finished: list[Beam], logits: Tensor, num_be
 def beam_search_completions(model: nn.Module, tokenizer: Tokenizer, prompt: Sequence[int], params: SamplingParams,
                             prompt_index: int = 0) -> list[Completion]:
     """The best ``params.num_samples`` beams as `Completion`s (what `generate` returns for num_beams > 1)."""
-    stop_ids = params.stop_ids if params.stop_ids is not None else (tokenizer.eos_id,)
+    stop_ids = params.stop_ids if params.stop_ids is not None else default_stop_ids(tokenizer)
     device = next(model.parameters()).device
     excluded = excluded_mask(tokenizer, model.config.vocab_size, stop_ids, device)
     beams = beam_search(model, prompt, params.num_beams, params.max_new_tokens, length_penalty=params.length_penalty,

@@ -51,7 +51,7 @@ from tinylm.errors import TinyLMError
 from tinylm.generate.cache import KVCache, cache_for
 from tinylm.generate.sampling import SamplingParams, excluded_mask, prompt_generators, sample, token_logprobs
 from tinylm.generate.stream import TextStream
-from tinylm.tokenizers.base import Tokenizer
+from tinylm.tokenizers.base import Tokenizer, default_stop_ids
 
 FinishReason = Literal["stop", "length"]
 
@@ -219,10 +219,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.block_size: int = model.config.block_size
         self.keep = window_keep(params, self.block_size)
-        if params.stop_ids is not None:
-            self.stop_ids = set(params.stop_ids)
-        else:
-            self.stop_ids = {tokenizer.eos_id} if tokenizer is not None else set()
+        self.stop_ids = set(params.stop_ids) if params.stop_ids is not None else default_stop_ids(tokenizer)
         self.vocab_size = vocab_size if vocab_size is not None else (tokenizer.vocab_size if tokenizer else None)
         self.device = next(model.parameters()).device
         # (V,) or None: ids past vocab_size, and the tokenizer's padding, BOS, reserved ids and <unk>

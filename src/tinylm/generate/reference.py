@@ -24,7 +24,7 @@ from torch import nn
 
 from tinylm.generate.engine import Completion, context_start, warn_window, window_keep
 from tinylm.generate.sampling import SamplingParams, excluded_mask, prompt_generators, sample, token_logprobs
-from tinylm.tokenizers.base import Tokenizer
+from tinylm.tokenizers.base import Tokenizer, default_stop_ids
 
 
 @torch.inference_mode()
@@ -53,10 +53,7 @@ def _one(model: nn.Module, seq: list[int], params: SamplingParams, tokenizer: To
     block_size = model.config.block_size
     keep = window_keep(params, block_size)
     device = next(model.parameters()).device
-    if params.stop_ids is not None:
-        stop_ids = set(params.stop_ids)
-    else:
-        stop_ids = {tokenizer.eos_id} if tokenizer is not None else set()
+    stop_ids = set(params.stop_ids) if params.stop_ids is not None else default_stop_ids(tokenizer)
     excluded = excluded_mask(tokenizer, model.config.vocab_size, stop_ids, device)  # ids no sample takes
     was_training = model.training
     model.eval()

@@ -56,7 +56,8 @@ class SamplingParams:
     - ``seed``: makes sampling reproducible; None draws a fresh seed for every call.
     - ``num_samples``: samples per prompt (with beam search: the best ``num_samples`` beams).
     - ``stop``: strings that end a sample; the text is cut before the stop string.
-    - ``stop_ids``: token ids that end a sample; None means the tokenizer's EOS.
+    - ``stop_ids``: token ids that end a sample; None means the tokenizer's EOS and end-of-turn tokens
+      (`tinylm.tokenizers.base.default_stop_ids`).
     - ``num_beams``: more than 1 runs beam search (deterministic; the sampling knobs do not
       apply) with ``length_penalty`` alpha: a finished path is ranked by
       sum(log p) / (number of tokens)^alpha (0 = no normalisation, 1 = mean log-probability).

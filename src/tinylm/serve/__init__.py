@@ -6,7 +6,8 @@
 - `Scheduler` (scheduler.py): the background thread that decodes every request in flight
   together through one KV cache (continuous batching), each row with its own sampling settings.
 - `chat_prompt` (chat.py): the plain-text chat template ("System: ...", "User: ...",
-  "Assistant:") that lets a base model answer `/v1/chat/completions`.
+  "Assistant:") that lets a base model answer `/v1/chat/completions`; a model whose tokenizer has
+  a chat template reads its own (`ChatFormat`, `tinylm.tokenizers.chat_template`).
 
 FastAPI and uvicorn are dependencies of tinylm; still, importing this package does not load
 them (the scheduler and the chat template are plain Python), only `create_app` and `serve` do.

@@ -7,7 +7,8 @@
                            is the list too); ``HEAD`` answers as ``GET`` does, without the body
 ``POST /v1/completions``   continue a prompt: text, texts, token ids; ``n``, ``stop``, ``seed``,
                            ``logprobs``, ``echo``, ``stream``, plus ``top_k`` and ``min_p``
-``POST /v1/chat/completions``  messages through the plain-text chat template (`tinylm.serve.chat`)
+``POST /v1/chat/completions``  messages through the model's chat template, or a plain-text transcript
+                           (`tinylm.serve.chat`)
 ``GET  /health``           liveness, and the scheduler's counters (``HEAD /health``: the status alone)
 ``POST /tokenize``         text (or chat messages) -> token ids; ``POST /detokenize``: ids -> text
 ``POST /next_token``       the next-token distribution after a text (the playground's chart)
@@ -78,7 +79,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from tinylm.errors import TinyLMError
 from tinylm.generate.inspect import drawable_logits, top_ids
 from tinylm.serve import protocol
-from tinylm.serve.chat import is_blank_token, reply_text
+from tinylm.serve.chat import ChatFormat, is_blank_token, reply_text
 from tinylm.serve.protocol import (
     APIError,
     ChatRequest,
@@ -157,6 +158,7 @@ def create_app(run: Any, *, model_name: str | None = None, api_key: str | None =
     path = getattr(run, "path", None)
     served = ServedModel(name=model_name or (Path(path).name if path else "tinylm"), model=run.model,
                    tokenizer=run.tokenizer, start_ids=list(run.start_ids), block_size=served_context(run))
+    chat = ChatFormat(run.tokenizer, served.start_ids)
     scheduler = Scheduler(run.model, run.tokenizer, max_batch_size=max_batch_size, batch_window=batch_window)
 
     @asynccontextmanager
@@ -221,11 +223,11 @@ def create_app(run: Any, *, model_name: str | None = None, api_key: str | None =
     async def chat_completions(body: ChatRequest, request: Request) -> Response:
         served.check(body.model)
         body.check_unsupported()
-        prompt = served.start_ids + await run_in_threadpool(served.tokenizer.encode, body.prompt())
+        prompt = await run_in_threadpool(body.prompt_ids, chat)
         requested = body.requested_max_tokens
         check_context([len(prompt)], 1 if requested is None else requested, served.block_size, what="messages")
         max_tokens = served.block_size - len(prompt) if requested is None else requested
-        params = body.chat_sampling_params(max_tokens)
+        params = body.chat_sampling_params(max_tokens, chat)
         top = (body.top_logprobs or 0) if body.logprobs else None
         stream = _JobStream(scheduler)
         job = Job([prompt], params, on_event=stream.push, logprobs=top)
@@ -237,13 +239,14 @@ def create_app(run: Any, *, model_name: str | None = None, api_key: str | None =
         served.check(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give either prompt (text) or messages (a chat)", param="prompt")
-        if body.messages is not None:
-            text = ChatRequest(messages=body.messages).prompt()
-        else:
-            text = body.prompt
 
         def tokenized() -> dict[str, Any]:  # in a worker thread: a long text takes a while
-            ids = (served.start_ids if body.add_special_tokens else []) + served.tokenizer.encode(text)
+            if body.messages is not None:  # the prompt /v1/chat/completions reads (a template writes its own BOS)
+                ids = ChatRequest(messages=body.messages).prompt_ids(chat)
+                if not (body.add_special_tokens or chat.template):
+                    ids = ids[len(served.start_ids):]
+            else:
+                ids = (served.start_ids if body.add_special_tokens else []) + served.tokenizer.encode(body.prompt)
             return {"tokens": ids, "count": len(ids), "max_model_len": served.block_size,
                     "token_strs": [protocol.token_string(served.tokenizer, i) for i in ids]}
 

@@ -1,8 +1,20 @@
-"""The chat template: how `/v1/chat/completions` turns a list of messages into a prompt for a base model.
+"""How `/v1/chat/completions` turns a list of messages into a prompt: the model's chat template, or a transcript.
 
-A tinylm model is a *base* model: it continues text, it was never tuned on conversations, and
-it has no special chat tokens. So a chat is written out as a plain-text transcript, one
-message per line, and the model is asked to continue the assistant's line::
+**A model with a chat template** (one imported from Hugging Face that was tuned on conversations:
+its tokenizer has a ``chat_template``) reads its messages as it was tuned to: the template renders them
+as `transformers`' ``apply_chat_template(messages, add_generation_prompt=True)`` does
+(`tinylm.tokenizers.chat_template`), the special tokens it writes are encoded as special tokens, and
+nothing is put in front (the template writes BOS where the model wants it). The reply ends where the
+model ends its turn: at eos or at one of the tokenizer's other stop tokens (Llama 3's ``<|eot_id|>``,
+ChatML's ``<|im_end|>``: `tinylm.tokenizers.base.default_stop_ids`), and at the request's own stop
+strings; there are no stop strings of tinylm's. A template that refuses the messages (its
+``raise_exception``: "roles must alternate") is a 400 with its message. Content given as text parts is
+joined to one string first; the template sees ``role`` (as sent: ``developer`` stays ``developer``) and
+``content`` (and ``name`` when given).
+
+**A base model** (tinylm's own, and any without a template) continues text, was never tuned on
+conversations, and has no special chat tokens. So a chat is written out as a plain-text transcript,
+one message per line, and the model is asked to continue the assistant's line::
 
     System: You are a helpful assistant.
     User: What is a token?
@@ -25,23 +37,28 @@ message per line, and the model is asked to continue the assistant's line::
   logprobs end where its text does: the tokens that only make up the stop string are not listed.
 
 - Other roles (``tool``, ``function``) are refused with a 400: a base model has no tool calls.
-- Content is written as it is, newlines included: a message holding ``"\nAssistant: ..."``
+- Content is written as it is, newlines included: a message holding ``"\\nAssistant: ..."``
   reads, to the model, like another turn. The template is a plain transcript, not a security
   boundary; a model tuned on chats would mark turns with special tokens instead.
 - A last message from the assistant is not continued: the prompt still ends with a new
   ``Assistant:`` line (send the text as a completion's ``prompt`` to continue it).
 
-Nothing else is hidden: the prompt is exactly `chat_prompt(messages)`, and a completion request
-with that prompt and those stop strings gives the same text (before the leading whitespace is
-dropped). `POST /tokenize` with ``messages`` shows its tokens.
+Either way the reply's leading whitespace is dropped (`reply_text`), and nothing else is hidden: the
+prompt is exactly `ChatFormat.prompt_ids` (with a template: ``apply_chat_template(..., tokenize=True)``;
+without: the start ids and `chat_prompt(messages)`), and a completion request with that prompt and
+those stop strings gives the same text (before the leading whitespace is dropped). `POST /tokenize`
+with ``messages`` shows its tokens.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from tinylm.errors import TinyLMError
+from tinylm.tokenizers.base import Tokenizer
+from tinylm.tokenizers.chat_template import chat_prompt_ids
 
 ROLE_NAMES = {"system": "System", "developer": "System", "user": "User", "assistant": "Assistant"}
 STOP = ("\nUser:", "\nSystem:")
@@ -63,10 +80,14 @@ def message_text(content: str | Sequence[Mapping[str, Any]] | None) -> str:
     return "".join(texts)
 
 
-def chat_prompt(messages: Sequence[Mapping[str, Any]]) -> str:
-    """The transcript of ``messages`` (dicts with ``role`` and ``content``) that the model continues."""
+def _require_messages(messages: Sequence[Mapping[str, Any]]) -> None:
     if not messages:
         raise TinyLMError("messages is empty: give at least one message, e.g. {'role': 'user', 'content': 'Hi'}")
+
+
+def chat_prompt(messages: Sequence[Mapping[str, Any]]) -> str:
+    """The transcript of ``messages`` (dicts with ``role`` and ``content``) that the model continues."""
+    _require_messages(messages)
     lines = []
     for message in messages:
         role = message.get("role")
@@ -75,6 +96,32 @@ def chat_prompt(messages: Sequence[Mapping[str, Any]]) -> str:
                               f"{', '.join(sorted(ROLE_NAMES))} messages")
         lines.append(f"{ROLE_NAMES[role]}: {message_text(message.get('content'))}\n")
     return "".join(lines) + ASSISTANT_PREFIX
+
+
+@dataclass(frozen=True)
+class ChatFormat:
+    """How the served model's chats become prompt ids: its tokenizer's chat template, or the transcript."""
+
+    tokenizer: Tokenizer
+    start_ids: Sequence[int]
+
+    @property
+    def template(self) -> str | None:
+        return getattr(self.tokenizer, "chat_template", None)  # tinylm's own tokenizers have none
+
+    @property
+    def stop(self) -> tuple[str, ...]:
+        """The stop strings besides the request's: the transcript's next lines; none with a template."""
+        return () if self.template else STOP
+
+    def prompt_ids(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        """The prompt for ``messages`` (dicts with ``role`` and ``content``) as token ids."""
+        if not self.template:
+            return list(self.start_ids) + self.tokenizer.encode(chat_prompt(messages))
+        _require_messages(messages)
+        joined = [{**m, "content": None if m.get("content") is None else message_text(m["content"])}
+                  for m in messages]
+        return chat_prompt_ids(self.tokenizer, joined)
 
 
 def reply_text(completion: str) -> str:

@@ -35,8 +35,7 @@ from pydantic_core import PydanticCustomError
 
 from tinylm.errors import TinyLMError
 from tinylm.generate.sampling import SamplingParams
-from tinylm.serve.chat import STOP as CHAT_STOP
-from tinylm.serve.chat import chat_prompt
+from tinylm.serve.chat import ChatFormat
 from tinylm.serve.scheduler import TokenLogprob
 from tinylm.tokenizers.base import Tokenizer
 
@@ -185,7 +184,8 @@ class ChatMessage(_Strict):
 
 
 class ChatRequest(_Sampling):
-    """``POST /v1/chat/completions``: messages, written out with the chat template (`tinylm.serve.chat`)."""
+    """``POST /v1/chat/completions``: messages, written out with the model's chat template or the transcript
+    (`tinylm.serve.chat`)."""
 
     messages: list[ChatMessage]
     max_tokens: int | None = Field(None, ge=1)
@@ -207,12 +207,13 @@ class ChatRequest(_Sampling):
         if self.top_logprobs and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
 
-    def prompt(self) -> str:
+    def prompt_ids(self, chat: ChatFormat) -> list[int]:
+        """The messages' prompt (`ChatFormat.prompt_ids`); a message or template that refuses them is a 400."""
         messages = [{"role": m.role, "content": None if m.content is None else
-                     (m.content if isinstance(m.content, str) else [p.model_dump() for p in m.content])}
-                    for m in self.messages]
+                     (m.content if isinstance(m.content, str) else [p.model_dump() for p in m.content]),
+                     "name": m.name} for m in self.messages]
         try:
-            return chat_prompt(messages)
+            return chat.prompt_ids(messages)
         except TinyLMError as e:
             raise APIError(400, str(e), param="messages") from None
 
@@ -220,15 +221,15 @@ class ChatRequest(_Sampling):
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
-    def chat_sampling_params(self, max_tokens: int) -> SamplingParams:
-        return self.sampling_params(max_tokens, extra_stop=CHAT_STOP)
+    def chat_sampling_params(self, max_tokens: int, chat: ChatFormat) -> SamplingParams:
+        return self.sampling_params(max_tokens, extra_stop=chat.stop)
 
 
 class TokenizeRequest(_Strict):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True  # the start ids a prompt is generated after
+    add_special_tokens: bool = True  # the start ids a prompt is generated after (a chat template writes its own)
 
 
 class DetokenizeRequest(_Strict):

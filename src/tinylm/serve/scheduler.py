@@ -95,7 +95,7 @@ from tinylm.generate.cache import KVCache, cache_for
 from tinylm.generate.engine import FinishReason, accept_token, decode_one_token, left_pad
 from tinylm.generate.sampling import SamplingParams, excluded_mask, prompt_generators, sample, token_logprobs
 from tinylm.generate.stream import TextStream
-from tinylm.tokenizers.base import Tokenizer
+from tinylm.tokenizers.base import Tokenizer, default_stop_ids
 
 PREFILL_LOGITS = 1 << 26  # most logits one prefill may produce: 256 MB in float32
 
@@ -271,6 +271,7 @@ class Scheduler:
             raise TinyLMError(f"batch_window must be 0 or more seconds, got {batch_window}")
         self.model = model.eval()
         self.tokenizer = tokenizer
+        self.default_stop_ids = default_stop_ids(tokenizer)  # a job without its own: EOS and end-of-turn tokens
         self.block_size: int = model.config.block_size
         self.max_batch_size = max_batch_size
         self.batch_window = batch_window
@@ -527,8 +528,11 @@ class Scheduler:
         self.steps += 1
         self._draw(rows, logits, outbox)
 
+    def _stop_ids(self, job: Job) -> set[int]:
+        return job.stop_ids if job.stop_ids is not None else self.default_stop_ids
+
     def _excluded_for(self, job: Job, width: int) -> Tensor | None:
-        key = frozenset(job.stop_ids or ())
+        key = frozenset(self._stop_ids(job))
         if key not in self._excluded:
             self._excluded[key] = excluded_mask(self.tokenizer, width, key, self.device)
         return self._excluded[key]
@@ -590,7 +594,7 @@ class Scheduler:
         with their text (`_release`).
         """
         row.seq.append(info.id)
-        stop_ids = row.job.stop_ids if row.job.stop_ids is not None else {self.tokenizer.eos_id}
+        stop_ids = self._stop_ids(row.job)
         stop_token = info.id in stop_ids
         if not stop_token:  # a stop token is never listed: its text is never shown
             row.held.append(info)

@@ -337,10 +337,20 @@ def whole_number(value: Any, what: str) -> int:
     return value
 
 
+def default_stop_ids(tokenizer: Tokenizer | None) -> set[int]:
+    """The ids that end a generation unless the caller gives others: EOS, and an imported tokenizer's
+    ``stop_ids`` (the end-of-turn tokens of a chat model: Llama 3's ``<|eot_id|>``, ChatML's ``<|im_end|>``,
+    `tinylm.tokenizers.imported`). None (no tokenizer): none."""
+    if tokenizer is None:
+        return set()
+    return {tokenizer.eos_id, *getattr(tokenizer, "stop_ids", ())}
+
+
 def generation_excluded(tokenizer: Tokenizer) -> list[int]:
-    """The ids no model may generate as text: every special token but EOS (padding, BOS, reserved ids) and
-    ``<unk>``, which stands for text the tokenizer cannot spell. A barely trained network (or an n-gram model's
-    smoothing) gives them some probability; sampling, beam search and the server leave them out."""
+    """The ids no model may generate as text: every special token that does not end a generation (padding, BOS,
+    reserved ids, a chat model's turn headers; EOS and the other `default_stop_ids` may be drawn) and ``<unk>``,
+    which stands for text the tokenizer cannot spell. A barely trained network (or an n-gram model's smoothing)
+    gives them some probability; sampling, beam search and the server leave them out."""
     unk = getattr(tokenizer, "unk_id", None)
-    return [i for i in range(tokenizer.vocab_size)
-            if (tokenizer.is_special(i) and i != tokenizer.eos_id) or i == unk]
+    stop = default_stop_ids(tokenizer)
+    return [i for i in range(tokenizer.vocab_size) if (tokenizer.is_special(i) and i not in stop) or i == unk]

@@ -8,7 +8,10 @@ A checkpoint folder made by `transformers` holds its tokenizer in one of two way
 
 ``tokenizer_config.json`` (or ``special_tokens_map.json``) names the bos, eos, pad and unk tokens,
 says whether a text starts with BOS (``add_bos_token``), and holds the ``chat_template``
-(transformers 4.47+ may write it to ``chat_template.jinja`` instead).
+(transformers 4.47+ may write it to ``chat_template.jinja`` instead). The model's
+``generation_config.json`` lists the ids that end a generation (``eos_token_id``: Llama 3 Instruct's
+``<|eot_id|>`` besides eos); they and the token the chat template ends an assistant's turn with
+become the tokenizer's ``stop_ids``.
 
 `read_hf_tokenizer` turns them into the tokenizer that computes the same ids:
 
@@ -33,6 +36,7 @@ from typing import Any
 from tinylm.errors import TinyLMError
 from tinylm.tokenizers.base import Tokenizer
 from tinylm.tokenizers.bpe import pattern_name
+from tinylm.tokenizers.chat_template import turn_end_ids
 from tinylm.tokenizers.formats import (
     BYTE_TO_UNICODE,
     UNICODE_TO_BYTE,
@@ -51,6 +55,7 @@ from tinylm.tokenizers.imported import (
 
 SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json")
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
+GENERATION_CONFIG_FILE = "generation_config.json"
 ROLE_KEYS = {"bos": "bos_token", "eos": "eos_token", "pad": "pad_token", "unk": "unk_token"}
 # names that usually end a text, tried in order when no file says which token is eos
 EOS_GUESSES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<|eos|>", "<eos>", "<|im_end|>")
@@ -90,7 +95,22 @@ def _side_config(folder: Path) -> dict[str, Any]:
     if isinstance(template, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         merged["chat_template"] = named.get("default") or next(iter(named.values()), None)
+    generation = folder / GENERATION_CONFIG_FILE
+    if generation.is_file() and isinstance(data := _load_json(generation), dict):
+        merged["generation_eos_token_id"] = data.get("eos_token_id")
     return merged
+
+
+def _stop_ids(side: dict[str, Any], specials: dict[str, int], names: dict[str, str], size: int) -> list[int]:
+    """The ids besides eos that end a generation: generation_config.json's ``eos_token_id`` (an id or a list;
+    ids past the tokenizer's vocabulary are left out) and the token the chat template closes a turn with."""
+    given = side.get("generation_eos_token_id")
+    ids = {i for i in (given if isinstance(given, list) else [given])
+           if isinstance(i, int) and not isinstance(i, bool) and 0 <= i < size}
+    template = side.get("chat_template")
+    if isinstance(template, str):
+        ids.update(turn_end_ids(template, specials, {f"{role}_token": name for role, name in names.items()}))
+    return sorted(ids - {specials[names["eos"]]})
 
 
 def read_hf_tokenizer(path: str | os.PathLike, *, roles: dict[str, str] | None = None) -> Tokenizer:
@@ -242,7 +262,8 @@ def _byte_level(vocab: dict[str, int], merges: list[list[str]], pattern: str, sp
         return ByteLevelBPETokenizer(tokens, pairs, pattern, specials=specials, roles=names, vocab_size=size,
                                      add_prefix_space=add_prefix_space, normalizer=normalizer,
                                      ignore_merges=ignore_merges, add_bos=add_bos, added_words=words,
-                                     chat_template=side.get("chat_template"))
+                                     chat_template=side.get("chat_template"),
+                                     stop_ids=_stop_ids(side, specials, names, size))
     except ValueError as e:
         raise fail(str(e)) from None
 
@@ -309,7 +330,8 @@ def _sentencepiece(data: dict[str, Any], vocab: dict[str, int], merges: list[lis
             pieces, pairs, specials=specials, roles=names, unk=model.get("unk_token"),
             byte_fallback=bool(model.get("byte_fallback")), fuse_unk=bool(model.get("fuse_unk")), prefix=prefix,
             split=split, strip_leading_space=_strips_leading_space(data.get("decoder")), vocab_size=size,
-            add_bos=_adds_bos(data, side, specials), added_words=words, chat_template=side.get("chat_template"))
+            add_bos=_adds_bos(data, side, specials), added_words=words, chat_template=side.get("chat_template"),
+            stop_ids=_stop_ids(side, specials, names, size))
     except ValueError as e:
         raise fail(str(e)) from None
 

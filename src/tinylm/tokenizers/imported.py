@@ -25,8 +25,10 @@ library does. A character the vocabulary lacks is spelled as its UTF-8 bytes wit
 
 Both keep a ``chat_template`` (the Jinja template from tokenizer_config.json) and say which special
 token is bos, eos and pad, and whether the tokenizer's own pipeline starts a text with BOS
-(``add_bos``: Llama's does). Reading the files of `transformers` and `tokenizers` into these
-classes is `tinylm.tokenizers.hf_files`.
+(``add_bos``: Llama's does). ``stop_ids`` are the tokens besides eos that end a generation: a chat
+model's end of turn (Llama 3's ``<|eot_id|>``, ChatML's ``<|im_end|>``), from generation_config.json
+and the chat template (`tinylm.tokenizers.base.default_stop_ids`). Reading the files of `transformers` and
+`tokenizers` into these classes is `tinylm.tokenizers.hf_files`.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ import regex
 import tiktoken
 
 from tinylm.errors import TinyLMError
-from tinylm.tokenizers.base import AllowedSpecial, Tokenizer, without_lone_surrogates
+from tinylm.tokenizers.base import AllowedSpecial, Tokenizer, whole_number, without_lone_surrogates
 from tinylm.tokenizers.bpe import PATTERNS, TiktokenPath, _tiktoken_call, resolve_pattern
 
 NORMALIZERS = ("NFC", "NFKC", "NFD", "NFKD")
@@ -54,13 +56,15 @@ class ImportedTokenizer(Tokenizer):
     """What both imported kinds share: specials at their own ids, roles, added words, a chat template."""
 
     def _init_imported(self, vocab_size: int, specials: dict[str, int], roles: dict[str, str], *,
-                       add_bos: bool, added_words: dict[str, int] | None, chat_template: str | None) -> None:
+                       add_bos: bool, added_words: dict[str, int] | None, chat_template: str | None,
+                       stop_ids: Sequence[int] = ()) -> None:
         self._vocab_size = vocab_size
         self.n_reserved = 0
         self.add_bos = bool(add_bos)
         self.added_words = dict(added_words or {})
         self.chat_template = chat_template
-        for name, i in {**specials, **self.added_words}.items():
+        self.stop_ids = sorted({int(i) for i in stop_ids})
+        for name, i in {**specials, **self.added_words, **{f"stop id {i}": i for i in self.stop_ids}}.items():
             if not 0 <= i < vocab_size:
                 raise ValueError(f"token {name!r} has id {i}, outside the vocabulary 0..{vocab_size - 1}")
         self._set_specials(specials, roles)
@@ -119,13 +123,14 @@ class ImportedTokenizer(Tokenizer):
 
     def _common_dict(self) -> dict[str, Any]:
         return {"vocab_size": self._vocab_size, "roles": self.roles, "add_bos": self.add_bos,
-                "added_words": self.added_words, "chat_template": self.chat_template}
+                "added_words": self.added_words, "chat_template": self.chat_template, "stop_ids": self.stop_ids}
 
     @staticmethod
     def _common_args(data: dict[str, Any]) -> dict[str, Any]:
         return {"vocab_size": int(data["vocab_size"]), "specials": dict(data["special_tokens"]),
                 "roles": dict(data["roles"]), "add_bos": bool(data["add_bos"]),
-                "added_words": dict(data.get("added_words") or {}), "chat_template": data.get("chat_template")}
+                "added_words": dict(data.get("added_words") or {}), "chat_template": data.get("chat_template"),
+                "stop_ids": [whole_number(i, "a stop id") for i in data.get("stop_ids") or ()]}
 
 
 def _encode_token_list(tokens: Sequence[bytes | None]) -> list[str | None]:
@@ -154,7 +159,7 @@ class ByteLevelBPETokenizer(ImportedTokenizer, TiktokenPath):
                  *, specials: dict[str, int], roles: dict[str, str], vocab_size: int | None = None,
                  add_prefix_space: bool = False, normalizer: str | None = None, ignore_merges: bool = False,
                  add_bos: bool = False, added_words: dict[str, int] | None = None,
-                 chat_template: str | None = None) -> None:
+                 chat_template: str | None = None, stop_ids: Sequence[int] = ()) -> None:
         self.tokens: list[bytes | None] = list(tokens)
         vocab_size = max(vocab_size or 0, len(self.tokens), *(i + 1 for i in specials.values()),
                          *(i + 1 for i in (added_words or {}).values()))
@@ -168,7 +173,7 @@ class ByteLevelBPETokenizer(ImportedTokenizer, TiktokenPath):
         self.ignore_merges = bool(ignore_merges)
         self.merges = [(int(a), int(b)) for a, b in merges]
         self._init_imported(vocab_size, specials, roles, add_bos=add_bos, added_words=added_words,
-                            chat_template=chat_template)
+                            chat_template=chat_template, stop_ids=stop_ids)
         self._token_ids, self._byte_ids = self._ranks()
 
     def _ranks(self) -> tuple[dict[bytes, int], np.ndarray]:
@@ -267,7 +272,8 @@ class SentencePieceBPETokenizer(ImportedTokenizer):
                  specials: dict[str, int], roles: dict[str, str], unk: str | None = None, byte_fallback: bool = True,
                  fuse_unk: bool = True, prefix: str = "prepend", split: bool = False,
                  strip_leading_space: bool = True, vocab_size: int | None = None, add_bos: bool = True,
-                 added_words: dict[str, int] | None = None, chat_template: str | None = None) -> None:
+                 added_words: dict[str, int] | None = None, chat_template: str | None = None,
+                 stop_ids: Sequence[int] = ()) -> None:
         if prefix not in PREFIX_MODES:
             raise ValueError(f"prefix {prefix!r} is not one of {PREFIX_MODES}")
         self.pieces: list[str | None] = list(pieces)
@@ -278,7 +284,7 @@ class SentencePieceBPETokenizer(ImportedTokenizer):
         self.strip_leading_space = bool(strip_leading_space)
         self.unk = unk
         self._init_imported(vocab_size, specials, roles, add_bos=add_bos, added_words=added_words,
-                            chat_template=chat_template)
+                            chat_template=chat_template, stop_ids=stop_ids)
         self._ids = {p: i for i, p in enumerate(self.pieces) if p is not None}
         for name, i in specials.items():  # "<unk>" is both a special token and the model's unknown piece
             self._ids.setdefault(name, i)
