@@ -7,6 +7,8 @@ these folders are what a user brings.
 
 - ``gpt2``: ByteLevel pre-tokenizer (GPT-2's regex), the one special "<|endoftext|>" at id 0, the
   256 bytes in the trainer's order (not byte order); ``gpt2-prefix`` adds ``add_prefix_space``.
+- ``smollm``: SmolLM's: a Digits pre-tokenizer (each digit alone) before GPT-2's ByteLevel, three ChatML
+  specials at ids 0..2.
 - ``llama3``: Split(Llama 3's regex) + ByteLevel, ``ignore_merges``, specials after the merges,
   "<|begin_of_text|>" put in front by a TemplateProcessing post-processor, Llama 3's chat template.
 - ``qwen2``: an NFC normalizer, Qwen2's regex, no BOS, ChatML markers and template.
@@ -62,17 +64,20 @@ LLAMA2_TEMPLATE = (
     "{% endif %}{% endfor %}"
 )
 
-STYLES = ("gpt2", "gpt2-prefix", "llama3", "qwen2", "sentencepiece", "sentencepiece-metaspace")
+STYLES = ("gpt2", "gpt2-prefix", "smollm", "llama3", "qwen2", "sentencepiece", "sentencepiece-metaspace")
 
 
 def _byte_level_bpe(vocab_size: int, specials: list[str], pattern: str | None, *, prefix_space: bool = False,
-                    ignore_merges: bool = False, nfc: bool = False):
+                    ignore_merges: bool = False, nfc: bool = False, digits: bool = False):
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE(ignore_merges=ignore_merges))
     if nfc:
         tok.normalizer = normalizers.NFC()
-    if pattern is None:
+    if digits:  # SmolLM's: every digit on its own, then GPT-2's regex
+        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                     pre_tokenizers.ByteLevel(add_prefix_space=prefix_space)])
+    elif pattern is None:
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=prefix_space)
     else:
         tok.pre_tokenizer = pre_tokenizers.Sequence([
@@ -137,6 +142,11 @@ def build(style: str, folder: Path, vocab_size: int = 700) -> Path:
         tok = _byte_level_bpe(vocab_size, ["<|endoftext|>"], None, prefix_space=style == "gpt2-prefix")
         fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|endoftext|>",
                                        unk_token="<|endoftext|>", clean_up_tokenization_spaces=False)
+    elif style == "smollm":
+        tok = _byte_level_bpe(vocab_size, ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], None, digits=True)
+        fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>",
+                                       pad_token="<|im_end|>", chat_template=CHATML_TEMPLATE,
+                                       clean_up_tokenization_spaces=False)
     elif style == "llama3":
         tok = _byte_level_bpe(vocab_size, [], LLAMA3_PATTERN, ignore_merges=True)
         tok.add_special_tokens(["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",

@@ -329,6 +329,7 @@ _MODEL_HELP = {
     "n_head": "query heads (each of size d_model / n_head)",
     "n_kv_head": "key/value heads for grouped-query attention (unset: as many as n_head; 1: multi-query)",
     "mlp": "the MLP: GELU (GPT-2) or SwiGLU (Llama)",
+    "d_head": "the size of one attention head (unset: d_model / n_head)",
     "d_ff": "the MLP's hidden width (unset: 4 d for gelu, about 8/3 d for swiglu)",
     "norm": "LayerNorm or RMSNorm",
     "norm_position": "normalize each sublayer's input (pre) or after each residual addition (post)",
@@ -473,7 +474,7 @@ def _default_run_dir(args: argparse.Namespace) -> Path:
 
 
 # Which settings each family reads; a flag given for another family is ignored, with a warning.
-_TRANSFORMER_ONLY = {"n_head", "n_kv_head", "mlp", "d_ff", "norm", "norm_position", "norm_eps", "positions",
+_TRANSFORMER_ONLY = {"n_head", "n_kv_head", "d_head", "mlp", "d_ff", "norm", "norm_position", "norm_eps", "positions",
                      "rope_theta", "rope_scaling", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
                      "rope_original_context", "sliding_window", "bias", "qkv_bias", "attention", "tile_size"}
 _NGRAM_ONLY = {"order", "smoothing", "add_k"}

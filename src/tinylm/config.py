@@ -104,6 +104,8 @@ class GPTConfig:
     - ``n_layer`` blocks, each attention then MLP; ``d_model`` the width d of every position's vector.
     - ``n_head`` query heads n_h, each of size d_h = d_model / n_head; ``n_kv_head`` key/value heads
       (grouped-query attention): None or equal to n_head is multi-head attention, 1 is multi-query.
+      ``d_head`` sets d_h itself (unset: d_model / n_head): the heads then span n_head d_h dimensions,
+      which W_o maps back to d_model (Qwen3's and Mistral NeMo's 128 with a narrower d_model / n_head).
     - ``mlp`` "gelu" (GPT-2: x W_1, GELU, W_2; GELU in GPT-2's tanh form) or "swiglu"
       (Llama: (SiLU(x W_1) * x W_3) W_2); ``d_ff`` the hidden width, None for the usual rule
       (4 d for gelu, 8/3 d rounded up to a multiple of 64 for swiglu; see `hidden_dim`).
@@ -153,6 +155,7 @@ class GPTConfig:
     d_model: int = 768
     n_head: int = 12
     n_kv_head: int | None = None
+    d_head: int | None = None
     mlp: MLPKind = "gelu"
     d_ff: int | None = None
     norm: NormKind = "layernorm"
@@ -192,8 +195,8 @@ class GPTConfig:
 
     @property
     def head_dim(self) -> int:
-        """d_h, the size of one head: d_model / n_head."""
-        return self.d_model // self.n_head
+        """d_h, the size of one head: d_head, or d_model / n_head."""
+        return self.d_head if self.d_head is not None else self.d_model // self.n_head
 
     @property
     def kv_heads(self) -> int:
@@ -213,7 +216,7 @@ class GPTConfig:
         for name in ("vocab_size", "block_size", "n_layer", "d_model", "n_head", "tile_size"):
             if getattr(self, name) <= 0:
                 raise TinyLMError(f"{name} must be a positive integer, got {getattr(self, name)}")
-        for name in ("n_kv_head", "d_ff", "bptt", "sliding_window", "rope_original_context"):
+        for name in ("n_kv_head", "d_head", "d_ff", "bptt", "sliding_window", "rope_original_context"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise TinyLMError(f"{name} must be a positive integer (or left out), got {getattr(self, name)}")
         if not 1 <= self.order <= 10:
@@ -243,11 +246,11 @@ class GPTConfig:
                               f"{FAMILY_NAMES[self.family]} model has no recurrence: leave bptt unset")
         if self.family != "gpt":
             return  # heads, positions and norms are the Transformer's: a baseline does not use them
-        if self.d_model % self.n_head:
+        if self.d_model % self.n_head and self.d_head is None:
             raise TinyLMError(
                 f"d_model ({self.d_model}) must be divisible by n_head ({self.n_head}), since each head gets "
                 f"d_model / n_head dimensions; use n_head in {_divisors(self.d_model)} or a d_model that is a "
-                f"multiple of {self.n_head}"
+                f"multiple of {self.n_head} (or set d_head)"
             )
         if self.n_head % self.kv_heads:
             raise TinyLMError(
@@ -256,8 +259,9 @@ class GPTConfig:
             )
         if self.positions == "rope" and self.head_dim % 2:
             raise TinyLMError(
-                f"positions = 'rope' rotates pairs of coordinates, so the head size d_model / n_head must be "
-                f"even; it is {self.d_model} / {self.n_head} = {self.head_dim}: change d_model or n_head"
+                "positions = 'rope' rotates pairs of coordinates, so the head size " +
+                (f"d_model / n_head must be even; it is {self.d_model} / {self.n_head} = {self.head_dim}: change "
+                 "d_model or n_head" if self.d_head is None else f"d_head must be even; it is {self.d_head}")
             )
         if self.qkv_bias and self.bias:
             raise TinyLMError("qkv_bias puts biases on W_q, W_k and W_v of a bias = false model; with bias = true "

@@ -420,7 +420,8 @@ def test_llama_variants_tinylm_does_not_compute_are_refused(tmp_path, tokenizer)
          "its 'llama3' RoPE scaling has no 'low_freq_factor'"),
         (dict(hidden_act="gelu"), "hidden_act is 'gelu'"),
         (dict(attention_bias=True), "attention_bias and mlp_bias differ"),
-        (dict(head_dim=16), "head_dim is 16"),
+        # a head size of its own is d_head; weights that do not have it are named with both shapes
+        (dict(head_dim=16), r"q_proj.weight' is \(32, 32\), but config.json implies \(64, 32\)"),
     ]:
         original = (tmp_path / "hf" / "config.json").read_text()
         edit_config(tmp_path / "hf", **changes)
@@ -437,17 +438,17 @@ def test_qwen3_variants_tinylm_does_not_compute_are_refused(tmp_path, tokenizer)
         (dict(use_sliding_window=True, sliding_window=16), "turns on a sliding window"),
         (dict(layer_types=["full_attention", "sliding_attention"]), "turns on a sliding window"),
         (dict(attention_bias=True), "attention_bias is true, but its MLP has no biases"),
-        (dict(head_dim=16), "head_dim is 16, not hidden_size / num_attention_heads = 8"),
         (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1000.0, "factor": 4.0}), "RoPE is scaled"),
     ]:
         edit_config(tmp_path / "hf", **changes)
         with pytest.raises(TinyLMError, match=f"{message}.*variant of Qwen3ForCausalLM"):
             import_hf(tmp_path / "hf")
         (tmp_path / "hf" / "config.json").write_text(original)
-    # Qwen3Config reads a missing head_dim as 128, not hidden_size / heads: so does the import
+    # Qwen3Config reads a missing head_dim as 128, not hidden_size / heads: so does the import (these weights
+    # have heads of 8, so it names the shapes that disagree)
     assert Qwen3Config.from_dict(without_head_dim).head_dim == 128
     (tmp_path / "hf" / "config.json").write_text(json.dumps(without_head_dim))
-    with pytest.raises(TinyLMError, match="head_dim is 128"):
+    with pytest.raises(TinyLMError, match=r"q_proj.weight' is \(32, 32\), but config.json implies \(512, 32\)"):
         import_hf(tmp_path / "hf")
 
 

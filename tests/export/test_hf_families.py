@@ -241,16 +241,13 @@ def import_config(hf):
         (hf_qwen2, dict(use_sliding_window=True, sliding_window=8, layer_types=["full_attention",
                                                                                  "sliding_attention"]),
          r"layer_types gives a sliding window to some layers only"),
-        (hf_mistral, dict(head_dim=16), r"head_dim is 16, not hidden_size / num_attention_heads = 8"),
-        (hf_qwen2, dict(head_dim=16), r"head_dim is 16"),
         (hf_mistral, dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1000.0, "factor": 4.0}),
          r"its RoPE is scaled \('yarn'\); tinylm computes the plain rotation and the 'linear' and 'llama3' scalings"),
         (hf_llama3, dict(rope_parameters={k: v for k, v in LLAMA3.items() if k != "original_max_position_embeddings"}),
          r"its 'llama3' RoPE scaling has no 'original_max_position_embeddings'"),
         (hf_mistral, dict(sliding_window=0), r"sliding_window must be a positive integer"),
     ],
-    ids=["qwen2-some-layers", "qwen2-layer-types", "mistral-head-dim", "qwen2-head-dim", "yarn", "llama3-no-context",
-         "window-0"],
+    ids=["qwen2-some-layers", "qwen2-layer-types", "yarn", "llama3-no-context", "window-0"],
 )
 def test_variants_that_do_not_map_are_one_line_naming_the_key(tmp_path, tokenizer, make, changes, message):
     save(make().eval(), tmp_path / "hf", tokenizer)
@@ -271,3 +268,33 @@ def test_missing_keys_mean_what_transformers_reads_them_as(tmp_path, tokenizer):
     assert import_hf(tmp_path / "mistral")[2].sliding_window == 4096
     save(hf_qwen2(use_sliding_window=True, sliding_window=8, max_window_layers=2).eval(), tmp_path / "qwen2", tokenizer)
     assert import_hf(tmp_path / "qwen2")[2].sliding_window is None
+
+
+@pytest.mark.parametrize("name", ["mistral", "qwen2", "qwen3"])
+def test_a_head_size_of_its_own_is_d_head(tmp_path, tokenizer, name):
+    """head_dim 16 with hidden_size 32 and 4 heads (Qwen3's and Mistral NeMo's shape): the heads span 64
+    dimensions, W_o maps them back to 32; same logits, back to the same config, and llama.cpp runs it."""
+    if name == "qwen3":
+        hf = randomize(transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+            **{**SHAPE, "head_dim": 16, "rope_parameters": {"rope_type": "default", "rope_theta": 1000.0}})))
+    else:
+        hf = {"mistral": hf_mistral, "qwen2": hf_qwen2}[name](head_dim=16, sliding_window=64)
+    save(hf.eval(), tmp_path / "hf", tokenizer)
+    model, _, config = import_hf(tmp_path / "hf")
+    assert config.d_head == 16 and config.head_dim * config.n_head == 64 != config.d_model
+    ids = torch.tensor([tokenizer.encode(PROMPT)])
+    with torch.no_grad():
+        assert (model(ids)[0] - hf(ids).logits).abs().max().item() < ATOL
+    export_hf(model, tokenizer, tmp_path / "back")
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["head_dim"] == 16
+    assert import_hf(tmp_path / "back")[2] == config
+    pytest.importorskip("llama_cpp", reason="llama.cpp (llama-cpp-python) is the oracle for this part")
+    if name == "qwen2":  # llama.cpp's qwen2 graph takes the head size from n_embd / n_head: refused in one line
+        with pytest.raises(TinyLMError, match="d_head = 16 differs from d_model / n_head.*qwen2 graph"):
+            export_gguf(model, tokenizer, tmp_path / "m.gguf")
+        return
+    export_gguf(model, tokenizer, tmp_path / "m.gguf")
+    start = tokenizer.encode("def ")
+    tokens, _ = llama_cpp_greedy(tmp_path / "m.gguf", config.block_size, start)
+    with torch.no_grad():
+        assert tokens == greedy(lambda x: model(x)[0], start)

@@ -54,6 +54,12 @@ def _llama3(vocab: int, hf_tok):
         bos_token_id=hf_tok.bos_token_id, eos_token_id=hf_tok.eos_token_id, **SHAPE))
 
 
+def _smollm(vocab: int, hf_tok):
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=vocab, num_key_value_heads=1, tie_word_embeddings=True,
+        bos_token_id=hf_tok.bos_token_id, eos_token_id=hf_tok.eos_token_id, **SHAPE))
+
+
 def _qwen2(vocab: int, hf_tok):
     return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
         vocab_size=vocab + 36, num_key_value_heads=2, tie_word_embeddings=True,  # rows past the tokenizer
@@ -75,6 +81,7 @@ def _tinyllama(vocab: int, hf_tok):
 # family -> (tokenizer style, model maker, whether llama.cpp can run it with its own tokenizer too)
 FAMILIES = {
     "gpt2": ("gpt2", _gpt2),
+    "smollm": ("smollm", _smollm),
     "llama3": ("llama3", _llama3),
     "qwen2": ("qwen2", _qwen2),
     "mistral": ("sentencepiece", _mistral),
@@ -135,6 +142,11 @@ def test_export_back_to_hugging_face_gives_the_same_logits_and_ids(family, tmp_p
     assert back_tok.decode(ids) == hf_tok.decode(ids)
     with torch.no_grad():
         assert (back(torch.tensor([ids])).logits - hf(torch.tensor([ids])).logits).abs().max().item() < ATOL
+    # generation stops where tinylm's does: eos, and the end of a turn (Llama 3's chat template ends with <|eot_id|>)
+    tok = run.tokenizer
+    stops = [tok.eos_id] + [i for i in tok.stop_ids if i != tok.eos_id]
+    assert (name == "llama3") == (tok.special_tokens.get("<|eot_id|>") in stops)
+    assert back.generation_config.eos_token_id == (stops if len(stops) > 1 else stops[0])
 
 
 def test_llama_cpp_runs_the_gguf_export_with_the_same_greedy_tokens(family, tmp_path):
@@ -153,6 +165,8 @@ def test_llama_cpp_runs_the_gguf_export_with_the_same_greedy_tokens(family, tmp_
     # llama.cpp's own tokenizer, from the file: the same ids for ordinary text (its BOS rule included)
     plain = "To be, or not to be: that is the question."
     assert llm.tokenize(plain.encode(), add_bos=run.tokenizer.add_bos, special=False) == hf_ids(hf_tok, plain)
+    eot = [i for i in run.tokenizer.stop_ids if i != run.tokenizer.eos_id]
+    assert int(llm.metadata.get("tokenizer.ggml.eot_token_id", -1)) == (eot[0] if eot else -1)
     llm.eval(ids)
     tokens = list(ids)
     for _ in range(16):

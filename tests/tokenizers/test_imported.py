@@ -23,7 +23,7 @@ from tinylm.tokenizers.formats import export_tokenizer, import_tokenizer
 pytest.importorskip("transformers")
 from transformers import AutoTokenizer  # noqa: E402
 
-KINDS = {"gpt2": "bytelevel", "gpt2-prefix": "bytelevel", "llama3": "bytelevel", "qwen2": "bytelevel",
+KINDS = {"gpt2": "bytelevel", "gpt2-prefix": "bytelevel", "smollm": "bytelevel", "llama3": "bytelevel", "qwen2": "bytelevel",
          "sentencepiece": "sentencepiece", "sentencepiece-metaspace": "sentencepiece"}
 
 

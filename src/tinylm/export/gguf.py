@@ -156,6 +156,10 @@ def gguf_problems(config: GPTConfig) -> list[str]:
     if config.sliding_window is not None and config.sliding_window < config.block_size:
         problems.append(f"sliding_window = {config.sliding_window} is shorter than block_size = {config.block_size}, "
                         "and llama.cpp's llama graph attends to the whole context")
+    if config.d_head is not None and config.head_dim * config.n_head != config.d_model and arch == "qwen2":
+        # llama.cpp's qwen2 graph sizes q, k and v from n_embd / n_head and refuses the file (measured)
+        problems.append(f"d_head = {config.d_head} differs from d_model / n_head, and llama.cpp's qwen2 graph "
+                        "takes its head size from those")
     if config.rope_scaling == "llama3" and arch != "llama":
         problems.append(f"rope_scaling = 'llama3' needs llama.cpp's rope_freqs tensor, which its {arch} graph "
                         "does not read")

@@ -25,12 +25,14 @@ from typing import Any
 from tinylm.errors import TinyLMError
 from tinylm.tokenizers.base import Tokenizer
 from tinylm.tokenizers.bpe import BPETokenizer, pattern_name
-from tinylm.tokenizers.formats import _bpe_below, bytes_to_byte_level, pattern_from_oniguruma
+from tinylm.tokenizers.formats import DIGITS_THEN_GPT2, _bpe_below, bytes_to_byte_level, pattern_from_oniguruma
 from tinylm.tokenizers.imported import ByteLevelBPETokenizer, ImportedTokenizer, SentencePieceBPETokenizer
 
 # our split pattern name -> llama.cpp's tokenizer.ggml.pre (see `tinylm.export.gguf`)
 LLAMA_CPP_PRE: dict[str, str] = {"gpt2": "gpt-2", "gpt4": "dbrx"}
 # the split regexes of imported families, as their tokenizer.json files write them -> llama.cpp's name
+# (SmolLM's Digits + ByteLevel pipeline is the one pattern `DIGITS_THEN_GPT2` reads it as)
+_FAMILY_PATTERNS: dict[str, str] = {"smollm": DIGITS_THEN_GPT2[True]}
 _FAMILY_REGEXES: dict[str, str] = {
     "llama-bpe": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                  r"|\s*[\r\n]+|\s+(?!\S)|\s+",
@@ -50,7 +52,11 @@ def pre_tokenizer_name(tokenizer: Tokenizer, pre_tokenizer: str | None = None) -
     for pre, regex_text in _FAMILY_REGEXES.items():
         if pattern == pattern_from_oniguruma(regex_text):
             return pre
-    known = [f"{k} -> {v}" for k, v in LLAMA_CPP_PRE.items()] + [f"Llama 3's -> llama-bpe", "Qwen2's -> qwen2"]
+    for pre, family_pattern in _FAMILY_PATTERNS.items():
+        if pattern == family_pattern:
+            return pre
+    known = [f"{k} -> {v}" for k, v in LLAMA_CPP_PRE.items()] + ["Llama 3's -> llama-bpe", "Qwen2's -> qwen2",
+                                                                  "SmolLM's -> smollm"]
     raise TinyLMError(
         f"the tokenizer splits text with the pattern {name or pattern!r}, which llama.cpp has no pre-tokenizer for "
         f"(it knows {', '.join(known)}); name one with pre_tokenizer=... if you accept that llama.cpp will split text "
@@ -173,6 +179,9 @@ def write_tokenizer(writer: Any, tokenizer: Tokenizer, vocab_size: int, pre_toke
     writer.add_bos_token_id(tokenizer.bos_id)
     writer.add_eos_token_id(tokenizer.eos_id)
     writer.add_pad_token_id(tokenizer.pad_id)
+    stop_ids = [i for i in getattr(tokenizer, "stop_ids", ()) if i != tokenizer.eos_id]
+    if stop_ids:  # the end of a turn (Llama 3's <|eot_id|>): llama.cpp stops generating there too
+        writer.add_eot_token_id(stop_ids[0])
     unk = getattr(tokenizer, "unk_id", None)
     if isinstance(tokenizer, ImportedTokenizer) and unk is not None:
         writer.add_unk_token_id(unk)

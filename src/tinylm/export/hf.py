@@ -175,6 +175,8 @@ def architecture_problems(config: GPTConfig) -> dict[Architecture, list[str]]:
         gpt2.append(f"mlp = {config.mlp!r} (GPT-2's MLP is 'gelu')")
     if config.kv_heads != config.n_head:
         gpt2.append(f"n_kv_head = {config.kv_heads} (GPT-2 has no grouped-query attention: n_kv_head = n_head)")
+    if config.head_dim * config.n_head != config.d_model:
+        gpt2.append(f"d_head = {config.head_dim} (GPT-2's heads split d_model: d_model / n_head)")
     if config.qk_norm:
         gpt2.append("qk_norm = true (GPT-2 does not normalize q and k)")
     if config.qkv_bias:
@@ -451,7 +453,9 @@ def _tokenizer_files(tokenizer: Tokenizer, block_size: int, model_vocab: int) ->
     if unk is not None:
         special_tokens_map["unk_token"] = unk
     # suppress_tokens: transformers' generate then never draws what tinylm's samplers never draw (PAD, BOS, ...)
-    generation_config = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id,
+    # eos_token_id as a list when the tokenizer ends a turn with other tokens too (Llama 3's <|eot_id|>)
+    stop = [tokenizer.eos_id, *(i for i in getattr(tokenizer, "stop_ids", ()) if i != tokenizer.eos_id)]
+    generation_config = {"bos_token_id": tokenizer.bos_id, "eos_token_id": stop if len(stop) > 1 else stop[0],
                          "pad_token_id": tokenizer.pad_id,
                          "suppress_tokens": generation_excluded(tokenizer) + list(range(tokenizer.vocab_size,
                                                                                          model_vocab))}

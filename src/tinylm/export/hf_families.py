@@ -22,9 +22,8 @@ in that order. Two defaults of `transformers` that a config.json may leave out m
 missing ``sliding_window`` is 4096 to MistralConfig (and to Qwen2Config, which uses it only with
 ``use_sliding_window``), and a missing ``head_dim`` is 128 to Qwen3Config. Qwen2 windows layer i
 when i >= ``max_window_layers`` (or as ``layer_types`` says); tinylm's window is the same on every
-layer, so all or none of them must be windowed. tinylm's heads split d_model evenly, so a
-``head_dim`` other than hidden_size / num_attention_heads is refused (Mistral NeMo's, Qwen3's 128
-on a small model).
+layer, so all or none of them must be windowed. A ``head_dim`` other than hidden_size /
+num_attention_heads (Mistral NeMo's, Qwen3's 128 on a small model) is tinylm's ``d_head``.
 
 `tinylm.export.hf` uses this module for the Llama-shaped half of `architecture_problems`,
 `config_from_hf` and `hf_config`; the tensor names are there (`hf_rules`).
@@ -161,9 +160,8 @@ def llama_family_config(hf: Mapping[str, Any], arch: LlamaShaped, source: str) -
     d_model, n_head = int(required(hf, source, arch, "hidden_size")), int(required(hf, source, arch,
                                                                                     "num_attention_heads"))
     head_dim = hf.get("head_dim") or (QWEN3_DEFAULT_HEAD_DIM if arch == "qwen3" else d_model // n_head)
-    if head_dim != d_model // n_head or d_model % n_head:
-        raise refusal(source, arch, f"head_dim is {head_dim}, not hidden_size / num_attention_heads = "
-                                    f"{d_model / n_head:g}; tinylm's heads split d_model evenly")
+    # a head size of its own (Qwen3's 128, Mistral NeMo's) is d_head; the usual d_model / n_head is left unset
+    d_head = None if head_dim * n_head == d_model else int(head_dim)
     n_kv = int(hf.get("num_key_value_heads") or n_head)
     theta, scaling = _rope_from_hf(hf, arch, source)
     try:
@@ -171,7 +169,7 @@ def llama_family_config(hf: Mapping[str, Any], arch: LlamaShaped, source: str) -
             vocab_size=int(required(hf, source, arch, "vocab_size")),
             block_size=int(required(hf, source, arch, "max_position_embeddings")),
             n_layer=int(required(hf, source, arch, "num_hidden_layers")), d_model=d_model, n_head=n_head,
-            n_kv_head=None if n_kv == n_head else n_kv, mlp="swiglu",
+            n_kv_head=None if n_kv == n_head else n_kv, d_head=d_head, mlp="swiglu",
             d_ff=default_rule(int(required(hf, source, arch, "intermediate_size")), d_model, "swiglu"),
             norm="rmsnorm", norm_eps=float(hf.get("rms_norm_eps", 1e-6)), positions="rope",
             rope_theta=theta, **scaling, qk_norm=arch == "qwen3", bias=bias, qkv_bias=qkv_bias,

@@ -524,6 +524,13 @@ def _pattern_from_pre_tokenizer(pre: dict[str, Any] | None, fail: Callable[[str]
     return pattern
 
 
+# `Digits` then ByteLevel's GPT-2 regex, as one pattern: a digit (or a run of them) is a chunk of its own, and
+# since the regex then runs on the text between digits, a digit ends a whitespace run as the end of the text
+# does (``\s+(?![^\s\p{N}])`` where GPT-2 has ``\s+(?!\S)``) and no chunk starts with a space before one.
+_GPT2_WITHOUT_DIGITS = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?[^\s\p{L}\p{N}]+|\s+(?![^\s\p{N}])|\s+"""
+DIGITS_THEN_GPT2 = {True: _GPT2_WITHOUT_DIGITS + r"|\p{N}", False: _GPT2_WITHOUT_DIGITS + r"|\p{N}+"}
+
+
 def byte_level_pre_tokenizer(pre: dict[str, Any] | None, fail: Callable[[str], TinyLMError]) -> tuple[str, bool]:
     """The split pattern of a ByteLevel pre_tokenizer (alone, or after one Split) and its add_prefix_space."""
     steps = pre.get("pretokenizers", []) if pre and pre.get("type") == "Sequence" else [pre] if pre else []
@@ -535,7 +542,10 @@ def byte_level_pre_tokenizer(pre: dict[str, Any] | None, fail: Callable[[str], T
         # ByteLevel's own regex is GPT-2's original pattern; our "gpt2" gives the same chunks
         return ("gpt2" if byte_level.get("use_regex", True) else "none"), prefix_space
     if len(steps) == 2 and prefix_space:
-        raise fail("ByteLevel adds a prefix space to every chunk the Split before it cut, which tinylm does not do")
+        raise fail("ByteLevel adds a prefix space to every chunk the step before it cut, which tinylm does not do")
+    if len(steps) == 2 and steps[0].get("type") == "Digits" and byte_level.get("use_regex", True):
+        # SmolLM's: digits cut out first (one by one, or in runs), then GPT-2's regex within the rest
+        return DIGITS_THEN_GPT2[bool(steps[0].get("individual_digits"))], prefix_space
     if len(steps) != 2 or byte_level.get("use_regex", True):
         kinds = " + ".join(str(step.get("type")) for step in steps)
         raise fail(f"the pre_tokenizer is {kinds}, not Split(regex) followed by ByteLevel(use_regex=false)")

@@ -415,7 +415,9 @@ def imported_to_hf_json(tok: ImportedTokenizer) -> dict[str, Any]:
                 "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
                           "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
                           "ignore_merges": tok.ignore_merges,
-                          "vocab": {s: i for i, s in spell.items()},
+                          # the added tokens are in the model's vocab too, as the `tokenizers` trainer writes them
+                          # (without them its id -> token table misses their ids, and decodes ids past them wrongly)
+                          "vocab": {**{s: i for i, s in spell.items()}, **tok.special_tokens, **tok.added_words},
                           "merges": [[spell[a], spell[b]] for a, b in tok.merges]}}
     assert isinstance(tok, SentencePieceBPETokenizer)
     vocab = {p: i for i, p in enumerate(tok.pieces) if p is not None}
