@@ -68,7 +68,7 @@ STYLES = ("gpt2", "gpt2-prefix", "smollm", "llama3", "qwen2", "sentencepiece", "
 
 
 def _byte_level_bpe(vocab_size: int, specials: list[str], pattern: str | None, *, prefix_space: bool = False,
-                    ignore_merges: bool = False, nfc: bool = False, digits: bool = False):
+                    ignore_merges: bool = False, nfc: bool = False, digits: bool = False, texts=None):
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE(ignore_merges=ignore_merges))
@@ -86,11 +86,11 @@ def _byte_level_bpe(vocab_size: int, specials: list[str], pattern: str | None, *
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(TRAINING_TEXT, trainer)
+    tok.train_from_iterator(texts or TRAINING_TEXT, trainer)
     return tok
 
 
-def _sentencepiece_bpe(vocab_size: int, metaspace: bool):
+def _sentencepiece_bpe(vocab_size: int, metaspace: bool, texts=None):
     """Llama 2's layout, built from a `tokenizers` BPE trained on "▁"-words."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
@@ -98,7 +98,7 @@ def _sentencepiece_bpe(vocab_size: int, metaspace: bool):
     trained.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always", split=True)
     # a small alphabet: rarer characters (CJK, emoji) must take the byte fallback
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False, limit_alphabet=120)
-    trained.train_from_iterator(TRAINING_TEXT, trainer)
+    trained.train_from_iterator(texts or TRAINING_TEXT, trainer)
     model = json.loads(trained.to_str())["model"]
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
     vocab.update({f"<0x{b:02X}>": 3 + b for b in range(256)})
@@ -132,23 +132,24 @@ def _sentencepiece_bpe(vocab_size: int, metaspace: bool):
     return Tokenizer.from_str(json.dumps(data))
 
 
-def build(style: str, folder: Path, vocab_size: int = 700) -> Path:
-    """Train a tokenizer in ``style`` (one of `STYLES`) and save it with transformers into ``folder``."""
+def build(style: str, folder: Path, vocab_size: int = 700, texts: list[str] | None = None) -> Path:
+    """Train a tokenizer in ``style`` (one of `STYLES`) on ``texts`` (default `TRAINING_TEXT`) and save it
+    with transformers into ``folder``."""
     from tokenizers import processors
     from transformers import PreTrainedTokenizerFast
 
     folder.mkdir(parents=True, exist_ok=True)
     if style in ("gpt2", "gpt2-prefix"):
-        tok = _byte_level_bpe(vocab_size, ["<|endoftext|>"], None, prefix_space=style == "gpt2-prefix")
+        tok = _byte_level_bpe(vocab_size, ["<|endoftext|>"], None, prefix_space=style == "gpt2-prefix", texts=texts)
         fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|endoftext|>",
                                        unk_token="<|endoftext|>", clean_up_tokenization_spaces=False)
     elif style == "smollm":
-        tok = _byte_level_bpe(vocab_size, ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], None, digits=True)
+        tok = _byte_level_bpe(vocab_size, ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], None, digits=True, texts=texts)
         fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>",
                                        pad_token="<|im_end|>", chat_template=CHATML_TEMPLATE,
                                        clean_up_tokenization_spaces=False)
     elif style == "llama3":
-        tok = _byte_level_bpe(vocab_size, [], LLAMA3_PATTERN, ignore_merges=True)
+        tok = _byte_level_bpe(vocab_size, [], LLAMA3_PATTERN, ignore_merges=True, texts=texts)
         tok.add_special_tokens(["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
                                 "<|eot_id|>"])
         bos = tok.token_to_id("<|begin_of_text|>")
@@ -159,12 +160,12 @@ def build(style: str, folder: Path, vocab_size: int = 700) -> Path:
                                        eos_token="<|end_of_text|>", chat_template=LLAMA3_TEMPLATE,
                                        clean_up_tokenization_spaces=False)
     elif style == "qwen2":
-        tok = _byte_level_bpe(vocab_size, [], QWEN2_PATTERN, nfc=True)
+        tok = _byte_level_bpe(vocab_size, [], QWEN2_PATTERN, nfc=True, texts=texts)
         tok.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
         fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
                                        chat_template=CHATML_TEMPLATE, clean_up_tokenization_spaces=False)
     elif style in ("sentencepiece", "sentencepiece-metaspace"):
-        tok = _sentencepiece_bpe(vocab_size, metaspace=style.endswith("metaspace"))
+        tok = _sentencepiece_bpe(vocab_size, metaspace=style.endswith("metaspace"), texts=texts)
         fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
                                        chat_template=LLAMA2_TEMPLATE, clean_up_tokenization_spaces=False)
     else:
