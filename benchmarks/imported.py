@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from hfkit import STYLES, build  # noqa: E402
 
 from tinylm.data import load_corpus  # noqa: E402
-from tinylm.tokenizers.formats import import_tokenizer  # noqa: E402
+from tinylm.tokenizers.files import import_tokenizer  # noqa: E402
 
 TEXT = ("ROMEO. But soft, what light through yonder window breaks? It is the east, and Juliet is the sun. "
         "Grüße 東京 😀\n\tdef f(x):  return x * 2  # 1234567")

@@ -127,21 +127,11 @@ def _add_tokenizer_training_flags(p: argparse.ArgumentParser, vocab_default: int
 
 
 def _train_tokenizer(args: argparse.Namespace, corpus):
-    from tinylm.tokenizers import CharTokenizer, WordTokenizer, train_bpe
+    from tinylm.tokenizers import train_tokenizer
 
-    texts = corpus.texts()
-    if args.kind == "char":
-        return CharTokenizer.train(texts, unknown=args.unknown, n_reserved=args.reserved)
-    if args.kind == "word":
-        return WordTokenizer.train(texts, args.vocab_size, unknown=args.unknown, n_reserved=args.reserved)
-    return train_bpe(
-        texts,
-        vocab_size=args.vocab_size,
-        pattern=args.pattern,
-        n_reserved=args.reserved,
-        workers=args.workers,
-        progress=sys.stderr.isatty(),
-    )
+    return train_tokenizer(args.kind, corpus.texts(), vocab_size=args.vocab_size, pattern=args.pattern,
+                           unknown=args.unknown, n_reserved=args.reserved, workers=args.workers,
+                           progress=sys.stderr.isatty())
 
 
 def _read_input(args: argparse.Namespace) -> str:
@@ -249,7 +239,7 @@ def cmd_tokenizer_info(args: argparse.Namespace) -> int:
 
 def cmd_tokenizer_export(args: argparse.Namespace) -> int:
     from tinylm.tokenizers import load_tokenizer
-    from tinylm.tokenizers.formats import export_tokenizer
+    from tinylm.tokenizers.files import export_tokenizer
 
     tok = load_tokenizer(args.tokenizer)
     path = export_tokenizer(tok, args.out, args.format, overwrite=args.force)
@@ -264,7 +254,7 @@ def _roles(args: argparse.Namespace) -> dict[str, str] | None:
 
 
 def cmd_tokenizer_import(args: argparse.Namespace) -> int:
-    from tinylm.tokenizers.formats import import_tokenizer
+    from tinylm.tokenizers.files import import_tokenizer
 
     out = Path(args.out)
     if out.exists() and not args.force:

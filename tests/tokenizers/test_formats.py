@@ -33,9 +33,6 @@ from tinylm.tokenizers.formats import (
     BYTE_TO_UNICODE,
     byte_level_to_bytes,
     bytes_to_byte_level,
-    detect_format,
-    export_tokenizer,
-    import_tokenizer,
     load_hf_tokenizer_json,
     load_tiktoken,
     merges_from_ranks,
@@ -47,6 +44,7 @@ from tinylm.tokenizers.formats import (
     to_hf_tokenizer_json,
     tokenizer_from_hf_json,
 )
+from tinylm.tokenizers.files import detect_format, export_tokenizer, import_tokenizer
 
 MULTILINGUAL = """\
 The year 2024 had 366 days; 1234567 is a number, and so is 3.14159 or 100000.

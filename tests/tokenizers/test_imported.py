@@ -18,7 +18,7 @@ from hfkit import PROBE_TEXT, STYLES, build
 from tinylm.errors import TinyLMError
 from tinylm.tokenizers import load_tokenizer
 from tinylm.tokenizers.base import default_stop_ids, generation_excluded
-from tinylm.tokenizers.formats import export_tokenizer, import_tokenizer
+from tinylm.tokenizers.files import export_tokenizer, import_tokenizer
 
 pytest.importorskip("transformers")
 from transformers import AutoTokenizer  # noqa: E402

@@ -105,7 +105,6 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from types import ModuleType
 from typing import Literal
 
 import numpy as np
@@ -118,22 +117,13 @@ from tinylm.export.hf import Architecture, TensorRule, architecture_for, convert
 from tinylm.model.gpt import GPT
 from tinylm.model.positions import RopeScaling, rope_inverse_frequencies
 from tinylm.tokenizers.base import Tokenizer
-from tinylm.export.gguf_vocab import LLAMA_CPP_PRE, check_tokenizer, tokenizer_metadata, write_tokenizer
+from tinylm.export.gguf_vocab import LLAMA_CPP_PRE, _require_gguf, check_tokenizer, tokenizer_metadata, write_tokenizer
 
 
 GGUFDtype = Literal["f32", "f16"]
 
 # llama.cpp's graph for each architecture, where the name differs (its converter writes Mistral as Llama)
 LLAMA_CPP_ARCH: dict[str, str] = {"mistral": "llama"}
-
-
-def _require_gguf() -> ModuleType:
-    """The `gguf` package, imported on first use: an optional dependency that only GGUF export needs."""
-    try:
-        import gguf
-    except ImportError:
-        raise TinyLMError("GGUF export needs the `gguf` package (llama.cpp's writer): pip install gguf") from None
-    return gguf
 
 
 def _name(tensor: str, block: int | None = None, kind: str = "weight") -> str:

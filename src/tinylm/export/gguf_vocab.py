@@ -20,6 +20,7 @@ Rows of the embedding past the tokenizer's ids (a padded output layer) get UNUSE
 
 from __future__ import annotations
 
+from types import ModuleType
 from typing import Any
 
 from tinylm.errors import TinyLMError
@@ -39,6 +40,15 @@ _FAMILY_REGEXES: dict[str, str] = {
     "qwen2": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
              r"|\s*[\r\n]+|\s+(?!\S)|\s+",
 }
+
+
+def _require_gguf() -> ModuleType:
+    """The `gguf` package, imported on first use: an optional dependency that only GGUF export needs."""
+    try:
+        import gguf
+    except ImportError:
+        raise TinyLMError("GGUF export needs the `gguf` package (llama.cpp's writer): pip install gguf") from None
+    return gguf
 
 
 def pre_tokenizer_name(tokenizer: Tokenizer, pre_tokenizer: str | None = None) -> str:
@@ -82,8 +92,6 @@ def check_tokenizer(tokenizer: Tokenizer, pre_tokenizer: str | None = None) -> N
 
 def tokenizer_metadata(tokenizer: Tokenizer, vocab_size: int) -> dict[str, Any]:
     """The tokenizer model, token strings, types and merges (or scores) llama.cpp reads, for ``vocab_size`` rows."""
-    from tinylm.export.gguf import _require_gguf
-
     g = _require_gguf()
     types_of = g.TokenType
     if isinstance(tokenizer, SentencePieceBPETokenizer):

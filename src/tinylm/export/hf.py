@@ -140,7 +140,7 @@ from tinylm.run import (
 from tinylm.run import TOKENIZER_FILE as RUN_TOKENIZER_FILE
 from tinylm.tokenizers.base import BOS, EOS, PAD, Tokenizer, generation_excluded
 from tinylm.tokenizers.bpe import BPETokenizer
-from tinylm.tokenizers.formats import export_tokenizer
+from tinylm.tokenizers.files import export_tokenizer
 from tinylm.tokenizers.hf_files import read_hf_tokenizer
 from tinylm.tokenizers.imported import ImportedTokenizer
 

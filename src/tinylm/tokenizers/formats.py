@@ -53,11 +53,11 @@ byte order, then merge ``r`` at id ``256 + r``, then (tokenizer.json) bos, eos, 
 reserved range. Anything else (OpenAI's files, whose bytes are in another order; WordPiece;
 normalizers; byte fallback) is a `TinyLMError` naming what does not map, never wrong ids.
 
-Usage::
+Usage (the entry points that pick the format are `tinylm.tokenizers.files`)::
 
-    export_tokenizer(tok, "out/", "hf")           # out/tokenizer.json
-    export_tokenizer(tok, "tok.tiktoken", "tiktoken")
-    tok = import_tokenizer("out/tokenizer.json")  # or a .tiktoken file, or a tinylm file
+    save_hf_tokenizer_json(tok, "out/tokenizer.json")
+    save_tiktoken(tok, "tok.tiktoken")
+    tok = load_tiktoken("tok.tiktoken", pattern="gpt4")
 """
 
 from __future__ import annotations
@@ -74,8 +74,9 @@ import regex
 
 from tinylm.atomic import atomic_write_text
 from tinylm.errors import TinyLMError
-from tinylm.tokenizers.base import BOS, EOS, PAD, FORMAT_NAME, Tokenizer, load_tokenizer
+from tinylm.tokenizers.base import BOS, EOS, PAD, Tokenizer, special_token_names
 from tinylm.tokenizers.bpe import PATTERNS, BPETokenizer
+from tinylm.tokenizers.imported import ByteLevelBPETokenizer
 
 FORMATS = ("tinylm", "tiktoken", "hf")
 
@@ -234,9 +235,6 @@ def load_tiktoken(path: str | os.PathLike, pattern: str = "gpt4", n_reserved: in
     (OpenAI's cl100k/o200k, whose bytes are in another order) a `ByteLevelBPETokenizer` that
     encodes exactly as ``tiktoken.Encoding`` does with the same ranks.
     """
-    from tinylm.tokenizers.base import special_token_names
-    from tinylm.tokenizers.imported import ByteLevelBPETokenizer
-
     ranks = read_tiktoken_ranks(path)
     try:
         return BPETokenizer(merges_from_ranks(ranks, str(path)), pattern=pattern, n_reserved=n_reserved)
@@ -558,7 +556,7 @@ def byte_level_pre_tokenizer(pre: dict[str, Any] | None, fail: Callable[[str], T
     return pattern_from_oniguruma(regex_text), prefix_space
 
 
-# ----- one entry point for all formats ------------------------------------------------------
+# ----- shared checks ------------------------------------------------------------------------
 
 
 def _require_bpe(tok: Tokenizer, fmt: str) -> None:
@@ -567,111 +565,3 @@ def _require_bpe(tok: Tokenizer, fmt: str) -> None:
             f"a {tok.kind} tokenizer cannot be exported as {fmt}: that format holds byte-level BPE "
             "only; save it in the tinylm format instead"
         )
-
-
-def export_tokenizer(tok: Tokenizer, path: str | os.PathLike, format: str, *, overwrite: bool = False) -> Path:
-    """Write ``tok`` as ``format`` ("tinylm", "tiktoken" or "hf"); returns the file written.
-
-    ``path`` is a file, or a folder (an existing one, or a path without a suffix), in which
-    case the format's usual name is used (`DEFAULT_FILENAMES`: tokenizer.json for hf).
-    """
-    if format not in FORMATS:
-        raise TinyLMError(f"unknown tokenizer format {format!r}; expected one of {', '.join(FORMATS)}")
-    path = Path(path)
-    if path.is_dir() or not path.suffix:
-        path = path / DEFAULT_FILENAMES[format]
-    if path.exists() and not overwrite:
-        raise TinyLMError(f"{path} already exists; choose another output or overwrite it explicitly (--force)")
-    if format == "tinylm":
-        return tok.save(path)
-    from tinylm.tokenizers.imported import ByteLevelBPETokenizer, ImportedTokenizer
-
-    if format == "hf" and isinstance(tok, ImportedTokenizer):
-        from tinylm.tokenizers.hf_files import imported_to_hf_json
-
-        return atomic_write_text(path, json.dumps(imported_to_hf_json(tok), ensure_ascii=False, indent=2) + "\n")
-    if format == "tiktoken" and isinstance(tok, ByteLevelBPETokenizer):
-        # the ranks tiktoken merges with are the ids; the specials and the split pattern have no place in the file
-        lines = [f"{base64.b64encode(b).decode('ascii')} {i}\n" for b, i in sorted(tok._token_ids.items(),
-                                                                                   key=lambda kv: kv[1])]
-        return atomic_write_text(path, "".join(lines))
-    _require_bpe(tok, format)
-    assert isinstance(tok, BPETokenizer)
-    if format == "tiktoken":
-        return save_tiktoken(tok, path)
-    return save_hf_tokenizer_json(tok, path)
-
-
-_TIKTOKEN_LINE = regex.compile(r"[A-Za-z0-9+/]+=*\s+\d+")
-
-
-def detect_format(path: str | os.PathLike) -> str:
-    """Which of `FORMATS` a file is in, from its content (the name is only a hint)."""
-    path = Path(path)
-    try:
-        with open(path, "rb") as f:
-            head = f.read(4096)
-    except FileNotFoundError:
-        raise TinyLMError(f"tokenizer file {path} does not exist") from None
-    except OSError as e:
-        raise TinyLMError(f"cannot read tokenizer file {path}: {e}") from None
-    text = head.decode("utf-8", errors="replace").lstrip()
-    if text.startswith("{"):
-        try:
-            data = json.loads(_read_text(path, "tokenizer file"))
-        except json.JSONDecodeError as e:
-            raise TinyLMError(f"{path} is not valid JSON (line {e.lineno}, column {e.colno})") from None
-        if isinstance(data, dict) and data.get("format") == FORMAT_NAME:
-            return "tinylm"
-        if isinstance(data, dict) and "model" in data:
-            return "hf"
-        if isinstance(data, dict) and data and all(isinstance(i, int) for i in data.values()) and \
-                (path.parent / "merges.txt").is_file():
-            return "hf"  # GPT-2's own vocab.json, with merges.txt beside it
-        raise TinyLMError(f"{path} is JSON but neither a tinylm tokenizer nor a Hugging Face tokenizer.json")
-    first_line = text.split("\n", 1)[0].strip()
-    if path.suffix == ".tiktoken" or _TIKTOKEN_LINE.fullmatch(first_line):
-        return "tiktoken"
-    raise TinyLMError(
-        f"{path} is neither a tinylm tokenizer, a Hugging Face tokenizer.json nor a tiktoken ranks file"
-    )
-
-
-def import_tokenizer(
-    path: str | os.PathLike, *, pattern: str | None = None, n_reserved: int | None = None,
-    roles: dict[str, str] | None = None,
-) -> Tokenizer:
-    """Load a tokenizer from a tinylm file, a tokenizer.json, GPT-2's vocab.json + merges.txt or a .tiktoken
-    file (or a folder with one), keeping every id the file gives.
-
-    ``pattern`` and ``n_reserved`` are for .tiktoken files only, which do not record them
-    (defaults "gpt4" and 0); the other formats carry their own. ``roles`` names the bos, eos or pad
-    token of a Hugging Face tokenizer whose files do not (see `tinylm.tokenizers.hf_files`).
-    """
-    from tinylm.tokenizers.hf_files import read_hf_tokenizer
-
-    path = Path(path)
-    if path.is_dir():
-        found = [path / name for name in ("tokenizer.json", "vocab.json", "tinylm_tokenizer.json", "tokenizer.tiktoken")]
-        found = [p for p in found if p.is_file()] or sorted(path.glob("*.tiktoken"))
-        if not found:
-            raise TinyLMError(f"{path} has no tokenizer.json, vocab.json + merges.txt, tinylm_tokenizer.json or "
-                              "*.tiktoken file")
-        path = found[0]
-    fmt = detect_format(path)
-    if fmt == "tiktoken":
-        if roles:
-            raise TinyLMError(f"{path} is a .tiktoken file, which has no special tokens to name as bos, eos or pad; "
-                              "tinylm adds its own after the ranks")
-        return load_tiktoken(path, pattern=pattern or "gpt4", n_reserved=n_reserved or 0)
-    if pattern is not None or n_reserved is not None:
-        raise TinyLMError(
-            f"{path} is a {fmt} file, which records its own split pattern and special tokens; "
-            "pattern and n_reserved are only for .tiktoken files"
-        )
-    if fmt == "tinylm":
-        if roles:
-            raise TinyLMError(f"{path} is a tinylm tokenizer, whose bos, eos and pad are fixed; --bos/--eos/--pad "
-                              "are for Hugging Face files")
-        return load_tokenizer(path)
-    return read_hf_tokenizer(path, roles=roles)

@@ -236,14 +236,10 @@ def _is_requested_tokenizer(tok: Tokenizer, tc: TrainConfig, smaller: bool = Fal
 
 
 def _train_tokenizer(corpus, tc: TrainConfig) -> Tokenizer:
-    from tinylm.tokenizers import CharTokenizer, WordTokenizer, train_bpe
+    from tinylm.tokenizers import train_tokenizer
 
-    if tc.tokenizer_kind == "char":
-        return CharTokenizer.train(corpus.texts())
-    if tc.tokenizer_kind == "word":
-        return WordTokenizer.train(corpus.texts(), tc.tokenizer_vocab_size)
-    return train_bpe(corpus.texts(), vocab_size=tc.tokenizer_vocab_size, pattern=tc.tokenizer_pattern,
-                     progress=_is_tty())
+    return train_tokenizer(tc.tokenizer_kind, corpus.texts(), vocab_size=tc.tokenizer_vocab_size,
+                           pattern=tc.tokenizer_pattern, progress=_is_tty())
 
 
 # ----- configuration checks -----------------------------------------------------------------------
