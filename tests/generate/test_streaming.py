@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from tinylm.errors import TinyLMError
-from tinylm.generate.engine import generate
+from tinylm.generate.engine import generate, stream
 from tinylm.generate.sampling import SamplingParams
-from tinylm.generate.stream import TextStream, stream
+from tinylm.generate.stream import TextStream
 
 from toys import ScriptedLM
 

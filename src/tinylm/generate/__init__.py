@@ -6,14 +6,14 @@
   the filters apply in that order.
 - `reference_generate` (reference.py): the naive generator that recomputes every step; the
   oracle the engine is tested against, and what `train` uses for its closing sample.
-- `stream` (stream.py): text pieces as tokens arrive, never splitting a character.
+- `stream` (engine.py, with stream.py's `TextStream`): text pieces as tokens arrive, never splitting a
+  character.
 - `next_token_candidates` (inspect.py): the next-token distribution, for learners.
 """
 
-from tinylm.generate.engine import Completion, generate
+from tinylm.generate.engine import Completion, generate, stream
 from tinylm.generate.inspect import next_token_candidates
 from tinylm.generate.reference import reference_generate
 from tinylm.generate.sampling import SamplingParams
-from tinylm.generate.stream import stream
 
 __all__ = ["Completion", "SamplingParams", "generate", "next_token_candidates", "reference_generate", "stream"]

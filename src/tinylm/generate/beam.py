@@ -30,8 +30,8 @@ import torch
 from torch import Tensor, nn
 
 from tinylm.generate.cache import KVCache, cache_for
-from tinylm.generate.engine import Completion, context_start, decode_one_token, prefill, warn_window, window_keep
 from tinylm.generate.sampling import SamplingParams, excluded_mask
+from tinylm.generate.steps import Completion, context_start, decode_one_token, prefill, warn_window, window_keep
 from tinylm.tokenizers.base import Tokenizer, default_stop_ids
 
 

@@ -15,10 +15,9 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from tinylm.errors import TinyLMError
-from tinylm.generate.engine import Completion, generate
+from tinylm.generate.engine import Completion, generate, stream
 from tinylm.generate.inspect import format_candidates, left_out, next_token_candidates, temperature_table
 from tinylm.generate.sampling import SamplingParams
-from tinylm.generate.stream import stream
 
 
 def unescape(text: str) -> str:

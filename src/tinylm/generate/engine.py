@@ -1,6 +1,7 @@
 """The generation engine: prefill, then one cached step per new token, for a batch of prompts.
 
-Generating is a loop of three small functions (the shape of gpt-fast's generate.py):
+Generating is a loop of three small functions (the shape of gpt-fast's generate.py; the model calls
+live in `tinylm.generate.steps`, shared with beam search, the reference generator and the server):
 
 - `prefill`: run the model once over the prompts; the KV cache stores every layer's keys and
   values; the logits of the last position give the first new token.
@@ -39,41 +40,29 @@ up to the one that completed it are kept in ``token_ids``), or after ``max_new_t
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Container, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
 
 import torch
 from torch import Tensor, nn
 
 from tinylm.errors import TinyLMError
+from tinylm.generate.beam import beam_search_completions
 from tinylm.generate.cache import KVCache, cache_for
 from tinylm.generate.sampling import SamplingParams, excluded_mask, prompt_generators, sample, token_logprobs
+from tinylm.generate.steps import (
+    Completion,
+    FinishReason,
+    accept_token,
+    context_start,
+    decode_one_token,
+    left_pad,
+    prefill,
+    warn_window,
+    window_keep,
+)
 from tinylm.generate.stream import TextStream
 from tinylm.tokenizers.base import Tokenizer, default_stop_ids
-
-FinishReason = Literal["stop", "length"]
-
-
-@dataclass
-class Completion:
-    """One generated sample.
-
-    ``text`` the new text (without the prompt, cut before a stop string, without the stop
-    token's text); ``token_ids`` the new tokens; ``logprobs`` the model's log-probability of each
-    of them (temperature 1, no filters); ``finish_reason`` "stop" or "length"; ``stop`` the stop
-    id or string that ended it (None for "length"); ``prompt_index`` and ``sample_index`` say
-    which prompt and which of its ``num_samples`` samples this is.
-    """
-
-    text: str
-    token_ids: list[int]
-    logprobs: list[float]
-    finish_reason: FinishReason
-    prompt_index: int = 0
-    sample_index: int = 0
-    stop: int | str | None = None
 
 
 @dataclass
@@ -85,87 +74,6 @@ class TokenEvent:
     logprob: float
     text: str  # text this token made certain ("" while held back)
     finish_reason: FinishReason | None = None  # set on the row's last event
-
-
-# ----- the three steps ---------------------------------------------------------------------------
-
-
-def prefill(model: nn.Module, idx: Tensor, cache: KVCache, attention_mask: Tensor | None = None,
-            position_ids: Tensor | None = None) -> Tensor:
-    """Run the prompts idx (B, T) through the model, filling the cache; the last position's logits (B, V)."""
-    logits, _ = model(idx, attention_mask=attention_mask, position_ids=position_ids, kv_cache=cache)
-    return logits[:, -1]  # (B, V)
-
-
-def decode_one_token(model: nn.Module, tokens: Tensor, cache: KVCache, attention_mask: Tensor | None = None,
-                     position_ids: Tensor | None = None) -> Tensor:
-    """One step: the new tokens (B,) in, their keys and values appended to the cache, next logits (B, V) out."""
-    logits, _ = model(tokens[:, None], attention_mask=attention_mask, position_ids=position_ids, kv_cache=cache)
-    return logits[:, -1]  # (B, V)
-
-
-def context_start(n: int, block_size: int, keep: int) -> int:
-    """Where the model's window starts in a sequence of ``n`` tokens (the window is tokens[start:n]).
-
-    Up to ``block_size`` tokens, the whole sequence. Beyond, the window was cut to the last
-    ``keep`` tokens when it overflowed, and has grown by one per token since, until full again
-    (``block_size - keep + 1`` lengths per cycle: keep, keep + 1, ..., block_size).
-    """
-    if not 1 <= keep <= block_size:
-        raise TinyLMError(f"window_keep must be between 1 and block_size ({block_size}), got {keep}")
-    if n <= block_size:
-        return 0
-    grown = (n - block_size - 1) % (block_size - keep + 1)  # tokens added since the last cut
-    return n - keep - grown
-
-
-def window_keep(params: SamplingParams, block_size: int) -> int:
-    """The number of tokens the window policy keeps: ``params.window_keep`` or half the context."""
-    keep = params.window_keep if params.window_keep is not None else max(1, block_size // 2)
-    if keep > block_size:
-        raise TinyLMError(f"window_keep ({keep}) cannot exceed the model's context (block_size = {block_size})")
-    return keep
-
-
-def warn_window(block_size: int, keep: int) -> None:
-    warnings.warn(
-        f"prompt plus generation exceed the model's context of {block_size} tokens: keeping the most recent "
-        f"{keep} tokens and reading them afresh (older text is no longer seen)",
-        stacklevel=3,
-    )
-
-
-def accept_token(stream: TextStream | None, token: int, stop_ids: Container[int],
-                 last_step: bool) -> tuple[str, FinishReason | None, int | str | None]:
-    """The stopping rule (module docstring), for one new token of one sample: (text released, finish reason, stop).
-
-    A stop id ends the sample and its own text is never shown; a stop string ends it with the text
-    cut before it; the last allowed token ends it with "length" and releases whatever the stream
-    held back. Otherwise the finish reason is None. The engine and the server both decide by it.
-    """
-    if token in stop_ids:
-        return (stream.finish() if stream else ""), "stop", token
-    piece = stream.push(token) if stream else ""
-    if stream is not None and stream.stopped_by is not None:
-        return piece, "stop", stream.stopped_by
-    if last_step:
-        return piece + (stream.finish() if stream else ""), "length", None
-    return piece, None, None
-
-
-def left_pad(windows: Sequence[Sequence[int]], device: torch.device | str = "cpu") -> tuple[Tensor, Tensor]:
-    """Token lists of different lengths -> ids (B, T) padded on the left with 0, and the mask (B, T), False at padding.
-
-    The padding id does not matter (the mask hides it); 0 is a valid id for every vocabulary.
-    """
-    T = max(len(w) for w in windows)
-    idx = torch.zeros(len(windows), T, dtype=torch.long)
-    mask = torch.zeros(len(windows), T, dtype=torch.bool)
-    for b, w in enumerate(windows):
-        if w:
-            idx[b, T - len(w):] = torch.tensor(w, dtype=torch.long)
-            mask[b, T - len(w):] = True
-    return idx.to(device), mask.to(device)
 
 
 def encode_prompts(tokenizer: Tokenizer, prompts: Sequence[str], start_ids: Sequence[int] = ()) -> list[list[int]]:
@@ -369,8 +277,27 @@ def generate(
         prompts = [prompts]
     ids = encode_prompts(tokenizer, prompts, start_ids)
     if params.num_beams > 1:
-        from tinylm.generate.beam import beam_search_completions  # beam.py builds on this module
-
         return [c for i, p in enumerate(ids)
                 for c in beam_search_completions(model, tokenizer, p, params, prompt_index=i)]
     return Engine(model, params, tokenizer).generate(ids)
+
+
+def stream(
+    model: nn.Module,
+    tokenizer: Tokenizer,
+    prompt: str,
+    params: SamplingParams,
+    *,
+    start_ids: Sequence[int] = (),
+) -> Iterator[str]:
+    """Yield the text of one completion of ``prompt`` in pieces, as the tokens are generated.
+
+    Only for a single sample (``params.num_samples == 1``, no beam search: a beam's text is not
+    final until the search ends). ``"".join(stream(...))`` equals ``generate(...)[0].text``.
+    """
+    if params.num_samples != 1 or params.num_beams != 1:
+        raise TinyLMError("streaming shows one sample as it is written: use num_samples = 1 and num_beams = 1")
+    engine = Engine(model, params, tokenizer=tokenizer)
+    for event in engine.events(encode_prompts(tokenizer, [prompt], start_ids)):
+        if event.text:
+            yield event.text

@@ -23,8 +23,8 @@ from torch import Tensor, nn
 
 from tinylm.config import FAMILY_NAMES
 from tinylm.errors import TinyLMError
-from tinylm.generate.engine import context_start
 from tinylm.generate.sampling import SamplingParams, excluded_mask, sampling_distribution
+from tinylm.generate.steps import context_start
 from tinylm.tokenizers.base import Tokenizer
 
 

@@ -22,8 +22,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from tinylm.generate.engine import Completion, context_start, warn_window, window_keep
 from tinylm.generate.sampling import SamplingParams, excluded_mask, prompt_generators, sample, token_logprobs
+from tinylm.generate.steps import Completion, context_start, warn_window, window_keep
 from tinylm.tokenizers.base import Tokenizer, default_stop_ids
 
 

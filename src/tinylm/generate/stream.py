@@ -12,18 +12,14 @@ Two things make "print each token as it arrives" wrong:
    longest end of the pending text that could still grow into a stop string is held back until
    the next token decides.
 
-`TextStream` does both for one sample; the engine keeps one per sample and `stream` yields the
-pieces of one prompt's completion. Joining all pieces always gives the completion's final text.
+`TextStream` does both for one sample; the engine keeps one per sample and its `stream`
+(`tinylm.generate.engine`) yields the pieces of one prompt's completion. Joining all pieces always gives the completion's final text.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
-from torch import nn
-
-from tinylm.errors import TinyLMError
-from tinylm.generate.sampling import SamplingParams
 from tinylm.tokenizers.base import Tokenizer
 
 
@@ -80,26 +76,3 @@ class TextStream:
             if any(s.startswith(tail) for s in self.stop):
                 return k
         return 0
-
-
-def stream(
-    model: nn.Module,
-    tokenizer: Tokenizer,
-    prompt: str,
-    params: SamplingParams,
-    *,
-    start_ids: Sequence[int] = (),
-) -> Iterator[str]:
-    """Yield the text of one completion of ``prompt`` in pieces, as the tokens are generated.
-
-    Only for a single sample (``params.num_samples == 1``, no beam search: a beam's text is not
-    final until the search ends). ``"".join(stream(...))`` equals ``generate(...)[0].text``.
-    """
-    from tinylm.generate.engine import Engine, encode_prompts  # the engine imports TextStream from here
-
-    if params.num_samples != 1 or params.num_beams != 1:
-        raise TinyLMError("streaming shows one sample as it is written: use num_samples = 1 and num_beams = 1")
-    engine = Engine(model, params, tokenizer=tokenizer)
-    for event in engine.events(encode_prompts(tokenizer, [prompt], start_ids)):
-        if event.text:
-            yield event.text

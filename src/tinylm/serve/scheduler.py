@@ -92,8 +92,8 @@ from torch import Tensor, nn
 
 from tinylm.errors import TinyLMError
 from tinylm.generate.cache import KVCache, cache_for
-from tinylm.generate.engine import FinishReason, accept_token, decode_one_token, left_pad
 from tinylm.generate.sampling import SamplingParams, excluded_mask, prompt_generators, sample, token_logprobs
+from tinylm.generate.steps import FinishReason, accept_token, decode_one_token, left_pad
 from tinylm.generate.stream import TextStream
 from tinylm.tokenizers.base import Tokenizer, default_stop_ids
 
