@@ -10,7 +10,8 @@
 """
 
 from tinylm.tokenizers.base import BOS, EOS, PAD, StreamDecoder, Tokenizer, load_tokenizer, tokenizer_from_dict
-from tinylm.tokenizers.bpe import PATTERNS, BPETokenizer, train_bpe
+from tinylm.tokenizers.bpe import PATTERNS, BPETokenizer
+from tinylm.tokenizers.bpe_train import train_bpe
 from tinylm.tokenizers.imported import ByteLevelBPETokenizer, SentencePieceBPETokenizer
 from tinylm.tokenizers.pieces import CharTokenizer, WordTokenizer
 

@@ -36,7 +36,7 @@ vectorised operations, and a run of spaces halves with each pass, so the time is
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -385,17 +385,3 @@ def _replace_pair(ids: list[int], pair: tuple[int, int], new_id: int) -> list[in
             out.append(ids[i])
             i += 1
     return out
-
-
-def train_bpe(
-    texts: Iterable[str],
-    vocab_size: int,
-    pattern: str = "gpt4",
-    n_reserved: int = 0,
-    **kwargs: Any,
-) -> BPETokenizer:
-    """Train a byte-level BPE tokenizer; see `tinylm.tokenizers.bpe_train.train_merges`."""
-    from tinylm.tokenizers.bpe_train import train_merges
-
-    merges = train_merges(texts, vocab_size=vocab_size, pattern=resolve_pattern(pattern), n_reserved=n_reserved, **kwargs)
-    return BPETokenizer(merges, pattern=pattern, n_reserved=n_reserved)

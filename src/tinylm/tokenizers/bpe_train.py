@@ -86,7 +86,7 @@ import regex
 
 from tinylm.errors import TinyLMError
 from tinylm.tokenizers.base import special_token_names
-from tinylm.tokenizers.bpe import PATTERNS
+from tinylm.tokenizers.bpe import PATTERNS, BPETokenizer, resolve_pattern
 
 # A text longer than this (in characters) is cut into pieces of about this size before it is
 # split into chunks, so that one giant document does not become one giant list of chunks.
@@ -365,3 +365,15 @@ def _progress_bar(total: int) -> Any:
     from tqdm.auto import tqdm  # imported here: only training with progress=True needs it
 
     return tqdm(total=total, desc="BPE merges", unit="merge")
+
+
+def train_bpe(
+    texts: Iterable[str],
+    vocab_size: int,
+    pattern: str = "gpt4",
+    n_reserved: int = 0,
+    **kwargs: Any,
+) -> BPETokenizer:
+    """Train a byte-level BPE tokenizer: `train_merges` on ``texts``, the merges as a `BPETokenizer`."""
+    merges = train_merges(texts, vocab_size=vocab_size, pattern=resolve_pattern(pattern), n_reserved=n_reserved, **kwargs)
+    return BPETokenizer(merges, pattern=pattern, n_reserved=n_reserved)

@@ -46,7 +46,7 @@ import tiktoken
 
 from tinylm.errors import TinyLMError
 from tinylm.tokenizers.base import AllowedSpecial, Tokenizer, whole_number, without_lone_surrogates
-from tinylm.tokenizers.bpe import PATTERNS, TiktokenPath, _tiktoken_call, resolve_pattern
+from tinylm.tokenizers.bpe import PATTERNS, TiktokenPath, pattern_name, resolve_pattern
 
 NORMALIZERS = ("NFC", "NFKC", "NFD", "NFKD")
 SPACE_MARK = "\u2581"  # "▁": SentencePiece's stand-in for a space
@@ -237,8 +237,6 @@ class ByteLevelBPETokenizer(ImportedTokenizer, TiktokenPath):
         return TiktokenPath.encode_ordinary(self, text)
 
     def _to_dict(self) -> dict[str, Any]:
-        from tinylm.tokenizers.bpe import pattern_name
-
         return {**self._common_dict(), "pattern": pattern_name(self.pattern) or self.pattern,
                 "tokens": _encode_token_list(self.tokens), "merges": [list(m) for m in self.merges],
                 "add_prefix_space": self.add_prefix_space, "normalizer": self.normalizer,
