@@ -25,7 +25,7 @@ so that a change in machine load hits every contender alike:
   (counted as bytes read + bytes written, STREAM's convention). The fraction of this bound
   that a decoder reaches says how much of the time goes to anything but streaming weights.
 
-Both models have the same shape and the same weights (tinylm's, converted by `tinylm.export.hf`),
+Both models have the same shape and the same weights (tinylm's, converted by `tinylm.export.weights`),
 and the benchmark prints how many of the first 32 greedy tokens they agree on before timing them.
 One more row, "W as (in, out)", runs tinylm on a copy of its model whose weight matrices are
 stored transposed (same values, another memory layout; see `column_major`): it measures what
@@ -51,7 +51,8 @@ import torch
 from torch import nn
 
 from tinylm.config import GPTConfig
-from tinylm.export.hf import convert_to_theirs, hf_config, hf_rules
+from tinylm.export.hf import hf_config
+from tinylm.export.weights import convert_to_theirs, hf_rules
 from tinylm.generate.engine import Engine
 from tinylm.generate.reference import reference_generate
 from tinylm.generate.sampling import SamplingParams
@@ -69,7 +70,7 @@ SHAPES = {
 def build_pair(config: GPTConfig, seed: int = 0):
     """A tinylm GPT with GPT-2's choices and a Hugging Face GPT2LMHeadModel holding the same weights.
 
-    The weights go across with tinylm's own exporter rules (`tinylm.export.hf`), as `tinylm export`
+    The weights go across with tinylm's own exporter rules (`tinylm.export.weights`), as `tinylm export`
     would write them.
     """
     from transformers import GPT2Config, GPT2LMHeadModel

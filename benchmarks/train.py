@@ -14,7 +14,7 @@ What is measured: training tokens/s, a step being forward + loss + backward + ``
 - tinylm's `GPT` with GPT-2's choices (learned positions, pre-norm LayerNorm, GELU in its tanh form,
   biases, output head tied to the embedding), which is what `GPT2LMHeadModel` is;
 - `GPT2LMHeadModel` with ``attn_implementation="sdpa"``, loaded with the *same weights*
-  (`tinylm.export.hf` converts them), and the benchmark checks that both give the same loss on the
+  (`tinylm.export.weights` converts them), and the benchmark checks that both give the same loss on the
   first batch before timing anything: same shapes, same function;
 - for information, on the baby shape: tinylm with the ``tiny`` preset's architecture (RoPE,
   RMSNorm, SwiGLU, no biases) at the same width, depth and heads (other FLOPs, so only its MFU
@@ -76,7 +76,8 @@ from torch import Tensor, nn
 
 from tinylm.config import GPTConfig, load_preset
 from tinylm.explain.accounting import flops_per_token
-from tinylm.export.hf import convert_to_theirs, hf_config, hf_rules
+from tinylm.export.hf import hf_config
+from tinylm.export.weights import convert_to_theirs, hf_rules
 from tinylm.model import GPT
 
 ADAMW = dict(lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)

@@ -28,7 +28,7 @@ from exportkit import CONFIGS, PROMPT, greedy, make_tokenizer, tiny_model
 import tinylm.export.gguf as gguf_export
 from tinylm.errors import TinyLMError
 from tinylm.export import export_gguf
-from tinylm.export.hf import rope_deinterleave, rope_interleave
+from tinylm.export.weights import rope_deinterleave, rope_interleave
 from tinylm.tokenizers import CharTokenizer
 from tinylm.tokenizers.formats import to_hf_tokenizer_json
 
@@ -199,10 +199,10 @@ def test_a_llama_cpp_style_reference_run_of_the_file_gives_our_logits_and_greedy
 
 def test_without_the_q_k_permutation_the_reference_disagrees(tmp_path, tokenizer, monkeypatch):
     """The permutation is needed: written as is, llama.cpp's neighbour-pair RoPE would compute another model."""
-    import tinylm.export.hf as hf
+    import tinylm.export.weights as weights
 
     model = tiny_model("llama-gqa").double()
-    monkeypatch.setattr(hf, "rope_interleave", lambda w, heads: w)
+    monkeypatch.setattr(weights, "rope_interleave", lambda w, heads: w)
     export_gguf(model, tokenizer, tmp_path / "m.gguf")
     ids = tokenizer.encode(PROMPT)
     with torch.no_grad():

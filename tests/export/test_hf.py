@@ -23,7 +23,7 @@ from safetensors import safe_open
 
 from tinylm.errors import TinyLMError
 from tinylm.export import architecture_for, export_hf, export_run, import_hf, import_hf_into_run
-from tinylm.export.hf import hf_rules
+from tinylm.export.weights import hf_rules
 from tinylm.model import GPT
 from tinylm.tokenizers import CharTokenizer
 from tinylm.tokenizers.base import generation_excluded

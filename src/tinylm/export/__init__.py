@@ -29,15 +29,9 @@ from typing import Literal
 from tinylm.config import build_config, load_config_file
 from tinylm.errors import TinyLMError
 from tinylm.export.gguf import LLAMA_CPP_PRE, GGUFDtype, export_gguf, gguf_rules
-from tinylm.export.hf import (
-    architecture_for,
-    config_from_hf,
-    export_hf,
-    hf_config,
-    hf_rules,
-    import_hf,
-    import_hf_into_run,
-)
+from tinylm.export.hf import export_hf, hf_config
+from tinylm.export.hf_import import config_from_hf, import_hf, import_hf_into_run
+from tinylm.export.weights import architecture_for, hf_rules
 from tinylm.run import CONFIG_FILE, load_run
 
 FORMATS = ("hf", "gguf")

@@ -113,7 +113,7 @@ import torch
 from tinylm.atomic import atomic_path
 from tinylm.config import GPTConfig
 from tinylm.errors import TinyLMError
-from tinylm.export.hf import Architecture, TensorRule, architecture_for, convert_to_theirs
+from tinylm.export.weights import Architecture, TensorRule, architecture_for, convert_to_theirs
 from tinylm.model.gpt import GPT
 from tinylm.model.positions import RopeScaling, rope_inverse_frequencies
 from tinylm.tokenizers.base import Tokenizer

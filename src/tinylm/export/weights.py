@@ -1,0 +1,266 @@
+"""The weight mapping between tinylm's `GPT` and the other formats: which architecture a model is, and how each tensor is named and laid out.
+
+`architecture_for` says which of GPT-2, Llama, Qwen3, Qwen2 and Mistral computes a configuration
+exactly (or refuses, naming each setting that does not map). A `TensorRule` says how one tensor
+of theirs is made from ours; `hf_rules` lists them for a `transformers` checkpoint (GGUF's
+`gguf_rules` builds on the same engine), and `convert_to_theirs` / `convert_to_ours` apply them.
+docs/export.md has the name table, GPT-2's Conv1D transpose and the RoPE row layouts.
+
+Usage::
+
+    rules = hf_rules(model.config)                   # architecture_for picks gpt2, llama, ...
+    tensors = convert_to_theirs(model.state_dict(), rules)
+    state = convert_to_ours(tensors, rules, GPT(model.config).state_dict(), "their file")
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from tinylm.config import FAMILY_NAMES, GPTConfig
+from tinylm.errors import TinyLMError
+from tinylm.export.hf_families import HF_CLASSES, NAMES, Architecture, llama_family_problems, llama_shaped
+
+# ----- which architecture ---------------------------------------------------------------------------
+
+
+def architecture_problems(config: GPTConfig) -> dict[Architecture, list[str]]:
+    """For each architecture, the settings of ``config`` it cannot express (empty: it fits exactly)."""
+    gpt2: list[str] = []
+    if config.norm_position != "pre":
+        gpt2.append(f"norm_position = {config.norm_position!r} (GPT-2 normalizes each sublayer's input: 'pre')")
+    if config.positions != "learned":
+        gpt2.append(f"positions = {config.positions!r} (GPT-2 learns a position table: 'learned')")
+    if config.norm != "layernorm":
+        gpt2.append(f"norm = {config.norm!r} (GPT-2 uses 'layernorm')")
+    if config.mlp != "gelu":
+        gpt2.append(f"mlp = {config.mlp!r} (GPT-2's MLP is 'gelu')")
+    if config.kv_heads != config.n_head:
+        gpt2.append(f"n_kv_head = {config.kv_heads} (GPT-2 has no grouped-query attention: n_kv_head = n_head)")
+    if config.head_dim * config.n_head != config.d_model:
+        gpt2.append(f"d_head = {config.head_dim} (GPT-2's heads split d_model: d_model / n_head)")
+    if config.qk_norm:
+        gpt2.append("qk_norm = true (GPT-2 does not normalize q and k)")
+    if config.qkv_bias:
+        gpt2.append("qkv_bias = true (GPT-2's bias switch covers every projection)")
+    if config.sliding_window is not None:
+        gpt2.append(f"sliding_window = {config.sliding_window} (GPT-2 attends to the whole context)")
+    if config.rope_scaling != "none":
+        gpt2.append(f"rope_scaling = {config.rope_scaling!r} (GPT-2 has no RoPE)")
+    # Llama, Qwen3 (QK-norm, no MLP biases), Qwen2 (q, k, v biases only) and Mistral (a sliding window):
+    # `tinylm.export.hf_families`
+    others = llama_family_problems(config)
+    # the recipe's options that no architecture has (zero-init projections and an untied head's init
+    # change only the starting weights, so they export)
+    unsupported = []
+    if config.logit_softcap is not None:
+        unsupported.append(f"logit_softcap = {config.logit_softcap:g} (neither caps its logits)")
+    if config.value_embed:
+        unsupported.append("value_embed = true (neither has value embeddings)")
+    if config.bigram_hash:
+        unsupported.append(f"bigram_hash = {config.bigram_hash} (neither has a bigram-hash embedding)")
+    return {"gpt2": gpt2 + unsupported, **{arch: issues + unsupported for arch, issues in others.items()}}
+
+
+def architecture_for(config: GPTConfig) -> Architecture:
+    """The `transformers` (and llama.cpp) architecture that computes this model exactly: "gpt2", "llama",
+    "qwen3", "qwen2" or "mistral" (the first that fits, in that order).
+
+    Anything else is a `TinyLMError` that lists, for the closer architecture first, what does not map.
+    The refusal weighs GPT-2 against the Llama-shaped architecture the model's switches point to:
+    Qwen3 for ``qk_norm``, Qwen2 for ``qkv_bias``, Mistral for ``sliding_window``, else Llama (they
+    differ in those switches, so the others would only add them to the list).
+    """
+    if config.family != "gpt":
+        raise TinyLMError(f"{FAMILY_NAMES[config.family]} model cannot be exported: the transformers and llama.cpp formats hold "
+                          "Transformers (family gpt) only; sample, evaluate and serve it with tinylm itself")
+    problems = architecture_problems(config)
+    for arch, issues in problems.items():
+        if not issues:
+            return arch
+    candidates: tuple[Architecture, ...] = ("gpt2", llama_shaped(config))
+    ranked = sorted(candidates, key=lambda arch: len(problems[arch]))
+    detail = "; ".join(f"as {HF_CLASSES[arch]}: {', '.join(problems[arch])}" for arch in ranked)
+    raise TinyLMError(
+        f"this model cannot be exported: neither GPT-2 nor {NAMES[candidates[1]]} computes it ({detail}). Export "
+        "needs a GPT-2-style configuration (learned positions, LayerNorm, GELU, pre-norm), a Llama-style one "
+        "(RoPE, RMSNorm, SwiGLU, pre-norm) or one of its variants without biases: Qwen3 (qk_norm), Qwen2 "
+        "(qkv_bias) or Mistral (sliding_window)"
+    )
+
+
+
+# ----- the weight map -------------------------------------------------------------------------------
+
+# How one tensor of theirs is made from ours. Each takes our tensors (stacked along dim 0 first, which
+# is the output dimension of an nn.Linear weight, so q, k, v stack into one fused projection) and has
+# an inverse, `to_ours`, that `convert_to_ours` applies on import.
+Transform = Literal["copy", "conv1d", "rope_interleave"]
+
+
+@dataclass(frozen=True)
+class TensorRule:
+    """One tensor of the other format: its name, the tinylm parameter(s) it holds, and how it is laid out.
+
+    - ``theirs``: the name in their file ("transformer.h.0.attn.c_attn.weight").
+    - ``ours``: the tinylm state-dict names, stacked along dim 0 in this order (one name for most).
+    - ``transform``: "copy" (as is), "conv1d" (GPT-2's (in, out) layout: a 2-D matrix is transposed,
+      a bias is not), "rope_interleave" (llama.cpp's rotary layout: see `tinylm.export.gguf`).
+    - ``heads``: for "rope_interleave", the number of heads the rows fall into.
+    """
+
+    theirs: str
+    ours: tuple[str, ...]
+    transform: Transform = "copy"
+    heads: int = 0
+
+
+def rope_interleave(w: Tensor, heads: int) -> Tensor:
+    """Reorder each head's rows from rotate-half pairs (i, i + d_h/2) to neighbour pairs (2i, 2i + 1).
+
+    ``w`` is (heads * d_h, ...) (a W_q or W_k weight, or its bias). Row i of a head moves to 2i and
+    row i + d_h/2 to 2i + 1; the same permutation of q's and k's coordinates leaves every dot
+    product q . k unchanged, and turns our rotation into the one that rotates neighbours.
+    """
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def rope_deinterleave(w: Tensor, heads: int) -> Tensor:
+    """The inverse of `rope_interleave`: neighbour pairs back to rotate-half pairs."""
+    return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def to_theirs(rule: TensorRule, tensors: Sequence[Tensor]) -> Tensor:
+    """Our tensor(s) for ``rule`` -> their tensor."""
+    t = tensors[0] if len(tensors) == 1 else torch.cat(list(tensors), dim=0)
+    if rule.transform == "conv1d" and t.dim() == 2:
+        t = t.T  # (out, in) -> GPT-2's (in, out)
+    elif rule.transform == "rope_interleave":
+        t = rope_interleave(t, rule.heads)
+    return t.contiguous()
+
+
+def to_ours(rule: TensorRule, t: Tensor, sizes: Sequence[int]) -> list[Tensor]:
+    """Their tensor for ``rule`` -> our tensor(s), split along dim 0 into ``sizes`` rows (the inverse of `to_theirs`)."""
+    if rule.transform == "conv1d" and t.dim() == 2:
+        t = t.T
+    elif rule.transform == "rope_interleave":
+        t = rope_deinterleave(t, rule.heads)
+    return [part.contiguous() for part in torch.split(t, list(sizes), dim=0)]
+
+
+def hf_rules(config: GPTConfig, arch: Architecture | None = None) -> list[TensorRule]:
+    """The tensors of the `transformers` checkpoint of ``config``, in file order, with where each comes from.
+
+    GPT-2 rules always include the biases (GPT-2 has them everywhere; `export_hf` writes zeros for
+    a ``bias = false`` model). The Llama-shaped ones share Llama's names, with biases where our model
+    has them (all projections with ``bias``, q, k and v with Qwen2's ``qkv_bias``), plus each layer's
+    q_norm and k_norm for Qwen3. An untied output head is one more rule; a tied one is E itself.
+    """
+    arch = arch or architecture_for(config)
+    rules: list[TensorRule] = []
+    if arch == "gpt2":
+        kinds = ("weight", "bias")
+        rules += [TensorRule("transformer.wte.weight", ("E.weight",)),
+                  TensorRule("transformer.wpe.weight", ("pos_emb.P.weight",))]
+        for i in range(config.n_layer):
+            h, b = f"transformer.h.{i}.", f"blocks.{i}."
+            for k in kinds:
+                rules.append(TensorRule(f"{h}ln_1.{k}", (f"{b}norm_1.{k}",)))
+            for k in kinds:
+                rules.append(TensorRule(f"{h}attn.c_attn.{k}", tuple(f"{b}attn.{w}.{k}" for w in ("W_q", "W_k", "W_v")),
+                                        "conv1d"))
+            for k in kinds:
+                rules.append(TensorRule(f"{h}attn.c_proj.{k}", (f"{b}attn.W_o.{k}",), "conv1d"))
+            for k in kinds:
+                rules.append(TensorRule(f"{h}ln_2.{k}", (f"{b}norm_2.{k}",)))
+            for k in kinds:
+                rules.append(TensorRule(f"{h}mlp.c_fc.{k}", (f"{b}mlp.W_1.{k}",), "conv1d"))
+            for k in kinds:
+                rules.append(TensorRule(f"{h}mlp.c_proj.{k}", (f"{b}mlp.W_2.{k}",), "conv1d"))
+        rules += [TensorRule(f"transformer.ln_f.{k}", (f"norm_f.{k}",)) for k in kinds]
+    else:
+        kinds = ("weight", "bias") if config.bias else ("weight",)
+        qkv_kinds = ("weight", "bias") if config.bias or config.qkv_bias else ("weight",)
+        rules.append(TensorRule("model.embed_tokens.weight", ("E.weight",)))
+        for i in range(config.n_layer):
+            h, b = f"model.layers.{i}.", f"blocks.{i}."
+            rules.append(TensorRule(f"{h}input_layernorm.weight", (f"{b}norm_1.weight",)))
+            for theirs, ours in (("q_proj", "W_q"), ("k_proj", "W_k"), ("v_proj", "W_v"), ("o_proj", "W_o")):
+                rules += [TensorRule(f"{h}self_attn.{theirs}.{k}", (f"{b}attn.{ours}.{k}",))
+                          for k in (kinds if ours == "W_o" else qkv_kinds)]
+            if arch == "qwen3":  # one gain of d_h per layer for q and one for k, shared by all heads
+                rules += [TensorRule(f"{h}self_attn.{n}.weight", (f"{b}attn.{n}.weight",)) for n in ("q_norm", "k_norm")]
+            rules.append(TensorRule(f"{h}post_attention_layernorm.weight", (f"{b}norm_2.weight",)))
+            # SwiGLU: (SiLU(x W_1) * x W_3) W_2, and Llama's down(silu(gate(x)) * up(x))
+            for theirs, ours in (("gate_proj", "W_1"), ("up_proj", "W_3"), ("down_proj", "W_2")):
+                rules += [TensorRule(f"{h}mlp.{theirs}.{k}", (f"{b}mlp.{ours}.{k}",)) for k in kinds]
+        rules.append(TensorRule("model.norm.weight", ("norm_f.weight",)))
+    if not config.tie_embeddings:
+        rules.append(TensorRule("lm_head.weight", ("lm_head.weight",)))
+    return rules
+
+
+def convert_to_theirs(state: Mapping[str, Tensor], rules: Sequence[TensorRule]) -> dict[str, Tensor]:
+    """Their tensors, by name, from our state dict (CPU, contiguous); a missing bias becomes zeros.
+
+    A bias absent from ``state`` is a ``bias = false`` model written to a format that always has
+    biases (GPT-2): zeros of the size of the matching weight's output, the same function.
+    """
+    out: dict[str, Tensor] = {}
+    for rule in rules:
+        parts = []
+        for name in rule.ours:
+            if name in state:
+                parts.append(state[name].detach().cpu())
+            elif name.endswith(".bias") and name.removesuffix(".bias") + ".weight" in state:
+                weight = state[name.removesuffix(".bias") + ".weight"]
+                parts.append(torch.zeros(weight.shape[0], dtype=weight.dtype))
+            else:
+                raise TinyLMError(
+                    f"the model has no parameter {name!r}, which {rule.theirs!r} is made from: the model's "
+                    f"parameters do not follow its configuration (names: {', '.join(list(state)[:6])}, ...)"
+                )
+        out[rule.theirs] = to_theirs(rule, parts)
+    return out
+
+
+def convert_to_ours(
+    theirs: Mapping[str, Tensor], rules: Sequence[TensorRule], expected: Mapping[str, Tensor], source: str
+) -> dict[str, Tensor]:
+    """Our state dict from their tensors; ``expected`` (a fresh model's state dict) gives every shape.
+
+    Every rule's tensor must be present with the shape the configuration implies; a tensor of
+    theirs that no rule reads is an error too (it would be silently dropped otherwise).
+    """
+    ours: dict[str, Tensor] = {}
+    for rule in rules:
+        if rule.theirs not in theirs:
+            raise TinyLMError(f"{source} has no tensor {rule.theirs!r}, which its config.json implies; the "
+                              "checkpoint is incomplete or of another architecture")
+        sizes = [expected[name].shape[0] for name in rule.ours]
+        want = to_theirs(rule, [expected[name] for name in rule.ours]).shape
+        t = theirs[rule.theirs]
+        if t.shape != want:
+            raise TinyLMError(f"{source}: tensor {rule.theirs!r} is {tuple(t.shape)}, but config.json implies "
+                              f"{tuple(want)}")
+        for name, part in zip(rule.ours, to_ours(rule, t, sizes)):
+            ours[name] = part
+    unused = sorted(set(theirs) - {rule.theirs for rule in rules})
+    if unused:
+        raise TinyLMError(f"{source} has tensors tinylm would not use ({', '.join(unused[:4])}"
+                          f"{', ...' if len(unused) > 4 else ''}): its config.json and weights disagree, or it "
+                          "is a variant of the architecture that tinylm does not compute")
+    return ours
+
+
+
+__all__ = [
+    "Architecture", "Transform", "TensorRule", "architecture_for", "architecture_problems", "hf_rules",
+    "rope_interleave", "rope_deinterleave", "to_theirs", "to_ours", "convert_to_theirs", "convert_to_ours",
+]
