@@ -76,9 +76,9 @@ from fastapi.staticfiles import StaticFiles
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+import tinylm.serve.protocol as protocol
 from tinylm.errors import TinyLMError
 from tinylm.generate.inspect import drawable_logits, top_ids
-from tinylm.serve import protocol
 from tinylm.serve.chat import ChatFormat, is_blank_token, reply_text
 from tinylm.serve.protocol import (
     APIError,
