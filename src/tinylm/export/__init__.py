@@ -1,17 +1,18 @@
 """Leaving tinylm and coming in: Hugging Face `transformers` checkpoints and GGUF files for llama.cpp.
 
-- `export_hf` / `import_hf` (`tinylm.export.hf`): a model and its tokenizer as a GPT-2, Llama, Qwen3,
-  Qwen2 or Mistral checkpoint folder (config.json, model.safetensors, tokenizer.json, ...) and back
-  (`tinylm.export.hf_families` maps the Llama-shaped ones, RoPE scaling and sliding windows included);
-  `import_hf_into_run` makes a tinylm run directory of one (what `tinylm import` does).
+- `export_hf` (`tinylm.export.hf`) / `import_hf` (`tinylm.export.hf_import`): a model and its tokenizer
+  as a GPT-2, Llama, Qwen3, Qwen2 or Mistral checkpoint folder (config.json, model.safetensors,
+  tokenizer.json, ...) and back (`tinylm.export.hf_families` maps the Llama-shaped ones, RoPE scaling
+  and sliding windows included); `import_hf_into_run` makes a tinylm run directory of one (what
+  `tinylm import` does).
 - `export_gguf` (`tinylm.export.gguf`): one GGUF file, weights and tokenizer, for llama.cpp.
 - `export_run`: either export, from a trained run directory (what `tinylm export` does).
 
 Only configurations that GPT-2, Llama or one of its variants (Qwen3: QK-norm, Qwen2: q, k, v biases,
 Mistral: a sliding window) compute exactly are exported
-(`architecture_for` says which, or why not); the two modules' docstrings explain how each name
-maps, why GPT-2's matrices are transposed and why llama.cpp's query and key rows are permuted
-for Llama but not for Qwen3.
+(`tinylm.export.weights.architecture_for` says which, or why not; its tensor rules serve both
+formats). docs/export.md explains how each name maps, why GPT-2's matrices are transposed and why
+llama.cpp's query and key rows are permuted for Llama but not for Qwen3.
 
 Usage::
 

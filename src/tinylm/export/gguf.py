@@ -1,99 +1,11 @@
 """GGUF files for llama.cpp: a tinylm model and its tokenizer in one file, written with the `gguf` package.
 
-GGUF is llama.cpp's format: a header of typed key/value metadata (the hyperparameters and the
-whole tokenizer) followed by named tensors. We write it with `gguf`, the Python writer that
-llama.cpp maintains, and take the tensor names from its own table (``gguf.TENSOR_NAMES``), so a
-renamed tensor upstream shows up here as a failing test rather than a file llama.cpp rejects.
-
-**Architecture.** llama.cpp's "gpt2", "llama", "qwen3" and "qwen2" graphs are the architectures of
-the same names in `tinylm.export.hf`, and `architecture_for` decides between them (or refuses) the
-same way; a Mistral goes into the "llama" graph, as llama.cpp's own converter writes it. Three
-settings need more than the table below (`gguf_problems` refuses what llama.cpp cannot run):
-
-- ``qkv_bias`` (Qwen2): ``attn_q.bias``, ``attn_k.bias``, ``attn_v.bias``, which the qwen2 graph adds.
-- ``sliding_window``: llama.cpp's llama graph attends to the whole context, so a windowed model is
-  written only when the window is at least ``block_size``, where it hides nothing.
-- ``rope_scaling``: "linear" is llama.cpp's own ``rope.scaling.type = linear`` with
-  ``rope.scaling.factor`` (its frequencies are divided by the factor, as ours). "llama3" scales
-  each frequency differently; llama.cpp's llama graph reads that as a ``rope_freqs`` tensor of
-  d_h/2 divisors, omega_plain / omega_scaled (what convert_hf_to_gguf writes for Llama 3.1), and
-  its other graphs do not read it, so there it is refused.
-
-**Tensors.** ggml lists a tensor's dimensions fastest-first, the reverse of numpy, so a matrix
-that llama.cpp describes as ``{n_embd, n_ff}`` is the numpy array (n_ff, n_embd): exactly an
-``nn.Linear`` weight (out, in). So our weights go in as they are, with no GPT-2 style transpose:
-
-===================  ==============================  ================================  ========================
-tinylm               gpt2                            llama                             qwen3
-===================  ==============================  ================================  ========================
-E                    token_embd                      token_embd                        as llama
-pos_emb.P            position_embd                   -                                 -
-blocks.i.norm_1      blk.i.attn_norm (weight, bias)  blk.i.attn_norm                   as llama
-W_q, W_k, W_v        blk.i.attn_qkv (rows q; k; v)   blk.i.attn_q, attn_k (permuted,   attn_q, attn_k (as they
-                                                     see below), attn_v                are), attn_v
-attn.q_norm, k_norm  -                               -                                 blk.i.attn_q_norm,
-                                                                                       attn_k_norm, (d_h,)
-W_o                  blk.i.attn_output               blk.i.attn_output                 as llama
-blocks.i.norm_2      blk.i.ffn_norm                  blk.i.ffn_norm                    as llama
-mlp.W_1, W_3, W_2    ffn_up (= W_1), ffn_down (W_2)  ffn_gate (W_1), ffn_up (W_3),     as llama
-                                                     ffn_down (W_2)
-norm_f               output_norm                     output_norm                       as llama
-lm_head              output (untied only)            output (untied only)              as llama
-===================  ==============================  ================================  ========================
-
-A tied head is not written: llama.cpp falls back to ``token_embd`` when ``output`` is missing.
-llama.cpp's GPT-2 graph needs every bias; a ``bias = false`` model gets zero biases (exact).
-With ``dtype="f16"`` the matrices are stored as float16 and the vectors (norms, biases) stay
-float32, as llama.cpp expects.
-
-**The RoPE layout story.** A rotary embedding turns pairs of a head's coordinates by
-position-dependent angles; which coordinates form a pair is a convention. The RoFormer paper
-and Meta's original Llama pair neighbours (2i, 2i+1); GPT-NeoX, Hugging Face's Llama and tinylm
-pair i with i + d_h/2 ("rotate half"). llama.cpp has both kernels (``LLAMA_ROPE_TYPE_NORM``
-for neighbours, ``NEOX`` for halves) and uses NORM for its "llama" architecture, because it was
-written for Meta's checkpoints. llama.cpp's own converter (``LlamaModel.permute`` in
-convert_hf_to_gguf) therefore reorders the rows of every head of W_q and W_k from halves to
-neighbours, and we do the same (`tinylm.export.hf.rope_interleave`): row i of a head moves to
-2i, row i + d_h/2 to 2i + 1. Applying one permutation to the coordinates of both q and k
-changes no dot product q . k, so attention is untouched, and the pair that our rotation turned
-together (i, i + d_h/2) is now the pair (2i, 2i+1) that llama.cpp turns, with the same
-frequency theta^(-2i/d_h). W_v and W_o are not rotated and stay as they are. (GPT-2 has no
-RoPE, so its weights are not permuted.)
-
-The "qwen3" graph is the other case: llama.cpp runs it with the NEOX kernel (rotate half, as
-Qwen's checkpoints and `transformers` do), so there W_q and W_k go in unpermuted, and so do the
-q and k norm gains (one per coordinate of a head, in q's and k's own order). llama.cpp applies
-them as we do: RMSNorm over each head's d_h coordinates (eps ``attention.layer_norm_rms_epsilon``),
-then the rotation. Permuting q and k there would pair the wrong coordinates, which the tests
-check changes the logits.
-
-**Tokenizer.** llama.cpp's "gpt2" tokenizer model is byte-level BPE: ``tokenizer.ggml.tokens``
-lists every token as its GPT-2 byte-level string (the same spelling as tokenizer.json),
-``merges`` the merges as "left right" in rank order, ``token_type`` marks our special tokens
-CONTROL and the rest NORMAL, then the bos/eos/padding ids, and ``add_bos_token`` /
-``add_eos_token`` false (tinylm puts its start token itself). The split regex is not stored:
-llama.cpp hard-codes one per ``tokenizer.ggml.pre`` name, so we name the one that matches
-ours (`LLAMA_CPP_PRE`).
-
-GGUF has no list of tokens never to sample (the Hugging Face export writes ``suppress_tokens``).
-llama.cpp's samplers may draw PAD, BOS or reserved ids, though a trained model gives them
-little mass; with llama.cpp's ``--logit-bias ID-inf`` per id, it leaves them out as tinylm does.
-
-Split patterns:
-
-- our "gpt2" pattern -> "gpt-2": GPT-2's regex.
-- our "gpt4" pattern (cl100k's) -> "dbrx". DBRX's tokenizer *is* cl100k, and llama.cpp's entry
-  for it holds the cl100k / Llama 3 regex with ordinary merge-order BPE. "llama-bpe" has the
-  same regex but also turns on ``ignore_merges`` (a chunk that is itself a token skips BPE,
-  which can give other ids than merging) and forces a BOS, neither of which tinylm does. One
-  difference remains in the regex itself: cl100k keeps a run of whitespace that ends the text
-  as one chunk (``\\s++$``), where the Llama 3 form splits it after its last line break, so a
-  text *ending* in a line break followed by spaces may be tokenized differently.
-- any other pattern ("none", a custom regex) has no llama.cpp equivalent: refused, unless the
-  caller names a ``pre_tokenizer`` knowing that llama.cpp will split text its own way.
-
-Decoding in llama.cpp also "cleans up" spaces before punctuation for BPE vocabularies; token
-ids, and therefore the model's behaviour, are unaffected.
+`export_gguf` writes the hyperparameters, the tokenizer (`tinylm.export.gguf_vocab`) and the
+tensors (`gguf_rules`, on the rule engine of `tinylm.export.weights`) of a GPT-2, Llama, Qwen3,
+Qwen2 or Mistral-shaped model as llama.cpp's "gpt2", "llama", "qwen3" or "qwen2" graph;
+`gguf_problems` refuses what llama.cpp cannot run. Llama's W_q and W_k rows are permuted to
+llama.cpp's neighbour-pair RoPE, Qwen3's are not: docs/export.md tells that story and has the
+tensor-name table.
 
 Usage::
 

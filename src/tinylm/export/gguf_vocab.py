@@ -1,21 +1,9 @@
 """The tokenizer half of a GGUF file: what llama.cpp reads to turn text into the model's ids and back.
 
-llama.cpp knows two tokenizer models that tinylm's tokenizers map onto:
-
-- **"gpt2"** (byte-level BPE): ``tokenizer.ggml.tokens`` is every id's token spelled in GPT-2's
-  byte-level characters (the tokenizer.json spelling), ``merges`` the merges as "left right" in
-  rank order, ``token_type`` CONTROL for a special token, USER_DEFINED for an added word, UNUSED
-  for an id no token has, NORMAL for the rest. Used for tinylm's own BPE and for every imported
-  byte-level tokenizer (GPT-2, Llama 3, Qwen2, a .tiktoken file, whose merges are recovered
-  from its ranks). The split regex is not stored: llama.cpp hard-codes one per
-  ``tokenizer.ggml.pre`` name, chosen here from the tokenizer's pattern (`pre_tokenizer_name`).
-- **"llama"** (SentencePiece): the pieces as they are ("▁the", "<0x0A>"), a score per piece
-  (llama.cpp merges the adjacent pair whose joined piece scores highest; a piece made by merge r
-  scores -r, so the order is the merge list's), and types NORMAL, BYTE (the 256 "<0xNN>"),
-  CONTROL, UNKNOWN (<unk>), UNUSED. Used for imported SentencePiece-style tokenizers (Llama 2,
-  Mistral); ``add_space_prefix`` says whether a "▁" goes in front.
-
-Rows of the embedding past the tokenizer's ids (a padded output layer) get UNUSED "[PADi]" tokens.
+Byte-level BPE (tinylm's own, GPT-2, Llama 3, Qwen2, .tiktoken) is written as llama.cpp's "gpt2"
+tokenizer model with a ``tokenizer.ggml.pre`` name for the split regex (`pre_tokenizer_name`,
+`LLAMA_CPP_PRE`); SentencePiece-style BPE (Llama 2, Mistral) as its "llama" model with
+merge-order scores and BYTE tokens. docs/export.md ("The GGUF tokenizer") has the details.
 """
 
 from __future__ import annotations

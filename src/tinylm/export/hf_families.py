@@ -1,32 +1,11 @@
-"""The Llama-shaped `transformers` architectures: which tinylm settings each one is, and their config.json.
+"""The Llama-shaped `transformers` architectures (Llama, Qwen3, Qwen2, Mistral): which tinylm settings each one is, and their config.json.
 
-Llama, Qwen3, Qwen2 and Mistral are one network (RoPE, RMSNorm, SwiGLU, pre-norm, optional
-grouped-query attention) with different switches, and each switch is one of ours:
-
-==============  ====================  ======================  =====================  ==========================
-tinylm setting  LlamaForCausalLM      Qwen3ForCausalLM        Qwen2ForCausalLM       MistralForCausalLM
-==============  ====================  ======================  =====================  ==========================
-bias            ``attention_bias`` =  false                   false                  false
-                ``mlp_bias``
-qkv_bias        false                 false                   true (q, k, v always   false
-                                                              have biases)
-qk_norm         false                 true                    false                  false
-sliding_window  unset                 unset                   ``use_sliding_window``  ``sliding_window`` (null:
-                                                              on every layer         none)
-rope_scaling    ``rope_parameters``: "default", "linear" (``factor``) or "llama3" (``factor``, ``low_freq_factor``,
-                ``high_freq_factor``, ``original_max_position_embeddings``), the same in all four
-==============  ====================  ======================  =====================  ==========================
-
-A configuration that fits several (a plain Llama is also a window-less Mistral) goes to the first
-in that order. Two defaults of `transformers` that a config.json may leave out matter here: a
-missing ``sliding_window`` is 4096 to MistralConfig (and to Qwen2Config, which uses it only with
-``use_sliding_window``), and a missing ``head_dim`` is 128 to Qwen3Config. Qwen2 windows layer i
-when i >= ``max_window_layers`` (or as ``layer_types`` says); tinylm's window is the same on every
-layer, so all or none of them must be windowed. A ``head_dim`` other than hidden_size /
-num_attention_heads (Mistral NeMo's, Qwen3's 128 on a small model) is tinylm's ``d_head``.
-
-`tinylm.export.hf` uses this module for the Llama-shaped half of `architecture_problems`,
-`config_from_hf` and `hf_config`; the tensor names are there (`hf_rules`).
+They are one network (RoPE, RMSNorm, SwiGLU, pre-norm, optional grouped-query attention) with
+different switches, each one of ours (``bias``, ``qkv_bias``, ``qk_norm``, ``sliding_window``,
+``rope_scaling``); a configuration that fits several goes to the first in that order.
+`tinylm.export.weights` uses this module for the Llama-shaped half of `architecture_problems`,
+`tinylm.export.hf_import` for `config_from_hf` and `tinylm.export.hf` for `hf_config`.
+docs/export.md has the table and the `transformers` defaults that matter.
 """
 
 from __future__ import annotations
@@ -41,7 +20,7 @@ Architecture = Literal["gpt2", "llama", "qwen3", "qwen2", "mistral"]
 LlamaShaped = Literal["llama", "qwen3", "qwen2", "mistral"]
 
 # `transformers` class name and model_type of each architecture; a configuration that fits several
-# is exported as the first (see `tinylm.export.hf.architecture_for`)
+# is exported as the first (see `tinylm.export.weights.architecture_for`)
 HF_CLASSES: dict[Architecture, str] = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM",
                                        "qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM",
                                        "mistral": "MistralForCausalLM"}
