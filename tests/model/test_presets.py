@@ -202,31 +202,40 @@ def test_the_resolved_config_round_trips_through_toml(tmp_path, name):
     assert isinstance(config, Config)
 
 
-@pytest.mark.parametrize("family, preset", [("lstm", "lstm"), ("rnn", "rnn"), ("gpt", "tiny"), ("ngram", "tiny")])
-def test_the_model_flag_alone_starts_from_its_family_s_preset(family, preset):
-    from tinylm.cli import _default_run_dir, _train_config, build_parser
+def _command_config(capsys, *argv: str) -> Config:
+    """The configuration `tinylm train ARGV` would train with (what --print-config prints)."""
+    import tomllib
 
-    args = build_parser().parse_args(["train", "--model", family])
-    config = _train_config(args)
+    from tinylm.cli import main
+
+    assert main(["train", *argv, "--print-config"]) == 0
+    return build_config(tomllib.loads(capsys.readouterr().out))
+
+
+@pytest.mark.parametrize("family, preset", [("lstm", "lstm"), ("rnn", "rnn"), ("gpt", "tiny"), ("ngram", "tiny")])
+def test_the_model_flag_alone_starts_from_its_family_s_preset(capsys, family, preset):
+    from tinylm.config import default_run_dir
+
+    config = _command_config(capsys, "--model", family)
     expected = resolve_config(preset=preset, overrides={"family": family})
     assert (config.model, config.train) == (expected.model, expected.train)
-    assert _default_run_dir(args).name == f"{'tiny' if family == 'gpt' else family}-shakespeare"
-    flagged = _train_config(build_parser().parse_args(["train", "--model", family, "--lr", "0.002"]))
+    assert resolve_config(overrides={"family": family}) == config  # Python starts where the command does
+    assert default_run_dir(overrides={"family": family}).name == f"{'tiny' if family == 'gpt' else family}-shakespeare"
+    flagged = _command_config(capsys, "--model", family, "--lr", "0.002")
     assert flagged.train.lr == 0.002 and flagged.model == expected.model  # flags still override the preset
 
 
-def test_naming_the_family_changes_neither_fine_tuning_settings_nor_the_folder_twice(tmp_path):
+def test_naming_the_family_changes_neither_fine_tuning_settings_nor_the_folder_twice(tmp_path, capsys):
     """`--model rnn --init-from RUN` fine-tunes with tiny's [train] settings, as `--init-from RUN` does; and
     `--model rnn --preset rnn` is runs/rnn-shakespeare, not runs/rnn-rnn-shakespeare."""
-    from tinylm.cli import _default_run_dir, _train_config, build_parser
-    from tinylm.config import dump_toml
+    from tinylm.config import default_run_dir
 
     source = tmp_path / "r2"
     source.mkdir()
     (source / "config.toml").write_text(dump_toml(resolve_config(preset="rnn").to_dict()), encoding="utf-8")
-    named = _train_config(build_parser().parse_args(["train", "--model", "rnn", "--init-from", str(source)]))
-    unnamed = _train_config(build_parser().parse_args(["train", "--init-from", str(source)]))
+    named = _command_config(capsys, "--model", "rnn", "--init-from", str(source))
+    unnamed = _command_config(capsys, "--init-from", str(source))
     assert named.train == unnamed.train == resolve_config(preset="tiny").train
     assert named.model == unnamed.model and named.model.family == "rnn"
-    args = build_parser().parse_args(["train", "--model", "rnn", "--preset", "rnn"])
-    assert _default_run_dir(args).name == "rnn-shakespeare"
+    assert resolve_config(overrides={"family": "rnn"}, init_from=source) == named
+    assert default_run_dir(preset="rnn", overrides={"family": "rnn"}).name == "rnn-shakespeare"

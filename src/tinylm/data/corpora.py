@@ -59,6 +59,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
+from tinylm.config import corpus_stem  # noqa: F401 (the folder names a corpus gives; data/ and train/ use it)
 from tinylm.errors import TinyLMError
 
 CORPORA = ["shakespeare", "stdlib"]
@@ -178,11 +179,6 @@ def load_corpus(
     if path.suffix == ".jsonl":
         return jsonl_corpus(path, text_field=text_field, errors=errors, encoding=encoding, name=spec_str)
     return text_file_corpus(path, errors=errors, encoding=encoding, name=spec_str)
-
-
-def corpus_stem(spec: str) -> str:
-    """A corpus's short name for the folders made from it: ``docs`` for docs.jsonl, ``notes`` for notes/."""
-    return Path(os.fspath(spec).rstrip("/\\")).stem or "corpus"
 
 
 def _looks_like_path(spec: str) -> bool:

@@ -1,0 +1,71 @@
+"""The `tinylm` command: thin argparse subcommands over the library.
+
+Each subcommand parses its flags and calls one library function; everything it does can be
+done from Python too. A user mistake raises `TinyLMError`, which is printed as one line on
+stderr with exit status 2 and no traceback; so is a bad flag value.
+
+    tinylm tokenizer train --corpus shakespeare --kind bpe --vocab-size 4096 --out tok.json
+    tinylm tokenizer encode --tokenizer tok.json --text "To be, or not to be" --show
+    tinylm tokenizer info --tokenizer tok.json
+    tinylm prepare --corpus shakespeare --out data/shakespeare
+    tinylm train                                   # the tiny preset on Shakespeare, into runs/tiny-shakespeare
+    tinylm train --preset tiny --max-steps 200 --lr 2e-3 --out runs/quick
+    tinylm eval runs/quick
+    tinylm eval runs/quick --stride 64             # sliding windows: more context for every target
+
+The commands are grouped by the part of the library they call, one module each: `tokenizer`,
+`data` (prepare), `train`, `evaluate` (eval, compare), `generate` (sample, next-token, serve) and
+`export` (export, import); each has an `add_commands` that adds its subcommands to the parser, and
+`flags` holds what they share. A command imports the library it calls when it runs, so that
+`tinylm --help` answers without loading torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+from collections.abc import Callable, Sequence
+
+from tinylm import __version__
+from tinylm.cli import data, evaluate, export, generate, tokenizer, train
+from tinylm.cli.flags import Parser, show_help
+from tinylm.errors import TinyLMError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = Parser(
+        prog="tinylm",
+        description="Autoregressive Transformer language models end to end: tokenize, prepare data, "
+        "train, evaluate, generate.",
+    )
+    parser.add_argument("--version", action="version", version=f"tinylm {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
+    for commands in (tokenizer, data, train, evaluate, generate, export):  # the order of `tinylm --help`
+        commands.add_commands(sub)
+    return parser
+
+
+def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """Warnings meant for the user (a sample outgrowing the context, ...) as one line, like errors."""
+    print(f"tinylm: warning: {message}", file=sys.stderr if file is None else file)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    warnings.showwarning = _one_line_warning
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # said by the subcommand's parser, so the hint is `tinylm train --help`, not `tinylm --help`
+        getattr(args, "parser", parser).error(f"unrecognized arguments: {' '.join(extra)}")
+    func: Callable[[argparse.Namespace], int] = getattr(args, "func", show_help(parser))
+    try:
+        return func(args)
+    except TinyLMError as e:
+        print(f"tinylm: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("tinylm: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # `tinylm tokenizer encode ... | head`
+        sys.stderr.close()
+        return 0

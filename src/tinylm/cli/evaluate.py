@@ -1,0 +1,107 @@
+"""`tinylm eval` and `tinylm compare`: loss, perplexity and bits per byte of trained runs."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from tinylm.cli.flags import add_corpus_flags, integer, load_corpus_from, positive_int
+from tinylm.errors import TinyLMError
+
+STRIDE_HELP = (
+    "sliding windows: a window of block_size tokens every S tokens, scoring only the targets no window before it "
+    "scored (1 <= S <= block_size), so each target is scored once with at least block_size - S + 1 tokens of "
+    "context; costs about block_size / S times more (default: disjoint windows, the same as S = block_size). An "
+    "LSTM or RNN restarts its state in each window, so it gains context too; an n-gram model reads its own "
+    "context whatever S. With --tokens: evenly spaced windows of S scored targets each")
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from tinylm.evaluate import evaluate_run
+
+    run = args.run_flag or args.run
+    if run is None:
+        raise TinyLMError("give the run to evaluate: tinylm eval --run DIR (a run folder or an n-gram .npz file)")
+    if args.run_flag and args.run and args.run_flag != args.run:
+        raise TinyLMError("give the run once, with --run or as the argument, not both")
+    if args.corpus and args.split != "val":
+        raise TinyLMError("--split picks a split of the run's shards; --corpus evaluates on a whole corpus instead")
+    result = evaluate_run(run, args.split, checkpoint=args.checkpoint, max_tokens=args.tokens or 0,
+                          stride=args.stride, batch_size=args.batch_size, data_dir=args.data_dir,
+                          corpus=load_corpus_from(args), tokenizer=args.tokenizer, device=args.device,
+                          progress=sys.stderr.isatty())
+    if args.json:
+        print(json.dumps({"run": str(run), **result.report()}))
+        return 0
+    scope = "bytes prorated from a subset" if result.prorated else "all of it"
+    where = f"the corpus {args.corpus}" if args.corpus else f"the {args.split} split"
+    print(f"{run} on {where} ({result.describe_windows()}): loss {result.loss:.4f} nats per token, "
+          f"perplexity {result.perplexity:.2f}, {result.bits_per_byte:.4f} bits per byte")
+    print(f"  {result.tokens:,} tokens, {result.bytes:,.0f} bytes ({scope}), {result.seconds:.1f} s")
+    if result.unknown_tokens:
+        print(f"  {result.unknown_tokens:,} of the tokens are <unk>, standing for {result.unknown_bytes:,.0f} bytes the "
+              "tokenizer cannot spell; bits per byte charges them 8 bits each")
+    return 0
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from tinylm.compare import check_plot_path, compare_runs, format_table, plot_comparison
+
+    if args.corpus and args.split != "val":
+        raise TinyLMError("--split picks a split of each run's shards; --corpus evaluates on a whole corpus instead")
+    check_plot_path(args.plot)
+    rows = compare_runs(args.runs, split=args.split, corpus=load_corpus_from(args), max_tokens=args.tokens or 0,
+                        stride=args.stride, device=args.device)
+    chart = plot_comparison(rows, args.plot)
+    if args.json:
+        print(json.dumps({"chart": str(chart), "runs": [
+            {"run": r.name, "family": r.family, "size": r.size, "tokenizer": r.tokenizer, **r.result.report()}
+            for r in sorted(rows, key=lambda r: r.result.bits_per_byte)]}))
+        return 0
+    print(format_table(rows))
+    print(f"chart: {chart}")
+    return 0
+
+
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    """tinylm eval and tinylm compare."""
+    # tinylm eval
+    p = sub.add_parser("eval", help="loss, perplexity and bits per byte of a trained run (any model family)",
+                       description="Evaluate a trained run (Transformer, LSTM, RNN or n-gram) on a split of the "
+                       "token shards it was trained on, or on any corpus: mean loss per token, perplexity, bits per "
+                       "byte of the original text, the tokens and bytes counted, and the time it took. A network "
+                       "reads the text in disjoint windows of its block_size unless --stride slides them.")
+    p.add_argument("run", nargs="?", help=argparse.SUPPRESS)
+    p.add_argument("--run", dest="run_flag", metavar="DIR",
+                   help="the run folder (e.g. runs/tiny-shakespeare), or an n-gram model file (.npz)")
+    p.add_argument("--checkpoint", choices=["best", "latest"], default="best", help="which checkpoint (default: best)")
+    p.add_argument("--split", choices=["val", "train"], default="val", help="which split (default: val)")
+    add_corpus_flags(p, default=None, what="evaluate on this corpus instead of a split, tokenized with the run's "
+                      "tokenizer:")
+    p.add_argument("--tokenizer", help="for an n-gram .npz file: the tokenizer JSON it was counted with")
+    p.add_argument("--tokens", type=positive_int, help="evaluate evenly spaced windows of about this many tokens "
+                   "(default: the whole split; an n-gram model always scores all of it, in seconds)")
+    p.add_argument("--stride", type=integer, metavar="S", help=STRIDE_HELP)
+    p.add_argument("--batch-size", type=positive_int, help="windows per forward pass (default: about 1024 tokens' "
+                   "worth, the fastest on a CPU)")
+    p.add_argument("--data-dir", help="the run's shard folder, if it has moved since training")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps (default: cpu)")
+    p.add_argument("--json", action="store_true", help="print the numbers as one JSON object (for scripts)")
+    p.set_defaults(func=cmd_eval, parser=p)
+
+    # tinylm compare
+    p = sub.add_parser("compare", help="evaluate several runs on the same text: a table and a bar chart",
+                       description="Evaluate runs of any family and tokenizer (n-gram, RNN, LSTM, Transformer) on "
+                       "their validation split, or all on one --corpus, and print a table sorted by bits per byte, "
+                       "the measure that is fair across tokenizers; draw the bits per byte as a bar chart (PNG).")
+    p.add_argument("runs", nargs="+", metavar="RUN", help="run folders")
+    p.add_argument("--split", choices=["val", "train"], default="val", help="which split (default: val)")
+    add_corpus_flags(p, default=None, what="evaluate every run on this corpus instead of its split:")
+    p.add_argument("--tokens", type=positive_int, help="evaluate about this many tokens per network "
+                   "(default: all; n-gram models always score all)")
+    p.add_argument("--stride", type=integer, metavar="S", help=STRIDE_HELP)
+    p.add_argument("--plot", default="compare.png", metavar="PATH", help="the bar chart (default: compare.png)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps (default: cpu)")
+    p.add_argument("--json", action="store_true", help="print the table as JSON, best first (the chart is still "
+                   "written)")
+    p.set_defaults(func=cmd_compare, parser=p)

@@ -1,0 +1,53 @@
+"""`tinylm export` and `tinylm import`: runs to and from Hugging Face folders and GGUF files."""
+
+from __future__ import annotations
+
+import argparse
+
+from tinylm.cli.flags import add_role_flags, roles_from
+from tinylm.errors import TinyLMError
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from tinylm.export import export_run
+
+    extra = {"dtype": args.dtype} if args.dtype else {}
+    if args.dtype and args.format != "gguf":
+        raise TinyLMError("--dtype applies to --format gguf only; Hugging Face export writes float32")
+    path = export_run(args.run, args.out, args.format, checkpoint=args.checkpoint, overwrite=args.force, **extra)
+    print(f"exported {args.run} ({args.checkpoint} checkpoint) as {args.format}: {path}")
+    return 0
+
+def cmd_import(args: argparse.Namespace) -> int:
+    from tinylm.export import import_hf_into_run
+
+    run = import_hf_into_run(args.source, args.out, force=args.force, roles=roles_from(args))
+    print(f"imported {args.source} into the run {run}; sample, eval, serve or fine-tune it with --init-from {run}")
+    return 0
+
+
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    """tinylm export and tinylm import."""
+    # tinylm export / import
+    p = sub.add_parser("export", help="write a trained run for transformers (hf) or llama.cpp (gguf)",
+                       description="Export a trained run: a Hugging Face folder (config.json, model.safetensors, "
+                       "tokenizer.json) in the GPT-2, Llama or Qwen3 layout, or a GGUF file for llama.cpp. A "
+                       "configuration no architecture can express is refused with what does not map.")
+    p.add_argument("--run", required=True, help="the run folder")
+    p.add_argument("--format", required=True, choices=["hf", "gguf"], help="hf or gguf")
+    p.add_argument("--out", required=True, help="output folder (hf) or .gguf file")
+    p.add_argument("--checkpoint", choices=["best", "latest"], default="best", help="which checkpoint (default: best)")
+    p.add_argument("--dtype", choices=["f32", "f16"], help="gguf tensor type (default: f32)")
+    p.add_argument("--force", action="store_true", help="overwrite --out if it exists")
+    p.set_defaults(func=cmd_export, parser=p)
+
+    p = sub.add_parser("import", help="turn a local Hugging Face GPT-2, Llama, Qwen2/3 or Mistral checkpoint into "
+                       "a tinylm run",
+                       description="Import a local transformers checkpoint (config.json, model.safetensors, and its "
+                       "tokenizer: tokenizer.json or vocab.json + merges.txt, with tokenizer_config.json) as a run "
+                       "folder that sample, eval, serve and train --init-from can use. Token ids stay the model's.")
+    p.add_argument("--from", dest="source", required=True, help="the Hugging Face model folder")
+    p.add_argument("--out", required=True, help="the run folder to create")
+    add_role_flags(p)
+    p.add_argument("--force", action="store_true", help="replace --out if it is an existing tinylm run")
+    p.set_defaults(func=cmd_import, parser=p)

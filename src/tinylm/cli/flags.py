@@ -1,0 +1,151 @@
+"""What the subcommands share: the one-line-error parser, flag types, and the corpus, tokenizer and input flags.
+
+A command module builds its parser from these (`add_corpus_flags(p)`) and reads the flags back
+with their partners (`load_corpus_from(args)`), so every command spells a corpus the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import NoReturn
+
+from tinylm.errors import TinyLMError
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, but a bad flag is one line ("what is wrong; see --help"), exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
+def _number(kind: type, what: str, ok: Callable[[float], bool]) -> Callable[[str], float]:
+    """An argparse type: parse ``kind`` from the flag's text and check it, naming ``what`` was expected."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {value}")
+        return value
+
+    return parse
+
+
+positive_int = _number(int, "a positive integer", lambda v: v >= 1)
+seed_int = _number(int, "an integer from 0 to 2**63 - 1", lambda v: 0 <= v < 2**63)
+integer = _number(int, "an integer", lambda v: True)  # a range the library checks (it knows the bounds)
+nonneg_float = _number(float, "a number >= 0", lambda v: v >= 0)
+probability = _number(float, "a number between 0 and 1", lambda v: 0.0 <= v <= 1.0)
+fraction = _number(float, "a number strictly between 0 and 1", lambda v: 0.0 < v < 1.0)
+port = _number(int, "a port number from 0 (any free port) to 65535", lambda v: 0 <= v <= 65535)
+
+
+def add_corpus_flags(p: argparse.ArgumentParser, default: str | None = "shakespeare", what: str = "") -> None:
+    from tinylm.data.corpora import CORPORA
+
+    p.add_argument(
+        "--corpus",
+        default=default,
+        help=f"{what + ' ' if what else ''}a built-in corpus ({', '.join(CORPORA)}) or a path to a text file, a "
+        "folder of text files, or a .jsonl file" + (f" (default: {default})" if default else ""),
+    )
+    p.add_argument("--glob", help="for a folder: which files to read, e.g. '**/*.md' (default: **/*.txt)")
+    p.add_argument("--text-field", default="text", help="for JSONL: the field that holds the text (default: text)")
+    p.add_argument(
+        "--encoding",
+        default="utf-8",
+        help="the text encoding of a local corpus's files, any Python codec name: latin-1, cp1252 (Windows), "
+        "utf-16, ... (default: utf-8; the built-in corpora are UTF-8)",
+    )
+    p.add_argument(
+        "--errors",
+        choices=["strict", "replace", "ignore"],
+        default="strict",
+        help="what to do with bytes that are not valid in the encoding: stop with an error naming the file "
+        "and offset (strict, the default), replace them with U+FFFD, or drop them",
+    )
+
+def load_corpus_from(args: argparse.Namespace):
+    """The corpus the corpus flags name, or None where --corpus is optional and not given."""
+    from tinylm.data.corpora import load_corpus
+
+    if args.corpus is None:
+        if args.glob is not None or args.text_field != "text" or args.errors != "strict" or args.encoding != "utf-8":
+            raise TinyLMError(
+                "--glob, --text-field, --encoding and --errors say how to read --corpus; give --corpus too")
+        return None
+    return load_corpus(args.corpus, glob=args.glob, text_field=args.text_field, errors=args.errors,
+                       encoding=args.encoding)
+
+def add_tokenizer_training_flags(p: argparse.ArgumentParser, vocab_default: int) -> None:
+    from tinylm.tokenizers import PATTERNS
+
+    p.add_argument("--kind", choices=["bpe", "char", "word"], default="bpe", help="tokenizer kind (default: bpe)")
+    p.add_argument(
+        "--vocab-size",
+        type=positive_int,
+        default=vocab_default,
+        help=f"|V| including special tokens, for bpe and word (default: {vocab_default}); char "
+        "tokenizers take every character of the corpus",
+    )
+    p.add_argument(
+        "--pattern",
+        default="gpt4",
+        help=f"bpe pre-tokenization split: {', '.join(PATTERNS)}, or a regex of your own (default: gpt4)",
+    )
+    p.add_argument("--reserved", type=int, default=0, help="extra reserved special tokens after bos, eos, pad (default: 0)")
+    p.add_argument(
+        "--unknown",
+        choices=["unk", "bytes"],
+        default="unk",
+        help="char and word tokenizers: unseen input becomes <unk> (default) or its UTF-8 bytes",
+    )
+    p.add_argument("--workers", type=positive_int, help="processes for counting and encoding (default: all cores)")
+
+def train_tokenizer_from(args: argparse.Namespace, corpus):
+    from tinylm.tokenizers import train_tokenizer
+
+    return train_tokenizer(args.kind, corpus.texts(), vocab_size=args.vocab_size, pattern=args.pattern,
+                           unknown=args.unknown, n_reserved=args.reserved, workers=args.workers,
+                           progress=sys.stderr.isatty())
+
+def read_input(args: argparse.Namespace) -> str:
+    if args.text is not None:
+        return args.text
+    if args.file is not None:
+        path = Path(args.file)
+        if not path.is_file():
+            raise TinyLMError(f"input file {path} does not exist; check the path")
+        try:
+            return path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise TinyLMError(f"{path} is not valid UTF-8 (byte offset {e.start}); convert it to UTF-8 first") from None
+    if sys.stdin is None or sys.stdin.isatty():
+        raise TinyLMError("no input: give --text TEXT, --file PATH, or pipe text on stdin")
+    return sys.stdin.read()
+
+def add_role_flags(p: argparse.ArgumentParser) -> None:
+    for role, what in (("bos", "starts a text"), ("eos", "ends a text (generation stops there)"),
+                       ("pad", "fills short rows")):
+        p.add_argument(f"--{role}", metavar="TOKEN", help=f"the special token that {what}, where the tokenizer's files "
+                       "do not name it (default: tokenizer_config.json's; bos and pad fall back to eos)")
+
+def roles_from(args: argparse.Namespace) -> dict[str, str] | None:
+    """--bos/--eos/--pad: the special tokens a Hugging Face tokenizer's own files do not name."""
+    roles = {role: getattr(args, role) for role in ("bos", "eos", "pad") if getattr(args, role, None)}
+    return roles or None
+
+def show_help(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], int]:
+    """For a command group run without its action (`tinylm tokenizer`): print its help, exit 2."""
+
+    def show(args: argparse.Namespace) -> int:
+        parser.print_help(sys.stderr)
+        return 2
+
+    return show

@@ -1,0 +1,101 @@
+"""`tinylm sample`, `tinylm next-token` and `tinylm serve`: text from a trained run.
+
+The flags are defined here; what each command does lives in `tinylm.generate.commands` and
+`tinylm.serve.server`.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from tinylm.cli.flags import nonneg_float, port, positive_int, probability, seed_int
+
+
+def cmd_sample(args: argparse.Namespace) -> int:
+    from tinylm.generate.commands import cmd_sample as sample
+
+    return sample(args)
+
+def cmd_next_token(args: argparse.Namespace) -> int:
+    from tinylm.generate.commands import cmd_next_token as next_token
+
+    return next_token(args)
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from tinylm.serve.server import cmd_serve as serve
+
+    return serve(args)
+
+
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    """tinylm sample, next-token and serve."""
+    # tinylm sample / next-token
+    p = sub.add_parser("sample", help="generate text from a trained run",
+                       description="Complete prompts with a trained model: sampling (temperature, top-k, top-p, "
+                       "min-p; applied in that order), greedy decoding (--temperature 0) or beam search "
+                       "(--num-beams). The prompt comes from --prompt (repeat it for a batch), --prompt-file, "
+                       "or stdin; with none, samples start a new document. Prints each prompt and its completion.")
+    p.add_argument("--run", required=True, metavar="DIR", help="the run folder written by `tinylm train`")
+    p.add_argument("--checkpoint", choices=["best", "latest"], default="best", help="which checkpoint (default: best)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--prompt", action="append", metavar="TEXT",
+                     help="a prompt; give it several times to complete several prompts in one batch")
+    src.add_argument("--prompt-file", metavar="PATH", help="read one prompt from this UTF-8 file")
+    p.add_argument("--num-samples", type=positive_int, default=1, metavar="N", help="samples per prompt (default: 1)")
+    p.add_argument("--max-new-tokens", type=positive_int, default=256, metavar="N",
+                   help="most tokens to generate (default: 256)")
+    p.add_argument("--temperature", type=nonneg_float, default=1.0, metavar="T",
+                   help="divide the logits by this; 0 is greedy decoding (default: 1.0)")
+    p.add_argument("--top-k", type=positive_int, metavar="K", help="keep only the k most likely tokens (default: off)")
+    p.add_argument("--top-p", type=probability, metavar="P",
+                   help="keep the smallest set of most likely tokens whose probability reaches p (default: off)")
+    p.add_argument("--min-p", type=probability, metavar="P",
+                   help="keep tokens at least this fraction as likely as the most likely one (default: off)")
+    p.add_argument("--seed", type=seed_int, metavar="N", help="make the sampling reproducible (default: a fresh seed each run)")
+    p.add_argument("--stop", action="append", metavar="TEXT",
+                   help="stop a sample at this text (not included in the output; \\n and \\t are understood); "
+                   "repeat for several; the end-of-text token always stops")
+    p.add_argument("--stream", action="store_true", help="print the text as it is generated (one prompt, one sample)")
+    p.add_argument("--num-beams", type=positive_int, default=1, metavar="N",
+                   help="beam search with this many beams instead of sampling (default: 1, no beam search)")
+    p.set_defaults(func=cmd_sample, parser=p)
+
+    p = sub.add_parser("next-token", help="show the most likely next tokens after a prompt",
+                       description="Print the model's top candidates for the token after --prompt, with their "
+                       "probabilities at --temperature, or side by side at several --temperatures.")
+    p.add_argument("--run", required=True, metavar="DIR", help="the run folder written by `tinylm train`")
+    p.add_argument("--checkpoint", choices=["best", "latest"], default="best", help="which checkpoint (default: best)")
+    p.add_argument("--prompt", required=True, metavar="TEXT", help="the text to continue")
+    p.add_argument("--top", type=positive_int, default=10, metavar="N", help="how many candidates (default: 10)")
+    p.add_argument("--temperature", type=nonneg_float, default=1.0, metavar="T",
+                   help="the temperature of the probabilities (default: 1.0)")
+    p.add_argument("--temperatures", metavar="T1,T2,...",
+                   help="show the probabilities at several temperatures side by side, e.g. 0.5,1,2")
+    p.set_defaults(func=cmd_next_token, parser=p)
+
+    # tinylm serve
+    p = sub.add_parser("serve", help="serve a trained run: an OpenAI-compatible API and a web playground",
+                       description="Serve a trained run over HTTP: the OpenAI API (/v1/models, /v1/completions, "
+                       "/v1/chat/completions, streaming by server-sent events) that the official openai clients "
+                       "use unchanged, and a playground page at / that streams completions and charts the "
+                       "next-token probabilities. Requests in flight are decoded together in batches.")
+    p.add_argument("--run", required=True, metavar="DIR", help="the run folder written by `tinylm train`")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="the address to listen on (default: 127.0.0.1, this machine only; 0.0.0.0 for every network)")
+    p.add_argument("--port", type=port, default=8000, help="the port (default: 8000; 0 picks a free one)")
+    p.add_argument("--api-key", metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on the API (default: $TINYLM_API_KEY, else no key)")
+    p.add_argument("--model-name", metavar="NAME", help="the model id clients ask for (default: the run folder's name)")
+    p.add_argument("--allow-origin", action="append", metavar="ORIGIN",
+                   help="let web pages from this origin (e.g. http://localhost:3000, or * for any) call the API "
+                   "from a browser (CORS); repeat for several (default: none)")
+    p.add_argument("--max-batch-size", type=positive_int, default=32, metavar="N",
+                   help="the most samples decoded together; 1 serves one at a time (default: 32)")
+    p.add_argument("--batch-window-ms", type=nonneg_float, default=2.0, metavar="MS",
+                   help="how long an idle server waits for more requests to batch with the first (default: 2)")
+    p.add_argument("--checkpoint", choices=["best", "latest"], default="best", help="which checkpoint (default: best)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps (default: cpu)")
+    p.add_argument("--threads", type=positive_int, metavar="N", help="PyTorch CPU threads (default: PyTorch's choice)")
+    p.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"], default="info",
+                   help="the server's log level; info logs every request (default: info)")
+    p.set_defaults(func=cmd_serve, parser=p)
