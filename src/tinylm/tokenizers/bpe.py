@@ -1,36 +1,11 @@
 """Byte-level BPE: the 256 bytes, then merges learned from text, applied lowest rank first.
 
-The vocabulary starts from the 256 single bytes (ids 0..255), so any byte sequence, and hence
-any string, can be encoded. Training (see `tinylm.tokenizers.bpe_train`) repeatedly merges the
-most frequent adjacent pair into a new token; merge number r creates token id 256 + r, and r is
-that merge's *rank*. Before merging, text is cut into chunks by a pre-tokenization regex (the
-GPT-2 or GPT-4 pattern), and merges never cross a chunk boundary: " dog" and "dog." stay
-separate words.
-
-Two encoders give the same ids:
-
-- `encode_reference`: the definition, written to be read. Within a chunk, start from its
-  bytes and, while some adjacent pair has a merge, merge every occurrence of the pair whose
-  merge has the lowest rank.
-- `encode_ordinary` / `encode`: the fast path. The merges become a tiktoken `Encoding`
-  (built offline from our own ranks; nothing is downloaded), whose Rust core runs the same
-  lowest-rank-first rule.
-
-They agree because the trainer never creates two tokens with the same bytes: tiktoken ranks a
-merge by the bytes it produces, the reference by the pair that produced them, and with unique
-bytes the two orders are the same. One caveat: the reference (and the trainer) split with the
-`regex` module, tiktoken with Rust's regex crate, and their Unicode tables are of different
-ages. On every character assigned in Unicode 14 they agree (checked over all code points);
-about 4,600 letters added since are letters to `regex` but not to tiktoken, so text using them
-may split differently on the two paths.
-
-Hostile input: tiktoken splits text with fancy-regex, a backtracking engine with a fixed budget,
-and a run of about a million whitespace characters before a non-space exhausts it (tiktoken then
-panics); its merge step also slows down on chunks that long. Text that holds a whitespace run of
-`LONG_RUN` characters or more therefore takes a third path, with the same ids: the `regex` module
-splits it, the stretches between long chunks go to tiktoken as usual, and each long chunk is
-merged by `merge_long_chunk`, the reference's rule run on numpy arrays (every pass is a few
-vectorised operations, and a run of spaces halves with each pass, so the time is linear).
+Merge r makes token 256 + r, and merges never cross a chunk of the split pattern (GPT-2's or
+GPT-4's). Two encoders give the same ids: `encode_reference`, the definition written to be read,
+and `encode` / `encode_ordinary`, the same rule run by tiktoken's Rust core on our own ranks (a
+third path, `merge_long_chunk`, takes over for whitespace runs long enough to break tiktoken).
+Training is `tinylm.tokenizers.bpe_train`. docs/tokenizers.md says why the encoders agree and
+where they could not.
 """
 
 from __future__ import annotations

@@ -1,64 +1,10 @@
 """Training byte-level BPE: learn the merge list from text, fast enough for hundreds of MB.
 
-The algorithm is the one in the lecture notes; this module makes it fast without changing
-its answer. In words:
-
-1. **Pre-tokenize and count.** Cut every text into chunks with the split pattern (GPT-2 or
-   GPT-4 style; merges never cross a chunk boundary) and count how often each *distinct*
-   chunk occurs. Shakespeare's 5 MB have about 1.2 million chunks but only ~38,000 distinct
-   ones, so from here on the work is proportional to the distinct chunks ("words"), each
-   weighted by its count. Counting is the only step that reads the text, and it runs in
-   parallel: batches of documents go to a pool of worker processes, whose `Counter`s are
-   added up.
-2. **Start from bytes.** Every word becomes the list of its UTF-8 bytes, token ids 0..255.
-3. **Merge, repeatedly.** Count every adjacent pair of tokens (a, b) over all words, weighted
-   by word count. The most frequent pair becomes a new token ``z = 256 + r`` (r is the merge's
-   *rank*), every occurrence of (a, b) in every word is replaced by z, left to right, and we
-   go again until the vocabulary is full.
-
-Counting every pair again after each merge would cost a full pass over the words per merge.
-But a merge only changes the pairs *next to* the places where it happened: replacing
-``x a b y`` by ``x z y`` removes the pairs (x, a), (a, b), (b, y) and adds (x, z), (z, y);
-every other pair count is untouched. So we keep
-
-- ``pair_counts``: pair -> how many times it occurs (word counts included),
-- ``where``: pair -> the words it occurs in, so a merge visits only those words, and
-- a max-heap of (count, pair) to find the most frequent pair quickly.
-
-and after each merge update only the pairs around the merged positions. The heap is kept
-*lazily*: when a count goes down we do not search the heap for its entry; instead, when an
-entry reaches the top, we compare its stored count with the true one and, if it is stale,
-push it back with the true count. This is correct because a merge can only *lower* the count
-of a pair that already existed (it destroys occurrences); the only pairs that gain are the
-brand-new ones that contain z, and those are pushed when z is created. A stored count is
-therefore never below the true count, and an entry whose stored count is current is the
-true maximum. (``where`` is kept lazily too: a word stays listed under a pair after the
-pair has left it, and is skipped cheaply when visited.)
-
-Overlapping pairs are counted the simple way, one per adjacent position: the word ``aaaa``
-has three (a, a) pairs, although merging (a, a) makes only two replacements (left to right:
-``z z``). minbpe and Hugging Face `tokenizers` count the same way.
-
-Three rules make the result fully determined:
-
-- **Ties:** among the pairs with the highest count, the smallest pair (left id, then right
-  id) is merged. The heap orders entries by (-count, left, right), which is exactly this.
-- **No duplicate tokens:** a pair whose bytes equal an existing token's bytes (``ab`` + ``c``
-  when ``a`` + ``bc`` already made ``abc``) is never merged; the next best pair is taken.
-  Unique bytes are what make tiktoken's fast encoder give the same ids as the reference
-  encoder (see `tinylm.tokenizers.bpe`). In fact this trainer cannot meet such a pair, so
-  the check is a safety net: where ``p q`` sit side by side in a word, the bytes they cover
-  have been merged exactly as they would be on their own (anything merged across their
-  edges would still stick out of p or q). On their own, those bytes became the single
-  token ``abc`` when it was created, and would be one token here too.
-- **Running out:** if no pair is left to merge (every chunk is a single token), training
-  stops early with fewer merges than asked for, and warns.
-
-Streaming: ``texts`` may be a generator over a corpus bigger than memory. Texts are read in
-batches, never joined, and a very long text is cut into pieces at places (mostly line
-breaks) that provably do not move a chunk boundary of the GPT-2 and GPT-4 patterns (see
-`split_long_text`), so one huge document never becomes one huge list of chunks. Memory then
-grows with the number of distinct chunks, not with the corpus.
+The algorithm is the plain one (count the adjacent pairs of every chunk's tokens, merge the most
+frequent into a new token, repeat), with the same answer made fast: distinct chunks are counted
+once in parallel, pair counts are updated only around each merge, a lazy max-heap finds the next
+pair, ties go to the smallest pair, and a long text streams in pieces that move no chunk
+boundary. docs/tokenizers.md ("Training fast") explains each step and why it is exact.
 
 Usage::
 

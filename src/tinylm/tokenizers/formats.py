@@ -1,57 +1,10 @@
-"""Import and export of BPE tokenizers in the two file formats the ecosystem uses.
+"""Import and export of tinylm's BPE tokenizers in the two file formats the ecosystem uses.
 
-tinylm's own file (`Tokenizer.save`) stores a BPE tokenizer as its merge list. Other tools
-store the same object differently, and this module converts between them:
-
-**tiktoken ranks** (``.tiktoken``, OpenAI's ``cl100k_base.tiktoken``, Llama 3's
-``tokenizer.model``): one line per token, ``base64(token bytes) rank``. The rank is the id,
-and it is also the merge priority: tiktoken's encoder merges, within a chunk, the adjacent
-pair whose *joined bytes* have the lowest rank. There are no merges in the file, and no
-split pattern and no special tokens either; the format has no place for them, so
-`load_tiktoken` takes the pattern and the reserved range as arguments. The merge list is
-recovered from the ranks: token ``r`` was made from the two tokens that tiktoken's own
-encoder produces for its bytes when only ranks below ``r`` are allowed (`merges_from_ranks`).
-
-**Hugging Face ``tokenizer.json``** (the `tokenizers` library, hence `transformers`): a JSON
-pipeline ``normalizer -> pre_tokenizer -> model -> post_processor``, plus a ``decoder`` and
-the ``added_tokens``. tinylm's BPE maps onto the GPT-2 / Llama 3 style layout:
-
-==========================  ======================================================
-tinylm                      tokenizer.json
-==========================  ======================================================
-split pattern               pre_tokenizer ``Split`` (Oniguruma regex, "Isolated")
-bytes of a chunk            pre_tokenizer ``ByteLevel`` (bytes -> printable chars)
-vocab (token bytes -> id)   model ``BPE`` vocab (byte-level string -> id)
-merges in rank order        model ``BPE`` merges ``"left right"``, in rank order
-bos/eos/pad/reserved        ``added_tokens``, ``special: true``, same ids
-decode through bytes        decoder ``ByteLevel``
-==========================  ======================================================
-
-Three traps, each handled here and pinned by a test:
-
-- *Byte-level strings.* HF vocabularies are strings, not bytes, so GPT-2 gave every byte a
-  printable stand-in character (`BYTE_TO_UNICODE`; the space becomes ``Ġ``, the newline
-  ``Ċ``). A token's vocab key is its bytes spelled in those characters.
-- *The regex engine.* HF runs the split pattern on Oniguruma, tiktoken on Rust's
-  fancy-regex. The character classes agree, but two constructs in our patterns do not:
-  Oniguruma reads ``\\p{N}{1,3}+`` as "one or more runs of 1-3 digits" (a repeat, not a
-  possessive interval, so "12345" stays one chunk), and its ``$`` also matches before every
-  newline. `oniguruma_pattern` rewrites them (``(?>\\p{N}{1,3})``, ``\\z``); the other
-  possessive quantifiers (``?+``, ``++``, ``*+``) mean the same in both.
-- *Merge order vs vocab hits.* HF's ``ignore_merges: true`` (Llama 3's setting) takes a
-  chunk that is itself a vocab entry as one token without running BPE, which can differ
-  from merge-order BPE. We write ``false``.
-
-One difference is by design and cannot be expressed in the file: HF cuts every added token
-out of the text before anything else, so ``"<|eos|>"`` in user text *is* the EOS token
-there, while tinylm treats it as plain text unless the caller passes ``allowed_special``
-(a document must not be able to inject an EOS). On text without special-token names the
-ids are identical; with them, HF equals ``tok.encode(text, allowed_special="all")``.
-
-Both loaders accept only what tinylm can represent exactly: the 256 bytes at ids 0..255 in
-byte order, then merge ``r`` at id ``256 + r``, then (tokenizer.json) bos, eos, pad and the
-reserved range. Anything else (OpenAI's files, whose bytes are in another order; WordPiece;
-normalizers; byte fallback) is a `TinyLMError` naming what does not map, never wrong ids.
+tiktoken ranks files (``.tiktoken``: ``base64(token bytes) rank`` per line, no merges, pattern or
+specials; the merges are recovered from the ranks by `merges_from_ranks`) and Hugging Face
+tokenizer.json (a ``Split`` + ``ByteLevel`` pre-tokenizer and a ``BPE`` model, with GPT-2's
+byte-to-character stand-ins `BYTE_TO_UNICODE` and our regex rewritten for Oniguruma by
+`oniguruma_pattern`). docs/tokenizers.md has the field table and the traps each test pins.
 
 Usage (the entry points that pick the format are `tinylm.tokenizers.files`)::
 

@@ -1,34 +1,11 @@
 """Tokenizers made by other tools, kept with their own ids: byte-level BPE and SentencePiece-style BPE.
 
-tinylm's own tokenizers lay their vocabulary out one way (`tinylm.tokenizers.base`). A model trained
-elsewhere was trained on its tokenizer's ids, whatever they are, so an imported tokenizer keeps
-every id where its author put it and no embedding row has to move. Two kinds cover the models
-people have:
-
-**Byte-level BPE** (`ByteLevelBPETokenizer`, kind "bytelevel"): GPT-2, SmolLM, Llama 3, Qwen2,
-OpenAI's cl100k/o200k. Its model is tiktoken's: every token is a byte string with an id, the 256
-single bytes among them in any order, specials anywhere, gaps allowed. Within a chunk of text BPE
-merges, again and again, the adjacent pair whose joined bytes form the token merged earliest; the
-merge list (``merges.txt``, tokenizer.json's ``merges``) gives that order, and a ``.tiktoken`` file,
-which has none, uses the ids themselves. When the merged tokens' ids rise in merge order, as in
-every file written by a BPE trainer, tiktoken's ranks are the ids and tiktoken's Rust core encodes
-with them as is (`TiktokenPath`). Around it: an optional Unicode normalization (Qwen2's NFC), GPT-2's
-``add_prefix_space`` (one space before each piece of text that does not start with one), and added
-tokens that are not special, which are cut out of the text before anything else.
-
-**SentencePiece-style BPE** (`SentencePieceBPETokenizer`, kind "sentencepiece"): Llama 2, TinyLlama,
-Mistral. Spaces become "▁" (U+2581), a "▁" goes in front of the text, and BPE runs on *characters*,
-merging the adjacent pair of lowest merge rank first (leftmost among equals), as the `tokenizers`
-library does. A character the vocabulary lacks is spelled as its UTF-8 bytes with the
-``<0x00>``..``<0xFF>`` tokens ("byte fallback"), or becomes ``<unk>`` without them. Decoding maps
-"▁" back to a space, byte tokens to their bytes, and drops the one space the encoder put in front.
-
-Both keep a ``chat_template`` (the Jinja template from tokenizer_config.json) and say which special
-token is bos, eos and pad, and whether the tokenizer's own pipeline starts a text with BOS
-(``add_bos``: Llama's does). ``stop_ids`` are the tokens besides eos that end a generation: a chat
-model's end of turn (Llama 3's ``<|eot_id|>``, ChatML's ``<|im_end|>``), from generation_config.json
-and the chat template (`tinylm.tokenizers.base.default_stop_ids`). Reading the files of `transformers` and
-`tokenizers` into these classes is `tinylm.tokenizers.hf_files`.
+A model trained elsewhere was trained on its tokenizer's ids, so an imported tokenizer keeps every
+id where its author put it. `ByteLevelBPETokenizer` (kind "bytelevel": GPT-2, SmolLM, Llama 3,
+Qwen2, cl100k/o200k) runs on tiktoken's core where it can (`TiktokenPath`);
+`SentencePieceBPETokenizer` (kind "sentencepiece": Llama 2, TinyLlama, Mistral) merges characters
+with "▁" for spaces and byte fallback. Both keep the chat template, the roles and ``stop_ids``.
+`tinylm.tokenizers.hf_files` reads the files into these classes; docs/tokenizers.md has the details.
 """
 
 from __future__ import annotations
