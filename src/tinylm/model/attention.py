@@ -1,38 +1,15 @@
 """Causal self-attention, the one place where positions exchange information, written three ways.
 
-For one head, with the queries, keys and values of all positions stacked as rows (the lecture
-notes' row-vector convention, q_t = h_t W^Q):
+For one head, with the queries, keys and values of all positions stacked as rows (row vectors
+times weights on the right, q_t = h_t W^Q):
 
     att1h(Q, K, V) = softmax_row(Q K^T / sqrt(d_h) + M) V,   M[i, j] = -inf if j > i else 0
 
-M's strict upper triangle is -inf, so after the softmax position i gives weight exactly 0 to every
-later position (exp(-inf) = 0) and the remaining weights renormalize to sum to 1: the output at
-i depends on positions <= i only. Multi-head attention runs n_h such heads with their own W^Q,
-W^K, W^V, concatenates their outputs and projects them back to d with W^O ((n_h d_h) x d).
-
-The three functions below take q (B, nh, T_q, hs) and k, v (B, n_kv, T_k, hs) and return the
-heads' outputs (B, nh, T_q, hs). They compute the same function (the tests pin them equal):
-
-- `reference_attention`: the definition written out, materializing the T x T scores; the only
-  one that can hand back the attention weights for inspection.
-- `sdpa_attention`: PyTorch's fused `scaled_dot_product_attention`, the fast path (the default).
-- `tiled_attention`: an online softmax over blocks of keys, the FlashAttention idea in plain
-  torch: the T x T matrix is never formed, memory grows linearly in T.
-
-Shared conventions:
-
-- Grouped-query attention: with n_kv < nh key/value heads, query head h uses kv head
-  h // (nh / n_kv) (consecutive query heads share one kv head, as in Hugging Face's Llama).
-  n_kv == nh is ordinary multi-head attention, n_kv == 1 multi-query attention.
-- Keys may outnumber queries (T_k >= T_q): the queries are then the *last* T_q positions, as in
-  a generation step that reuses cached keys, so query i sits at absolute position i + T_k - T_q.
-- ``key_padding_mask`` (B, T_k) bool, False at padding: padded keys get -inf like future ones.
-  A query that can see no key at all (a padding query at the left of a left-padded row) would
-  make the softmax divide 0 by 0; its output is defined as zeros instead, in all three functions.
-- ``window`` W (Mistral's sliding window): M is also -inf where j <= i - W, so query i sees keys
-  i - W + 1 .. i, itself and the W - 1 before it. Columns count, not real tokens; a left-padded
-  row's real tokens are contiguous, so for them the two are the same. `CausalSelfAttention` first
-  drops the keys no query can see (`window_keys`), so a cached decoding step reads W keys, not all.
+`reference_attention` (the definition, T x T scores), `sdpa_attention` (PyTorch's fused kernel,
+the default) and `tiled_attention` (an online softmax over key blocks, never forming T x T) take
+q (B, nh, T_q, hs) and k, v (B, n_kv, T_k, hs) and compute the same function, grouped-query heads,
+cached keys (T_k >= T_q), padding and a sliding window included; the tests pin them equal.
+docs/model.md explains the conventions they share.
 """
 
 from __future__ import annotations
@@ -283,7 +260,7 @@ class CausalSelfAttention(nn.Module):
     """Multi-head (or grouped-query) causal self-attention with projections W_q, W_k, W_v and W_o.
 
     nn.Linear stores its matrix transposed and computes x @ weight.T, so ``W_q.weight.T`` is the
-    notes' W^Q (d x n_h d_h) and ``q = W_q(x)`` is q = h W^Q for every position and head at once.
+    row-vector convention's W^Q (d x n_h d_h) and ``q = W_q(x)`` is q = h W^Q for every position and head at once.
     """
 
     def __init__(self, config: GPTConfig) -> None:

@@ -1,39 +1,11 @@
 """Position information: attention alone cannot tell the order of its inputs.
 
-Swap two earlier tokens and a later position's attention output does not change: its weights
-are a softmax over a *set* of key/value pairs. (In a stack of causal layers the mask itself leaks
-a little order, since after one layer position i has seen exactly i + 1 tokens; the lecture's
-exercise, and the test that pins it, are about one attention layer.) So the model adds order in
-one of these ways (``GPTConfig.positions``):
-
-- ``"learned"``: a trained table P (block_size x d) whose row t is added to the token embedding
-  at position t (GPT-2's ``wpe``).
-- ``"sinusoidal"``: the fixed table of "Attention Is All You Need", added the same way:
-  PE[t, 2i] = sin(t / 10000^(2i/d)), PE[t, 2i+1] = cos(t / 10000^(2i/d)).
-- ``"rope"``: rotary embeddings. Nothing is added to the residual stream; instead every query
-  and key is rotated by an angle proportional to its position, pair of coordinates by pair.
-  The dot product of two rotated vectors depends on the difference of their angles only, so
-  attention scores depend on relative position m - n, never on m and n themselves.
-- ``"none"``: nothing; the model is a bag of (causally visible) tokens.
-
-Everything here takes ``position_ids``, (T,) or (B, T), rather than assuming 0..T-1: a
-left-padded batch starts each row's real text at position 0, and a KV-cache step sits at
-position T_past. The tables are computed on the fly from the ids (a few hundred
-multiplications), so they are never stale after `.to(device)` and never stored in a checkpoint.
-
-RoPE layout: the "rotate half" layout of GPT-NeoX and Hugging Face's Llama. Coordinate i of a
-head is paired with coordinate i + d_h/2 (not with its neighbour i+1 as in the RoFormer paper
-and Meta's original Llama code); pair i turns at frequency theta^(-2i/d_h). Hugging Face's Llama
-checkpoints use this layout, so an export needs no permutation of W_q and W_k.
-
-RoPE scaling (``GPTConfig.rope_scaling``) changes the frequencies, nothing else, to stretch a
-model trained at one context over a longer one. "linear" divides every frequency by a factor s
-(position t turns as far as t / s did). "llama3" (Llama 3.1) looks at each pair's wavelength
-lambda = 2 pi / omega against the original context L: pairs that turn many times within L
-(lambda < L / high_freq_factor) keep their frequency, pairs that turn less than about once
-(lambda > L / low_freq_factor) are divided by s, and in between the frequency blends linearly,
-omega' = (1 - a) omega / s + a omega with a = (L / lambda - low) / (high - low), which is 1 and 0
-at the two bounds, so omega' is continuous. See `rope_inverse_frequencies`.
+``GPTConfig.positions`` picks how order goes in: "learned" (GPT-2's table added to the
+embeddings), "sinusoidal" (the fixed table of "Attention Is All You Need"), "rope" (queries and
+keys rotated by position, in the "rotate half" layout of GPT-NeoX and Hugging Face's Llama, with
+optional "linear" or "llama3" scaling of the frequencies) or "none". Everything takes
+``position_ids`` ((T,) or (B, T)) rather than assuming 0..T-1, so left-padded rows and cached
+steps get their true positions. docs/model.md has the formulas and the RoPE scaling rule.
 """
 
 from __future__ import annotations

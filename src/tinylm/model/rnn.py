@@ -1,42 +1,12 @@
 """Recurrent language models, the baselines before attention: an Elman RNN and an LSTM.
 
-A recurrent model reads the sequence one token at a time and carries everything it knows about
-the past in a fixed-size state. For each layer, with x_t the layer's input at step t (row
-vectors, as in the notes):
-
-    RNN:   h_t = tanh(x_t W_ih + b_ih + h_{t-1} W_hh + b_hh)
-
-    LSTM:  i_t = sigmoid(x_t W_ii + h_{t-1} W_hi + b_i)        input gate: how much to write
-           f_t = sigmoid(x_t W_if + h_{t-1} W_hf + b_f)        forget gate: how much to keep
-           g_t = tanh(x_t W_ig + h_{t-1} W_hg + b_g)           the candidate to write
-           o_t = sigmoid(x_t W_io + h_{t-1} W_ho + b_o)        output gate: how much to show
-           c_t = f_t * c_{t-1} + i_t * g_t                      the cell: an additive memory
-           h_t = o_t * tanh(c_t)
-
-The language model around them is the Transformer's minus attention::
-
-    h = E[x]                              token embedding (no positions: order is in the recursion)
-    n_layer recurrent layers of width d   (dropout between layers)
-    u = h @ W_head                        logits, W_head = E^T when tied
-
-The RNN's gradient through time is a product of one Jacobian per step, which shrinks or blows
-up geometrically: it forgets over long distances. The LSTM's cell is updated by addition
-(c_t = f_t c_{t-1} + ...), so a gradient can flow back through many steps when the forget gates
-stay near 1; the Transformer removes the distance altogether, every position attending to every
-earlier one directly.
-
-**Truncated backpropagation through time.** Training uses the same packed windows of
-``block_size`` tokens as the Transformer. With ``config.bptt`` set below the window, the window
-is processed in chunks of ``bptt`` steps and the state handed from one chunk to the next is
-*detached*: the forward pass still carries information across the whole window, but gradients
-flow back at most ``bptt`` steps. (``bptt`` None: back through the whole window.)
-
-**Generation.** The recurrent state is the model's "cache": `RecurrentState` stands where the
-Transformer's `KVCache` stands (`new_cache`), so the same engine, beam search and server drive
-both. A step costs O(1) in the length of the past, where attention costs O(t).
-
-The layers are PyTorch's fused `nn.RNN` / `nn.LSTM` (one call for the whole sequence);
-`reference_forward` writes the equations above out step by step, and the tests pin the two equal.
+The language model is the Transformer's minus attention: token embeddings (no positions; order
+is in the recursion), ``n_layer`` recurrent layers of width d, and a head tied to the embedding
+or not. Training may truncate backpropagation through time at ``config.bptt`` steps; generation
+carries the state in a `RecurrentState`, which stands where the Transformer's `KVCache` stands,
+so the same engine drives both. The layers are PyTorch's fused `nn.RNN` / `nn.LSTM`;
+`reference_forward` writes the equations out step by step and the tests pin the two equal.
+docs/model.md has the equations and why the LSTM remembers longer.
 """
 
 from __future__ import annotations
