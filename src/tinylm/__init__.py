@@ -1,6 +1,6 @@
-"""tinylm: autoregressive Transformer language models end to end, as the lecture notes describe them.
+"""tinylm: autoregressive Transformer language models end to end, from tokenizer to served model.
 
-The pipeline, in the order of the lectures, and the few names most users need:
+The pipeline, in order, and the few names most users need:
 
 - tokenizers: `CharTokenizer`, `WordTokenizer`, `BPETokenizer`, `train_bpe`, `load_tokenizer`
 - data: `load_corpus`, `prepare` (token shards)

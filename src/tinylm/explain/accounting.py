@@ -5,7 +5,7 @@ Parameters, layer by layer (d = d_model, d_h = d / n_head, n_kv key/value heads,
 - token embedding E: |V| d; learned positions P: block_size d (sinusoidal, RoPE and none have none)
 - attention: W_q d (n_h d_h) + W_k, W_v d (n_kv d_h) each + W_o (n_h d_h) d, plus a bias per output
   if ``bias``. One multi-head layer with d = 512, n_h = 8, d_h = 64: 3 * 8 * 512 * 64 + 512 * 512 =
-  1,048,576 weights, the lecture notes' exercise.
+  1,048,576 weights, a count worth checking by hand once.
 - MLP: 2 d d_ff (gelu: W_1, W_2) or 3 d d_ff (swiglu: W_1, W_3, W_2), plus biases
 - norms: d per RMSNorm, 2 d per LayerNorm with bias; two per block, one final (pre-norm only)
 - output head: |V| d, or nothing when tied to E

@@ -2,7 +2,7 @@
 
 - `CharTokenizer`: one token per character (vocabulary from the training text).
 - `WordTokenizer`: the most frequent words, `<unk>` or byte fallback for the rest.
-- `BPETokenizer`: byte-level BPE trained as in the lecture notes, encoded through tiktoken.
+- `BPETokenizer`: byte-level BPE (merge the most frequent adjacent pair, repeat), encoded through tiktoken.
 - `ByteLevelBPETokenizer`, `SentencePieceBPETokenizer`: tokenizers of models made elsewhere (GPT-2,
   Llama, Qwen2, Mistral), with their own ids; read by `tinylm.tokenizers.hf_files`.
 

@@ -6,7 +6,7 @@ vocabulary has two parts, in this order:
 1. the *base* vocabulary, which is what the tokenizer itself learned or was built with
    (characters, words, or the 256 bytes followed by the BPE merges), and
 2. the *special* tokens, with ids right after the base vocabulary: ``<|bos|>`` (the fixed
-   beginning-of-sequence token x_0 of the lecture notes), ``<|eos|>`` (ends a document; a model
+   beginning-of-sequence token x_0 every sequence starts from), ``<|eos|>`` (ends a document; a model
    learns to stop by predicting it), ``<|pad|>`` (fills short sequences; masked out of attention
    and loss), then a reserved range ``<|reserved_0|>``, ``<|reserved_1|>``, ... kept free for
    later use (chat markers, fine-tuning tags) without resizing the model.

@@ -221,7 +221,7 @@ class BPETokenizer(TiktokenPath, Tokenizer):
     # ----- the reference encoder ------------------------------------------------------------
 
     def encode_reference(self, text: str, *, allowed_special: AllowedSpecial = ()) -> list[int]:
-        """The readable encoder: the same ids as `encode`, computed the way the notes say."""
+        """The readable encoder: the same ids as `encode`, computed by the definition (lowest-rank merge first)."""
         return self._encode_with_specials(text, self._allowed(allowed_special), self._encode_reference_ordinary)
 
     def _encode_reference_ordinary(self, text: str) -> list[int]:
