@@ -1,55 +1,11 @@
 """Evaluation: a language model's loss, perplexity and bits per byte on a split of token shards.
 
-For a split of N tokens x_1..x_N (documents back to back, each ending in EOS), the model's
-average next-token loss is
-
-    loss = (1/N) sum_t -log p(x_t | the tokens before it)          (nats per token)
-    perplexity = exp(loss)                                          (the "effective branching factor")
-    bits per byte = N * loss / (B * ln 2)                           (B: UTF-8 bytes of the split's text)
-
-Loss and perplexity depend on the tokenizer (a token of a 4096-BPE holds more text than a
-character), bits per byte does not: it is the code length of the original text, so models with
-different tokenizers, and n-gram or recurrent models, compare on it fairly.
-
-Unknown pieces. A character or word tokenizer with an ``<unk>`` token maps every piece it has
-never seen to that one id, so predicting ``<unk>`` does not yet code the text it stands for. To
-keep bits per byte a true code length (and models comparable), each byte behind an ``<unk>`` is
-charged 8 bits more, what a uniform code over the 256 byte values costs:
-
-    bits per byte = (N * loss / ln 2 + 8 * U) / B              (U: bytes the <unk> tokens stand for)
-
-U is exact: the pieces of these tokenizers concatenate back to the text, so U is B minus the
-bytes of the known tokens. Byte-level BPE (and ``unknown="bytes"``) has no ``<unk>``: U = 0.
-
-How the split is read: the token stream is cut into consecutive windows of ``block_size`` targets
-(the last one shorter), and each window's inputs are the tokens just before its targets, so
-every token of the split is a target exactly once. The very first token is predicted from an EOS,
-the token that precedes every document in packed training; the context restarts at each window
-boundary, as it must for a model with a fixed context length. An LSTM or RNN is evaluated the
-same way, its state starting from zero in each window: that is how it was trained (packed
-windows of ``block_size``), and it puts every network on the same footing. An n-gram model is scored by its own vectorised scorer instead, its context
-restarting after each EOS as in counting.
-
-Sliding windows (``stride`` S, 1 <= S <= block_size; Hugging Face's "Perplexity of fixed-length
-models"). In disjoint windows a target early in its window sees few tokens, so the loss is higher
-than the model's with its whole context. With a stride, window j holds the targets j*S up to
-min(j*S + block_size, N) - 1 (so windows overlap by block_size - S), but scores only those no
-window before it has scored: window 0 all of them, every later one its last S (the last window
-fewer). The targets already scored are masked with -100, as in the guide. Every target is still
-scored exactly once, with block_size - S + 1 to block_size tokens of context (counting the one
-just before it; fewer only in window 0, which starts the split). S = block_size is the disjoint
-evaluation exactly; S = 1 gives every target after window 0 a full window of context, at
-block_size times the cost. An LSTM or RNN restarts its state at each window too, so it also gets the longer
-context. An n-gram model has no windows: any stride scores it the same (the result says "none").
-
-A budget (``max_tokens``) evaluates evenly spaced windows instead of all of them, which is what
-training does every few hundred steps; with a stride, evenly spaced ones among the windows that
-score S targets each (not window 0, which scores all of its own). The bytes are then prorated,
-B * (tokens evaluated / N), since only the whole split has a known byte count; the result says so
-(``EvalResult.prorated``).
-
-Under ``torchrun`` every process evaluates its share of the windows and the sums are added up
-across processes, so each gets the same result.
+Every token of the split is a target exactly once, in windows of ``block_size`` (or sliding
+windows with a ``stride``), for every model family: Transformers, RNNs and LSTMs the same way,
+n-gram models by their own scorer. Bits per byte (N * loss / (B ln 2), plus 8 bits per byte an
+``<unk>`` stands for) is the number that compares models with different tokenizers. A
+``max_tokens`` budget evaluates evenly spaced windows and prorates the bytes; under ``torchrun``
+the processes share the windows. docs/evaluation.md has the formulas and why each choice.
 
 Usage::
 
