@@ -1,5 +1,6 @@
 """n-gram language models: known answers worked by hand, a textbook reference from the definitions,
-nltk as an outside oracle, distributions summing to one, save/load, evaluation and sampling."""
+nltk as an outside oracle, distributions summing to one, save/load and evaluation. Sampling goes
+through the shared engine and its filters (tests/model/test_ngram_lm.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from hypothesis import strategies as st
 
 from tinylm.data import Corpus, Document, prepare
 from tinylm.errors import TinyLMError
-from tinylm.model.ngram import NGramModel, filter_probs
+from tinylm.model.ngram import NGramModel
 from tinylm.tokenizers import CharTokenizer
 
 # The hand-worked toy's vocabulary, laid out like a tinylm tokenizer's: base tokens, then specials.
@@ -419,63 +420,6 @@ def test_load_refuses_cut_and_corrupt_files_in_one_line(tmp_path):
     np.savez(tmp_path / "same.npz", **arrays)  # the same tables rewritten load as the original
     np.testing.assert_array_equal(NGramModel.load(tmp_path / "same.npz").score(stream),
                                   NGramModel.load(good).score(stream))
-
-
-# ----- sampling -----------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def sampler() -> NGramModel:
-    stream, bos, eos, vocab = random_corpus(seed=5, n_docs=60)
-    return NGramModel.fit(stream, 3, vocab_size=vocab, bos_id=bos, eos_id=eos, smoothing="kn")
-
-
-def test_sampling_is_reproducible_with_a_seed(sampler):
-    a = sampler.sample([1, 2], 40, temperature=1.2, seed=123)
-    assert a == sampler.sample([1, 2], 40, temperature=1.2, seed=123)
-    draws = {tuple(sampler.sample([1, 2], 40, temperature=1.2, seed=s)) for s in range(5)}
-    assert len(draws) > 1  # the seed matters
-    assert sampler.eos_id not in a  # EOS ends a sample and is not part of it
-    # BOS is padding, never drawn, even from a model that gives it real mass (add-k's near-uniform)
-    flat = sampler.with_smoothing("add-k", k=100.0)
-    assert flat.next_token_distribution([1, 2])[flat.bos_id] > 0.05
-    drawn = [t for seed in range(40) for t in flat.sample([1, 2], 50, seed=seed)]  # EOS ends each early
-    assert len(drawn) > 200 and flat.bos_id not in drawn
-
-
-def test_sampling_respects_top_k_and_top_p(sampler):
-    prompt = [3, 1]
-    for k in (1, 2, 3):
-        out = sampler.sample(prompt, 30, top_k=k, seed=k)
-        history = list(prompt)
-        for t in out:
-            p = sampler.next_token_distribution(history)
-            p[sampler.bos_id] = 0
-            assert p[t] >= np.sort(p)[-k]  # among the k most likely (ties with the k-th allowed)
-            history.append(t)
-    # top-k 1 and temperature 0 are both greedy decoding
-    assert sampler.sample(prompt, 20, top_k=1, seed=0) == sampler.sample(prompt, 20, temperature=0)
-    out = sampler.sample(prompt, 30, top_p=0.3, seed=1)
-    history = list(prompt)
-    for t in out:
-        p = sampler.next_token_distribution(history)
-        p[sampler.bos_id] = 0
-        assert filter_probs(p, top_p=0.3)[t] > 0  # inside the nucleus
-        history.append(t)
-
-
-def test_filter_probs_by_hand():
-    p = np.array([0.5, 0.3, 0.15, 0.05])
-    np.testing.assert_allclose(filter_probs(p, top_p=0.8), [0.625, 0.375, 0, 0])  # 0.5 + 0.3 reaches 0.8
-    np.testing.assert_allclose(filter_probs(p, top_p=0.81), np.array([0.5, 0.3, 0.15, 0]) / 0.95)  # 0.95 crosses
-    tied = np.array([0.4, 0.2, 0.2, 0.2])
-    np.testing.assert_allclose(filter_probs(tied, top_p=0.5), tied)  # 0.2 crosses 0.5: its ties stay
-    np.testing.assert_allclose(filter_probs(p, top_k=3), np.array([0.5, 0.3, 0.15, 0]) / 0.95)
-    np.testing.assert_allclose(filter_probs(p, temperature=0), [1, 0, 0, 0])
-    # temperature 0.5 squares the probabilities: p^(1/T), renormalised
-    np.testing.assert_allclose(filter_probs(p, temperature=0.5), p**2 / (p**2).sum())
-    with pytest.raises(TinyLMError):
-        filter_probs(p, top_p=0)
 
 
 # ----- errors -------------------------------------------------------------------------------------

@@ -12,8 +12,9 @@ Two things make "print each token as it arrives" wrong:
    longest end of the pending text that could still grow into a stop string is held back until
    the next token decides.
 
-`TextStream` does both for one sample; the engine keeps one per sample and its `stream`
-(`tinylm.generate.engine`) yields the pieces of one prompt's completion. Joining all pieces always gives the completion's final text.
+`TextStream` does both for one sample; the engine keeps one per sample, and its `stream`
+(`tinylm.generate.engine`) yields the pieces of one prompt's completion. Joining all pieces always
+gives the completion's final text.
 """
 
 from __future__ import annotations

@@ -12,8 +12,10 @@ with h the *context* (n-1 tokens) and w the token predicted. Usage::
     result = model.evaluate(val_ids, n_bytes)                      # loss, perplexity, bits per byte
     logp = model.score(val_ids)                                    # (T,) log p of every token, vectorised
     probs = model.next_token_distribution(context)                 # (|V|,), sums to one
-    ids = model.sample(prompt, 100, temperature=0.8, top_k=50, seed=0)
     model.save("shakespeare-5gram.npz"); model = NGramModel.load("shakespeare-5gram.npz")
+
+Generation goes through the shared engine and its sampling filters: `tinylm.model.ngram_lm.NGramLM`
+puts the model behind the neural models' forward.
 
 Counting is maximum likelihood
 ------------------------------
@@ -76,33 +78,11 @@ MLE on a context never seen in training is undefined; we use the longest suffix 
 that was seen (ultimately the unigram distribution), so ``next_token_distribution`` is always
 a distribution. An unseen *token* still gets probability zero, hence infinite perplexity.
 
-How the counts are stored
--------------------------
-The n-grams of each order j form one level of a trie, stored as a sorted int64 array of keys::
-
-    key(h w) = row(h) * |V| + w          (row(h): the index of h in the order-(j-1) array)
-
-so an n-gram of any order is one integer (no |V|^n overflow: rows are bounded by the corpus
-size), counting is ``np.unique`` with counts, lookup is ``np.searchsorted``, and the children
-of a context are the contiguous slice ``[row(h) |V|, (row(h)+1) |V|)``. Scoring a whole token
-array is n vectorised lookups, never a Python loop per token. Each level also keeps the row of
-every n-gram's suffix (its back-off pointer), from which continuation counts are counted.
-
-The file format
----------------
-`save` writes one ``.npz`` file (numpy's zip of deflated ``.npy`` arrays, read with
-``allow_pickle=False``, so loading runs no code):
-
-- ``header``: uint8, the UTF-8 bytes of a JSON object ``{"format": "tinylm.ngram",
-  "version": 1, "order", "vocab_size", "bos_id", "eos_id", "smoothing", "k", "discount",
-  "discounts", "train_tokens", "train_documents", "tokenizer_fingerprint"}`` (the last is null
-  for counts of bare ids, and absent from older files);
-- ``keys_j`` (int64) and ``counts_j`` (uint32, or uint64 if a count needs it) for j = 1..n:
-  the sorted keys of order j and how many times each n-gram ended at a training token
-  (n-grams made only of ``<s>`` padding are kept as trie nodes with count 0).
-
-Everything else (suffix pointers, continuation counts, discounts, the chain) is recomputed on
-load: it is a few vectorised passes.
+How the counts are stored, and the file format
+----------------------------------------------
+See `tinylm.model.ngram_counts`: the n-grams of each order are one sorted array of integer keys (a
+trie level), counting is ``np.unique`` and lookup ``np.searchsorted``; `save` writes the count
+tables and a JSON header to one ``.npz`` file, and everything else is recomputed on load.
 
 nltk's formulation
 ------------------
@@ -118,11 +98,8 @@ a recommendation; order 1 is not supported (nltk divides by zero there).
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import zipfile
-import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -130,26 +107,32 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from tinylm.atomic import atomic_path
 from tinylm.errors import TinyLMError
+from tinylm.model.ngram_counts import (
+    NGRAM_FILE,
+    TokenData,
+    as_stream,
+    check_ids,
+    check_tables,
+    count_ngrams,
+    lookup,
+    pad_documents,
+    read_tables,
+    suffix_rows,
+    write_tables,
+)
 
 if TYPE_CHECKING:  # only for annotations: the model wing does not depend on the data wing
     from tinylm.data.shards import ShardSet
     from tinylm.tokenizers.base import Tokenizer
-
-FORMAT_NAME = "tinylm.ngram"
-FORMAT_VERSION = 1
 
 SMOOTHINGS = ("mle", "add-k", "kn", "kn-nltk")
 """``mle``: counts only; ``add-k``: add k to every count; ``kn``: interpolated Kneser-Ney
 (modified, three estimated discounts, unless one ``discount`` is given); ``kn-nltk``: nltk's
 KneserNeyInterpolated formulation, for comparison with it."""
 
-TOP_P_TOLERANCE = 1e-6  # as in tinylm.generate.sampling
 FALLBACK_DISCOUNT = 0.75  # the classic single KN discount, used where n_r cannot be estimated
 NLTK_DISCOUNT = 0.1  # nltk.lm.KneserNeyInterpolated's default
-
-TokenData = np.ndarray | Sequence[int] | Sequence[Sequence[int] | np.ndarray]
 
 
 @dataclass
@@ -186,63 +169,6 @@ class NGramEval:
     def as_dict(self, prefix: str = "val_") -> dict[str, float | int]:
         return {f"{prefix}loss": self.loss, f"{prefix}ppl": self.perplexity, f"{prefix}bpb": self.bits_per_byte,
                 f"{prefix}tokens": self.tokens, f"{prefix}bytes": self.bytes}
-
-
-# ----- padding a token stream into documents -----------------------------------------------------
-
-
-def _as_stream(data: TokenData, eos_id: int) -> np.ndarray:
-    """One int64 stream with EOS after every document (a list of documents gets EOS appended where missing)."""
-    if isinstance(data, np.ndarray):
-        return data.astype(np.int64, copy=False).reshape(-1)
-    data = list(data)
-    if data and all(isinstance(d, (int, np.integer)) for d in data):
-        return np.asarray(data, dtype=np.int64)
-    pieces = []
-    for doc in data:
-        doc = np.asarray(doc, dtype=np.int64).reshape(-1)
-        if len(doc) == 0:
-            continue  # an empty document is nothing to predict (prepare drops them too)
-        pieces.append(doc)
-        if doc[-1] != eos_id:
-            pieces.append(np.array([eos_id], dtype=np.int64))
-    return np.concatenate(pieces) if pieces else np.empty(0, dtype=np.int64)
-
-
-def _pad(stream: np.ndarray, order: int, bos_id: int, eos_id: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Insert n-1 BOS before every document of an EOS-separated stream.
-
-    Returns the padded stream P, each position's offset from its padded document's start
-    (a window of length j ending at q lies inside one document iff offset[q] >= j - 1), and
-    the positions of P that hold the original tokens (the targets), in order.
-    """
-    pad = order - 1
-    n = len(stream)
-    if n == 0:
-        empty = np.empty(0, dtype=np.int64)
-        return empty, empty, empty
-    # document index of each token: a new document starts after every EOS
-    doc = np.zeros(n, dtype=np.int64)
-    np.cumsum(stream[:-1] == eos_id, out=doc[1:])
-    n_docs = int(doc[-1]) + 1
-    starts = np.flatnonzero(np.diff(doc, prepend=-1))  # (n_docs,) first token of each document
-    targets = np.arange(n, dtype=np.int64) + (doc + 1) * pad
-    padded = np.full(n + n_docs * pad, bos_id, dtype=np.int64)
-    padded[targets] = stream
-    offset = np.empty(len(padded), dtype=np.int64)
-    offset[targets] = np.arange(n) - starts[doc] + pad
-    pad_pos = (starts + np.arange(n_docs) * pad)[:, None] + np.arange(pad)  # (n_docs, pad)
-    offset[pad_pos] = np.arange(pad)
-    return padded, offset, targets
-
-
-def _lookup(keys: np.ndarray, query: np.ndarray) -> np.ndarray:
-    """Row of each query key in the sorted ``keys``, or -1 where it is absent."""
-    if len(keys) == 0:
-        return np.full(len(query), -1, dtype=np.int64)
-    i = np.searchsorted(keys, query)
-    i_safe = np.minimum(i, len(keys) - 1)
-    return np.where(keys[i_safe] == query, i_safe, -1)
 
 
 # ----- the model -----------------------------------------------------------------------------------
@@ -283,7 +209,7 @@ class NGramModel:
         self.smoothing = smoothing
         self.k = float(k)
         self.discount = discount
-        self._suffix = self._suffix_rows()
+        self._suffix = suffix_rows(self.keys, self.vocab_size)
         self.discounts: list[tuple[float, float, float]] = []  # per order, kn only: (D1, D2, D3+)
         self._base, self._levels = self._chain()
 
@@ -313,28 +239,11 @@ class NGramModel:
         """
         vocab_size, bos_id, eos_id = _vocab(tokenizer, vocab_size, bos_id, eos_id)
         _check_settings(order, vocab_size, bos_id, eos_id, smoothing, k, discount)
-        stream = _as_stream(data, eos_id)
+        stream = as_stream(data, eos_id)
         if len(stream) == 0:
             raise TinyLMError("there is no text to count: give at least one token")
-        _check_ids(stream, vocab_size)
-        padded, offset, targets = _pad(stream, order, bos_id, eos_id)
-        is_target = np.zeros(len(padded), dtype=bool)
-        is_target[targets] = True
-
-        keys: list[np.ndarray] = []
-        counts: list[np.ndarray] = []
-        prev_rows = np.zeros(len(padded), dtype=np.int64)  # row of the empty context (order 0): 0
-        for j in range(1, order + 1):
-            _check_key_room(len(keys[-1]) if keys else 1, vocab_size)
-            # every window of length j that fits in its document, ending at position q
-            q = np.flatnonzero(offset >= j - 1)
-            prefix = prev_rows[q - 1] if j > 1 else 0  # row of the window's first j-1 tokens
-            key_j, rows_j = np.unique(prefix * vocab_size + padded[q], return_inverse=True)
-            keys.append(key_j)
-            # counts are of n-grams ending at a real token; windows of padding only stay as nodes
-            counts.append(np.bincount(rows_j[is_target[q]], minlength=len(key_j)))
-            prev_rows = np.full(len(padded), -1, dtype=np.int64)
-            prev_rows[q] = rows_j
+        check_ids(stream, vocab_size)
+        keys, counts = count_ngrams(stream, order, vocab_size, bos_id, eos_id)
         n_docs = int(np.count_nonzero(stream == eos_id) + (stream[-1] != eos_id))
         return cls(keys, counts, vocab_size=vocab_size, bos_id=bos_id, eos_id=eos_id, smoothing=smoothing,
                    k=k, discount=discount, train_tokens=len(stream), train_documents=n_docs,
@@ -352,22 +261,6 @@ class NGramModel:
                           eos_id=self.eos_id, smoothing=smoothing, k=k, discount=discount,
                           train_tokens=self.train_tokens, train_documents=self.train_documents,
                           tokenizer_fingerprint=self.tokenizer_fingerprint)
-
-    def _suffix_rows(self) -> list[np.ndarray]:
-        """For each order j >= 2, the row (in order j-1) of every n-gram's suffix: h w without h's first token.
-
-        The suffix of (prefix, w) is (suffix of prefix, w), so each order is one lookup into the
-        order below. Every suffix of a counted window is itself a counted window.
-        """
-        V = self.vocab_size
-        suffix: list[np.ndarray] = [np.zeros(len(self.keys[0]), dtype=np.int64)]  # order 1 -> the empty context
-        for j in range(2, self.order + 1):
-            prefix, word = np.divmod(self.keys[j - 1], V)
-            rows = _lookup(self.keys[j - 2], suffix[j - 2][prefix] * V + word) if j > 2 else _lookup(self.keys[0], word)
-            if (rows < 0).any():
-                raise TinyLMError("the n-gram tables are inconsistent (a suffix is missing); the model file is corrupt")
-            suffix.append(rows)
-        return suffix
 
     def _continuation(self, j: int, only_counted: bool) -> np.ndarray:
         """N1+(. g) for every n-gram g of order j < n: how many distinct tokens precede it.
@@ -464,9 +357,9 @@ class NGramModel:
             q = np.flatnonzero(offset >= j - 1)
             if j > 1:
                 q = q[rows[j - 1][q - 1] >= 0]  # an unseen prefix has no seen extension
-                r[q] = _lookup(self.keys[j - 1], rows[j - 1][q - 1] * V + padded[q])
+                r[q] = lookup(self.keys[j - 1], rows[j - 1][q - 1] * V + padded[q])
             else:
-                r[q] = _lookup(self.keys[0], padded[q])
+                r[q] = lookup(self.keys[0], padded[q])
             rows.append(r)
         return rows
 
@@ -475,9 +368,9 @@ class NGramModel:
 
         Vectorised: one pass per order over the whole array. -inf where the model gives 0.
         """
-        stream = _as_stream(tokens, self.eos_id)
-        _check_ids(stream, self.vocab_size)
-        padded, offset, targets = _pad(stream, self.order, self.bos_id, self.eos_id)
+        stream = as_stream(tokens, self.eos_id)
+        check_ids(stream, self.vocab_size)
+        padded, offset, targets = pad_documents(stream, self.order, self.bos_id, self.eos_id)
         if len(targets) == 0:
             return np.empty(0, dtype=np.float64)
         rows = self._rows(padded, offset)
@@ -503,7 +396,7 @@ class NGramModel:
         """
         V = self.vocab_size
         ctx = [int(t) for t in context]
-        _check_ids(np.asarray(ctx, dtype=np.int64), V)
+        check_ids(np.asarray(ctx, dtype=np.int64), V)
         if self.eos_id in ctx:
             ctx = ctx[len(ctx) - ctx[::-1].index(self.eos_id):]
         ctx = ([self.bos_id] * (self.order - 1) + ctx)[len(ctx):] if self.order > 1 else []  # exactly n-1
@@ -523,7 +416,7 @@ class NGramModel:
         """Row of a (j-1)-token context in order j-1, walking the trie from the root; -1 if unseen."""
         row = 0
         for i, tok in enumerate(context):
-            row = int(_lookup(self.keys[i], np.array([row * self.vocab_size + tok]))[0])
+            row = int(lookup(self.keys[i], np.array([row * self.vocab_size + tok]))[0])
             if row < 0:
                 return -1
         return row
@@ -551,47 +444,11 @@ class NGramModel:
             )
         return self.evaluate(shards.tokens(split), shards.meta["splits"][split]["bytes"])
 
-    # ----- sampling ---------------------------------------------------------------------------
-
-    def sample(
-        self,
-        prompt_ids: Sequence[int] = (),
-        max_new_tokens: int = 100,
-        *,
-        temperature: float = 1.0,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        seed: int | None = None,
-    ) -> list[int]:
-        """New token ids after ``prompt_ids`` (EOS ends the sample and is not included).
-
-        The same knobs as the Transformer's sampler: temperature (0 = greedy), top-k (None or
-        0: off), top-p (nucleus; None or 1: off), and a seed for a reproducible draw. An empty
-        prompt starts a new document. BOS is never drawn: it is padding, not text.
-        """
-        if max_new_tokens < 0:
-            raise TinyLMError(f"max_new_tokens must be 0 or more, got {max_new_tokens}")
-        rng = np.random.default_rng(seed)
-        history = [int(t) for t in prompt_ids]
-        new: list[int] = []
-        for _ in range(max_new_tokens):
-            probs = self.next_token_distribution(history[-(self.order - 1):] if self.order > 1 else [])
-            probs[self.bos_id] = 0.0
-            probs = filter_probs(probs, temperature=temperature, top_k=top_k, top_p=top_p)
-            token = int(np.searchsorted(np.cumsum(probs), rng.random() * probs.sum(), side="right"))
-            token = min(token, self.vocab_size - 1)  # guards the (measure-zero) draw at the very top
-            if token == self.eos_id:
-                break
-            history.append(token)
-            new.append(token)
-        return new
-
     # ----- saving and loading -----------------------------------------------------------------
 
     def header(self) -> dict[str, Any]:
         return {
-            "format": FORMAT_NAME,
-            "version": FORMAT_VERSION,
+            **NGRAM_FILE.header(),
             "order": self.order,
             "vocab_size": self.vocab_size,
             "bos_id": self.bos_id,
@@ -606,50 +463,19 @@ class NGramModel:
         }
 
     def save(self, path: str | os.PathLike) -> Path:
-        """Write the model as one .npz file (see the module docstring), atomically."""
-        arrays: dict[str, np.ndarray] = {
-            "header": np.frombuffer(json.dumps(self.header()).encode("utf-8"), dtype=np.uint8)
-        }
-        for j in range(1, self.order + 1):
-            c = self.counts[j - 1]
-            arrays[f"keys_{j}"] = self.keys[j - 1]
-            arrays[f"counts_{j}"] = c.astype(np.uint32 if c.size == 0 or c.max() < 2**32 else np.uint64)
-        with atomic_path(path) as tmp, open(tmp, "wb") as f:  # a file object: savez adds no suffix
-            np.savez_compressed(f, **arrays)  # sorted keys deflate well: ~4.5x smaller at n = 5
-        return Path(path)
+        """Write the model as one .npz file (see `tinylm.model.ngram_counts`), atomically."""
+        return write_tables(path, self.header(), self.keys, self.counts)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> NGramModel:
         """Read a model written by `save`."""
         path = Path(path)
-        if not path.exists():
-            raise TinyLMError(f"n-gram model file {path} does not exist")
-        if path.is_file() and not zipfile.is_zipfile(path):  # a .npz is a zip archive; this is something else
-            raise TinyLMError(f"{path} is not a readable n-gram model file (not a .npz archive: empty, cut short or "
-                              "another kind of file); count it again")
-        try:
-            with np.load(path, allow_pickle=False) as npz:
-                arrays = {name: npz[name] for name in npz.files}
-        except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error, NotImplementedError) as e:
-            # (zlib.error: deflated data damaged; NotImplementedError: a damaged header naming no known compression)
-            reason = str(e).split(";")[0].split(". ")[0]  # numpy's advice (e.g. allow_pickle) is not ours to give
-            raise TinyLMError(f"{path} is not a readable n-gram model file ({reason}); count it again") from None
-        try:
-            header = json.loads(arrays["header"].tobytes().decode("utf-8"))
-        except (KeyError, UnicodeDecodeError, json.JSONDecodeError):
-            raise TinyLMError(f"{path} has no valid JSON header: it is not a tinylm n-gram model") from None
-        if not isinstance(header, dict) or header.get("format") != FORMAT_NAME:
-            raise TinyLMError(f"{path} is not a tinylm n-gram model (no \"format\": \"{FORMAT_NAME}\")")
-        if header.get("version") != FORMAT_VERSION:
-            raise TinyLMError(
-                f"{path} has n-gram format version {header.get('version')!r}, but this tinylm reads "
-                f"version {FORMAT_VERSION}; fit the model again"
-            )
+        header, arrays = read_tables(path)
         try:
             order = int(header["order"])
             keys = [arrays[f"keys_{j}"] for j in range(1, order + 1)]
             counts = [arrays[f"counts_{j}"] for j in range(1, order + 1)]
-            _check_tables(keys, counts, int(header["vocab_size"]))
+            check_tables(keys, counts, int(header["vocab_size"]))
             keys = [k.astype(np.int64, copy=False) for k in keys]
             counts = [c.astype(np.int64) for c in counts]
             return cls(keys, counts, vocab_size=header["vocab_size"], bos_id=header["bos_id"],
@@ -674,68 +500,6 @@ class NGramModel:
         sizes = ", ".join(str(len(k)) for k in self.keys)
         return (f"NGramModel(order={self.order}, smoothing={self.smoothing!r}, "
                 f"vocab_size={self.vocab_size}, n-grams=[{sizes}])")
-
-
-def _check_tables(keys: list[np.ndarray], counts: list[np.ndarray], vocab_size: int) -> None:
-    """The invariants every lookup relies on, for tables read from a file: one count per key, keys strictly
-    increasing (binary search), each key ``row * |V| + w`` naming a row of the order below and a token."""
-    if vocab_size < 1:
-        raise ValueError(f"vocab_size {vocab_size}")
-    rows = 1  # order 1 has one context, the empty one
-    for j, (k, c) in enumerate(zip(keys, counts), start=1):
-        if k.dtype.kind not in "iu" or c.dtype.kind not in "iu":
-            raise ValueError(f"the tables of order {j} hold {k.dtype} keys and {c.dtype} counts, not integers")
-        if k.ndim != 1 or c.ndim != 1:
-            raise ValueError(f"the tables of order {j} are not flat arrays (shapes {k.shape} and {c.shape})")
-        if c.shape != k.shape:
-            raise ValueError(f"order {j} has {k.size} keys but {c.size} counts")
-        if k.size and (k[0] < 0 or k[-1] >= rows * vocab_size or np.any(np.diff(k) <= 0)):
-            raise ValueError(f"the keys of order {j} are out of order or out of range")
-        if c.size and c.min() < 0:
-            raise ValueError(f"order {j} has negative counts")
-        rows = k.size
-
-
-# ----- sampling filters --------------------------------------------------------------------------
-
-
-def filter_probs(
-    probs: np.ndarray, *, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None
-) -> np.ndarray:
-    """Probabilities after temperature, top-k and top-p, renormalised; temperature 0 is a one-hot argmax.
-
-    The same rules as `tinylm.generate.sampling` (ties with the k-th token and with the token
-    crossing top_p are kept), in numpy on probabilities. Kept here for now; once the generate
-    wing drives any model's ``next_token_distribution``, this should go and both share its filters.
-    """
-    if temperature < 0:
-        raise TinyLMError(f"temperature must be 0 or more, got {temperature}")
-    if top_k is not None and top_k < 0:
-        raise TinyLMError(f"top_k must be 0 (off) or more, got {top_k}")
-    if top_p is not None and not 0 < top_p <= 1:
-        raise TinyLMError(f"top_p must be in (0, 1], got {top_p}")
-    probs = np.asarray(probs, dtype=np.float64)
-    if temperature == 0:
-        out = np.zeros_like(probs)
-        out[int(np.argmax(probs))] = 1.0
-        return out
-    if temperature == 1:
-        out = probs.copy()
-    else:
-        with np.errstate(divide="ignore"):
-            logits = np.log(probs) / temperature  # p^(1/T), in log space so small p do not underflow
-        out = np.exp(logits - logits.max())
-    if top_k and top_k < len(out):
-        kth = np.partition(out, len(out) - top_k)[len(out) - top_k]  # the k-th largest
-        out[out < kth] = 0.0  # ties with the k-th are kept, as in the Transformer's sampler
-    if top_p is not None and top_p < 1:
-        ranked = np.sort(out)[::-1]
-        cum = np.cumsum(ranked) / out.sum()
-        # the smallest head whose mass reaches top_p (a sum that misses it by rounding still counts),
-        # and every token tied with the one that crosses it: the generate wing's rule
-        crossing = ranked[min(int(np.searchsorted(cum, top_p - TOP_P_TOLERANCE)), len(out) - 1)]
-        out[out < crossing] = 0.0
-    return out / out.sum()
 
 
 # ----- checks --------------------------------------------------------------------------------------
@@ -770,17 +534,3 @@ def _check_settings(
         raise TinyLMError(f"a Kneser-Ney discount must be in (0, 1], got {discount}")
     if smoothing == "kn-nltk" and order < 2:
         raise TinyLMError("nltk's Kneser-Ney formulation needs order 2 or more (its unigram level divides by zero)")
-
-
-def _check_ids(stream: np.ndarray, vocab_size: int) -> None:
-    if len(stream) and (stream.min() < 0 or stream.max() >= vocab_size):
-        bad = stream[(stream < 0) | (stream >= vocab_size)][0]
-        raise TinyLMError(f"token id {bad} is outside the vocabulary 0..{vocab_size - 1}; use the model's tokenizer")
-
-
-def _check_key_room(n_contexts: int, vocab_size: int) -> None:
-    # keys are row * |V| + w in int64; rows are bounded by the corpus size, so this holds far past any real corpus
-    if n_contexts * vocab_size >= 2**63:
-        raise TinyLMError(
-            f"{n_contexts} contexts x {vocab_size} tokens do not fit the int64 keys; use less text or a lower order"
-        )
