@@ -60,11 +60,20 @@ from tqdm import tqdm
 
 from tinylm.data.corpora import Corpus
 from tinylm.errors import TinyLMError
+from tinylm.jsonfile import JSONFormat
 from tinylm.tokenizers.base import FORMAT_NAME as TOKENIZER_FORMAT
 from tinylm.tokenizers.base import Tokenizer, load_tokenizer, tokenizer_from_dict
 
-FORMAT_NAME = "tinylm.shards"
-FORMAT_VERSION = 1
+SHARDS_FILE = JSONFormat(  # meta.json
+    "tinylm.shards", 1,
+    missing="{folder} has no {file}: it is not a prepared shard folder (or a prepare was interrupted); "
+            "run `tinylm prepare` into it",
+    unreadable="{path} is unreadable ({error}); choose another output folder",
+    foreign="{path} is not a tinylm shard description; choose another output folder",
+    wrong_version="{folder} holds shards of format version {found!r}, but this tinylm reads version {version}; "
+                  "prepare them again with --force",
+)
+FORMAT_NAME = SHARDS_FILE.name
 SPLITS = ("train", "val")
 META_FILE = "meta.json"
 TOKENIZER_FILE = "tokenizer.json"
@@ -339,8 +348,7 @@ def prepare(
             f.close()
 
         meta = {
-            "format": FORMAT_NAME,
-            "version": FORMAT_VERSION,
+            **SHARDS_FILE.header(),
             "corpus": corpus.name,
             "input_fingerprint": plan.fingerprint,
             "tokenizer": {
@@ -469,23 +477,7 @@ class ShardSet:
     def open(cls, path: str | os.PathLike) -> ShardSet:
         """Open a folder written by `prepare`, checking its format and file sizes."""
         path = Path(path)
-        meta_path = path / META_FILE
-        try:
-            meta = json.loads(meta_path.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise TinyLMError(
-                f"{path} has no {META_FILE}: it is not a prepared shard folder (or a prepare was interrupted); "
-                "run `tinylm prepare` into it"
-            ) from None
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise TinyLMError(f"{meta_path} is unreadable ({e}); choose another output folder") from None
-        if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
-            raise TinyLMError(f"{meta_path} is not a tinylm shard description; choose another output folder")
-        if meta.get("version") != FORMAT_VERSION:
-            raise TinyLMError(
-                f"{path} holds shards of format version {meta.get('version')!r}, but this tinylm reads "
-                f"version {FORMAT_VERSION}; prepare them again with --force"
-            )
+        meta = SHARDS_FILE.read(path / META_FILE)
         shards = cls(path, meta)
         for split in SPLITS:
             file = path / meta["splits"][split]["file"]

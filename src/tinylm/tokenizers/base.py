@@ -42,9 +42,20 @@ import regex
 
 from tinylm.atomic import atomic_write_text
 from tinylm.errors import TinyLMError
+from tinylm.jsonfile import JSONFormat
 
-FORMAT_NAME = "tinylm.tokenizer"
-FORMAT_VERSION = 1
+TOKENIZER_FILE = JSONFormat(
+    "tinylm.tokenizer", 1,
+    missing="tokenizer file {path} does not exist; train one with `tinylm tokenizer train`",
+    unreadable="cannot read tokenizer file {path}: {error}",
+    corrupt="tokenizer file {path} is corrupt (invalid JSON at line {line}, column {column}); "
+            "re-create it with `tinylm tokenizer train`",
+    foreign='{path} is not a tinylm tokenizer file (no "format": "{name}"); '
+            "to read a Hugging Face tokenizer.json or a .tiktoken file use `tinylm tokenizer import`",
+    wrong_version="tokenizer file {path} has format version {found!r}, but this tinylm reads version {version}; "
+                  "upgrade tinylm or re-train the tokenizer",
+)
+FORMAT_NAME = TOKENIZER_FILE.name
 
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 ROLES = ("bos", "eos", "pad")
@@ -224,8 +235,7 @@ class Tokenizer(ABC):
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "format": FORMAT_NAME,
-            "version": FORMAT_VERSION,
+            **TOKENIZER_FILE.header(),
             "kind": self.kind,
             "n_reserved": self.n_reserved,
             "special_tokens": self.special_tokens,
@@ -277,34 +287,6 @@ class StreamDecoder:
         return self._decoder.decode(b"", final=True)
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        raw = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise TinyLMError(f"tokenizer file {path} does not exist; train one with `tinylm tokenizer train`") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise TinyLMError(f"cannot read tokenizer file {path}: {e}") from None
-    try:
-        data = json.loads(raw)
-    except json.JSONDecodeError as e:
-        raise TinyLMError(
-            f"tokenizer file {path} is corrupt (invalid JSON at line {e.lineno}, column {e.colno}); "
-            "re-create it with `tinylm tokenizer train`"
-        ) from None
-    if not isinstance(data, dict) or data.get("format") != FORMAT_NAME:
-        raise TinyLMError(
-            f"{path} is not a tinylm tokenizer file (no \"format\": \"{FORMAT_NAME}\"); "
-            "to read a Hugging Face tokenizer.json or a .tiktoken file use `tinylm tokenizer import`"
-        )
-    version = data.get("version")
-    if version != FORMAT_VERSION:
-        raise TinyLMError(
-            f"tokenizer file {path} has format version {version!r}, but this tinylm reads version "
-            f"{FORMAT_VERSION}; upgrade tinylm or re-train the tokenizer"
-        )
-    return data
-
-
 def tokenizer_from_dict(data: dict[str, Any], source: str = "<dict>") -> Tokenizer:
     """Rebuild a tokenizer from `Tokenizer.to_dict()` output."""
     from tinylm.tokenizers import KINDS  # the registry of kinds lives with the package
@@ -327,7 +309,7 @@ def tokenizer_from_dict(data: dict[str, Any], source: str = "<dict>") -> Tokeniz
 def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     """Load any tinylm tokenizer saved with `Tokenizer.save`."""
     path = Path(path)
-    return tokenizer_from_dict(_read_json(path), str(path))
+    return tokenizer_from_dict(TOKENIZER_FILE.read(path), str(path))
 
 
 def whole_number(value: Any, what: str) -> int:
