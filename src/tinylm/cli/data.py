@@ -9,10 +9,10 @@ from pathlib import Path
 
 from tinylm.cli.flags import (add_corpus_flags, add_tokenizer_training_flags, fraction, load_corpus_from, seed_int,
                               train_tokenizer_from)
+from tinylm.config import corpus_stem
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
-    from tinylm.data.corpora import corpus_stem
     from tinylm.data.shards import check_output_folder, prepare
     from tinylm.tokenizers import load_tokenizer
 

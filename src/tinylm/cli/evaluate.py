@@ -44,6 +44,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
               "tokenizer cannot spell; bits per byte charges them 8 bits each")
     return 0
 
+
 def cmd_compare(args: argparse.Namespace) -> int:
     from tinylm.compare import check_plot_path, compare_runs, format_table, plot_comparison
 

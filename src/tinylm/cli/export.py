@@ -18,6 +18,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     print(f"exported {args.run} ({args.checkpoint} checkpoint) as {args.format}: {path}")
     return 0
 
+
 def cmd_import(args: argparse.Namespace) -> int:
     from tinylm.export import import_hf_into_run
 

@@ -71,6 +71,7 @@ def add_corpus_flags(p: argparse.ArgumentParser, default: str | None = "shakespe
         "and offset (strict, the default), replace them with U+FFFD, or drop them",
     )
 
+
 def load_corpus_from(args: argparse.Namespace):
     """The corpus the corpus flags name, or None where --corpus is optional and not given."""
     from tinylm.data.corpora import load_corpus
@@ -82,6 +83,7 @@ def load_corpus_from(args: argparse.Namespace):
         return None
     return load_corpus(args.corpus, glob=args.glob, text_field=args.text_field, errors=args.errors,
                        encoding=args.encoding)
+
 
 def add_tokenizer_training_flags(p: argparse.ArgumentParser, vocab_default: int) -> None:
     from tinylm.tokenizers import PATTERNS
@@ -108,12 +110,14 @@ def add_tokenizer_training_flags(p: argparse.ArgumentParser, vocab_default: int)
     )
     p.add_argument("--workers", type=positive_int, help="processes for counting and encoding (default: all cores)")
 
+
 def train_tokenizer_from(args: argparse.Namespace, corpus):
     from tinylm.tokenizers import train_tokenizer
 
     return train_tokenizer(args.kind, corpus.texts(), vocab_size=args.vocab_size, pattern=args.pattern,
                            unknown=args.unknown, n_reserved=args.reserved, workers=args.workers,
                            progress=sys.stderr.isatty())
+
 
 def read_input(args: argparse.Namespace) -> str:
     if args.text is not None:
@@ -130,16 +134,19 @@ def read_input(args: argparse.Namespace) -> str:
         raise TinyLMError("no input: give --text TEXT, --file PATH, or pipe text on stdin")
     return sys.stdin.read()
 
+
 def add_role_flags(p: argparse.ArgumentParser) -> None:
     for role, what in (("bos", "starts a text"), ("eos", "ends a text (generation stops there)"),
                        ("pad", "fills short rows")):
         p.add_argument(f"--{role}", metavar="TOKEN", help=f"the special token that {what}, where the tokenizer's files "
                        "do not name it (default: tokenizer_config.json's; bos and pad fall back to eos)")
 
+
 def roles_from(args: argparse.Namespace) -> dict[str, str] | None:
     """--bos/--eos/--pad: the special tokens a Hugging Face tokenizer's own files do not name."""
     roles = {role: getattr(args, role) for role in ("bos", "eos", "pad") if getattr(args, role, None)}
     return roles or None
+
 
 def show_help(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], int]:
     """For a command group run without its action (`tinylm tokenizer`): print its help, exit 2."""

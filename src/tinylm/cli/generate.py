@@ -16,10 +16,12 @@ def cmd_sample(args: argparse.Namespace) -> int:
 
     return sample(args)
 
+
 def cmd_next_token(args: argparse.Namespace) -> int:
     from tinylm.generate.commands import cmd_next_token as next_token
 
     return next_token(args)
+
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from tinylm.serve.server import cmd_serve as serve

@@ -25,6 +25,7 @@ def cmd_tokenizer_train(args: argparse.Namespace) -> int:
           f"{time.perf_counter() - start:.1f}s; saved to {out}")
     return 0
 
+
 def cmd_tokenizer_encode(args: argparse.Namespace) -> int:
     from tinylm.tokenizers import load_tokenizer
 
@@ -44,6 +45,7 @@ def cmd_tokenizer_encode(args: argparse.Namespace) -> int:
         print(" ".join(map(str, ids)))
     return 0
 
+
 def cmd_tokenizer_decode(args: argparse.Namespace) -> int:
     from tinylm.tokenizers import load_tokenizer
 
@@ -60,6 +62,7 @@ def cmd_tokenizer_decode(args: argparse.Namespace) -> int:
     if sys.stdout.isatty():
         sys.stdout.write("\n")
     return 0
+
 
 def cmd_tokenizer_info(args: argparse.Namespace) -> int:
     from tinylm.tokenizers import load_tokenizer
@@ -93,6 +96,7 @@ def cmd_tokenizer_info(args: argparse.Namespace) -> int:
             print(f"{key:>16}: {value}")
     return 0
 
+
 def cmd_tokenizer_export(args: argparse.Namespace) -> int:
     from tinylm.tokenizers import load_tokenizer
     from tinylm.tokenizers.files import export_tokenizer
@@ -101,6 +105,7 @@ def cmd_tokenizer_export(args: argparse.Namespace) -> int:
     path = export_tokenizer(tok, args.out, args.format, overwrite=args.force)
     print(f"wrote {args.format} tokenizer to {path}")
     return 0
+
 
 def cmd_tokenizer_import(args: argparse.Namespace) -> int:
     from tinylm.tokenizers.files import import_tokenizer
