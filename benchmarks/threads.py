@@ -6,7 +6,7 @@ Run from the repository root, on an otherwise idle machine::
     python benchmarks/threads.py --neighbours 2 --steps 5
 
 `tinylm train` picks its thread count from the cores that are idle when it starts (a core busy
-with another process is left out: `tinylm.train.loop._default_cpu_threads`). This measures the
+with another process is left out: `tinylm.device.default_cpu_threads`). This measures the
 rule's premise: seconds per training step (forward, backward, AdamW) of the preset's model at 1
 thread and at every core, first alone, then beside ``--neighbours`` processes that each keep one
 core busy (a Python busy loop, like another training run or a test suite). Settings alternate
@@ -26,7 +26,7 @@ import torch
 
 from tinylm.config import resolve_config
 from tinylm.model import GPT
-from tinylm.train.loop import native_bf16
+from tinylm.device import native_bf16
 
 
 def main() -> None:

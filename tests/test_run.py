@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-import tinylm.run as run_module
+import tinylm.checkpoint as checkpoint_module
 from tinylm.config import Config, GPTConfig, TrainConfig
 from tinylm.errors import TinyLMError
 from tinylm.model import GPT
@@ -79,7 +79,7 @@ def test_a_saved_checkpoint_gives_exactly_the_same_logits(tmp_path, model_settin
     assert torch.equal(model(idx)[0], copy(idx)[0])  # bit for bit
     if cfg.model.tie_embeddings:
         assert copy.lm_head.weight is copy.E.weight  # still one tensor, stored once
-        assert "lm_head.weight" not in run_module._read_safetensors(path / run_module.MODEL_FILE)[0]
+        assert "lm_head.weight" not in checkpoint_module._read_safetensors(path / checkpoint_module.MODEL_FILE)[0]
 
 
 def test_optimizer_state_survives_the_round_trip_exactly(tmp_path):
@@ -119,8 +119,8 @@ def test_a_crash_while_saving_leaves_the_previous_checkpoint(tmp_path, monkeypat
             raise OSError("disk full")
         return real_save_safetensors(tensors, filename, metadata)
 
-    real_save_safetensors = run_module.save_safetensors
-    monkeypatch.setattr(run_module, "save_safetensors", dies_on_the_second_file)
+    real_save_safetensors = checkpoint_module.save_safetensors
+    monkeypatch.setattr(checkpoint_module, "save_safetensors", dies_on_the_second_file)
     with pytest.raises(OSError, match="disk full"):
         save(latest, model, optimizer, cfg, step=6)
     monkeypatch.undo()
@@ -209,7 +209,7 @@ def test_save_safetensors_writes_a_safetensors_file_with_sorted_metadata(tmp_pat
     tensors = {"b": torch.arange(6, dtype=torch.float32).reshape(2, 3), "a": torch.tensor([1, 2], dtype=torch.int64),
                "c": torch.ones(3, dtype=torch.bfloat16)}
     metadata = {"zeta": "1", "alpha": "2", "mid": "3"}
-    run_module.save_safetensors(tensors, tmp_path / "t.safetensors", metadata)
+    checkpoint_module.save_safetensors(tensors, tmp_path / "t.safetensors", metadata)
     data = (tmp_path / "t.safetensors").read_bytes()
     header_size = int.from_bytes(data[:8], "little")
     assert header_size % 8 == 0

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -33,7 +32,14 @@ from tinylm.export.hf_families import HF_CLASSES, Architecture, default_rule, ll
 from tinylm.export.weights import architecture_for, convert_to_ours, hf_rules
 from tinylm.model.gpt import GPT
 from tinylm.run import CONFIG_FILE as RUN_CONFIG_FILE
-from tinylm.run import RUN_FILE, checkpoint_path, copy_checkpoint, save_checkpoint, write_run_info
+from tinylm.run import (
+    check_new_run_folder,
+    checkpoint_path,
+    clear_run_folder,
+    copy_checkpoint,
+    save_checkpoint,
+    write_run_info,
+)
 from tinylm.run import TOKENIZER_FILE as RUN_TOKENIZER_FILE
 from tinylm.tokenizers.base import Tokenizer
 from tinylm.tokenizers.hf_files import read_hf_tokenizer
@@ -191,17 +197,11 @@ def import_hf_into_run(src_dir: str | os.PathLike, run_dir: str | os.PathLike, *
     is replaced only with ``force``, and only if it is a tinylm run.
     """
     src_dir, run_dir = Path(src_dir), Path(run_dir)
-    if run_dir.exists() and (not run_dir.is_dir() or any(run_dir.iterdir())):
-        if not force:
-            raise TinyLMError(f"{run_dir} already exists; choose another --out, or --force to replace it")
-        if not run_dir.is_dir() or not ((run_dir / RUN_FILE).exists() or (run_dir / RUN_CONFIG_FILE).exists()):
-            raise TinyLMError(f"{run_dir} is not a tinylm run folder; --force replaces only run folders, so choose "
-                              "another --out")
+    check_new_run_folder(run_dir, force, resumable=False)
     model, tokenizer, model_config = import_hf(src_dir, roles=roles)  # everything is read before anything is deleted
-    if run_dir.exists():
-        shutil.rmtree(run_dir)
+    clear_run_folder(run_dir)
     config = Config(model=model_config)
-    run_dir.mkdir(parents=True)
+    run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(run_dir / RUN_CONFIG_FILE, dump_toml(config.to_dict()))
     tokenizer.save(run_dir / RUN_TOKENIZER_FILE)
     source = {"format": "huggingface", "path": str(src_dir.resolve()),

@@ -31,29 +31,10 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
+from tinylm.device import resolve_device
 from tinylm.errors import TinyLMError
 
 T = TypeVar("T")
-
-
-def resolve_device(setting: str, local_rank: int = 0) -> torch.device:
-    """"auto" -> the process's GPU when CUDA is there, else the CPU; other settings are checked."""
-    if setting == "auto":
-        return torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
-    try:
-        device = torch.device(setting)
-    except RuntimeError:
-        raise TinyLMError(f"unknown device {setting!r}; use auto, cpu, cuda, cuda:N or mps") from None
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise TinyLMError(f"device {setting!r} asked for, but PyTorch sees no CUDA GPU here; use --device cpu")
-        if device.index is None:
-            device = torch.device("cuda", local_rank)
-    elif device.type == "mps" and not torch.backends.mps.is_available():
-        raise TinyLMError("device 'mps' asked for, but this PyTorch has no Metal support here; use --device cpu")
-    elif device.type not in ("cpu", "cuda", "mps"):
-        raise TinyLMError(f"unsupported device {setting!r}; use auto, cpu, cuda, cuda:N or mps")
-    return device
 
 
 @dataclass

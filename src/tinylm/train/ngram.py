@@ -23,6 +23,7 @@ from pathlib import Path
 
 from tinylm.atomic import atomic_write_text
 from tinylm.config import Config, dump_toml
+from tinylm.data.prepare_run import prepare_data
 from tinylm.errors import TinyLMError
 from tinylm.evaluate import evaluate_model, split_text
 from tinylm.generate.engine import Engine
@@ -33,12 +34,16 @@ from tinylm.run import (
     METRICS_FILE,
     NGRAM_FILE,
     TOKENIZER_FILE,
-    generation_excluded,
+    RunResult,
+    check_new_run_folder,
+    clear_run_folder,
+    data_info,
     start_ids,
     write_metrics,
     write_run_info,
 )
-from tinylm.train.loop import RunResult, check_new_run_folder, clear_run_folder, data_info, prepare_data
+from tinylm.tokenizers.base import generation_excluded
+from tinylm.train.progress import sample_lines
 
 
 def count_ngram(
@@ -97,10 +102,8 @@ def count_ngram(
         log(f"  ({val.unknown_tokens:,} <unk> tokens stand for {val.unknown_bytes:,.0f} bytes the tokenizer cannot "
             "spell: bits per byte charges them 8 bits each)")
     log(f"model: {out / NGRAM_FILE}")
-    if tc.sample_tokens:
-        log(f"sample ({tc.sample_tokens} tokens at most, temperature {tc.sample_temperature:g}"
-            f"{f', top-k {tc.sample_top_k}' if tc.sample_top_k else ''}):")
-        log(sample)
+    for line in sample_lines(tc, sample):
+        log(line)
     return RunResult(out, "complete", 0, 0, ngram.train_tokens, None, final, out / NGRAM_FILE, None, None, sample,
                      elapsed)
 

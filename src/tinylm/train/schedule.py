@@ -22,7 +22,8 @@ lower loss. Why warmup-stable-decay (Hu et al., 2024, "MiniCPM"; Hägele et al.,
 rate for longer makes faster progress, and a short final decay collects it; the stable phase does
 not depend on the run's length, so a run can be extended before its decay starts.
 
-`momentum_at` is Muon's momentum warm-up (modded-nanogpt's): from 0.85 up to its value over the
+`group_lr` is the schedule a run's [train] settings give one optimizer group. `momentum_at` is
+Muon's momentum warm-up (modded-nanogpt's): from 0.85 up to its value over the
 first ``warmup`` steps, which damps the first, noisiest updates.
 """
 
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import math
 
+from tinylm.config import TrainConfig
 from tinylm.errors import TinyLMError
 
 DECAYS = ("cosine", "linear", "constant", "wsd")
@@ -69,3 +71,11 @@ def momentum_at(step: int, *, momentum: float, warmup: int) -> float:
     if warmup <= 0 or step >= warmup or momentum <= MOMENTUM_START:
         return momentum
     return MOMENTUM_START + (momentum - MOMENTUM_START) * step / warmup
+
+
+def group_lr(tc: TrainConfig, total: int, step: int, peak: float) -> float:
+    """The schedule of ``tc`` over ``total`` steps at ``step``, for a group whose peak rate is ``peak``
+    (its floor: the same share of it)."""
+    floor = tc.final_lr if peak == tc.lr else tc.final_lr * peak / tc.lr
+    return lr_at(step, lr=peak, min_lr=floor, warmup=tc.warmup_steps, total=total,
+                 decay=tc.decay, fraction=tc.decay_fraction, shape=tc.decay_shape)

@@ -1,0 +1,535 @@
+"""Checkpoints: a moment of training on disk (weights, optimizer, random state), written atomically, read verified.
+
+A checkpoint folder stands on its own (it can be loaded without the run around it)::
+
+    model.safetensors      the weights; a tied output head is stored once and restored as an alias
+    optimizer.safetensors  the optimizer's tensors (AdamW: both moments and the step count per parameter)
+    rng.safetensors        every training process's torch random state (dropout), as uint8 tensors
+    state.json             the step, tokens seen, best validation loss, elapsed time, the optimizer's
+                           non-tensor parts (its parameter groups), and the data position
+    config.toml            a copy of the configuration
+    tokenizer.json         a copy of the tokenizer
+    checksums.json         written last: the size and SHA-256 of every other file
+
+No pickle anywhere: safetensors files hold named tensors and nothing else, so loading one cannot
+run code; everything that is not a tensor is JSON or TOML. The data position is just the step:
+the batches of step s are a function of (seed, s) (see `tinylm.train.batches`), so numpy keeps
+no state worth saving, and Python's `random` is not used.
+
+Writing is atomic per folder: a checkpoint is written in full to ``.latest.new/``, the old
+``latest/`` is renamed to ``.latest.old/``, the new one renamed into place, and the old one
+deleted. A crash at any moment leaves a complete checkpoint under ``latest/`` or, for the instant
+between the two renames, under ``.latest.old/``, where `find_checkpoint` looks next.
+
+Damage after writing is caught on reading: every load (`load_checkpoint`, hence ``--resume``,
+``--init-from``, `load_run` and so eval, sample, serve and export) first checks each file against
+checksums.json (`verify_checkpoint`), so a truncated, bit-flipped, missing or swapped-in file is a
+one-line error naming it and the way out, never a silently wrong model; weights that are NaN or
+infinite are refused too. Checking costs one read of the folder (SHA-256 reads about 1 GB a second).
+A checkpoint written before checksums existed (no checksums.json, and no mention of it in its
+state.json) is read as it is, unchecked. ``best/`` is a copy of ``latest/``, never hard links to
+it, so damage to one leaves the other to fall back on. The same tensors always give the same
+bytes (`save_safetensors`): two identical runs write identical checkpoint files, and the files
+are created like every other file of a run (mode 0644 under the usual umask).
+
+Usage::
+
+    save_checkpoint(checkpoint_path("runs/mine", "latest"), model_state=model.state_dict(), ...)
+    ckpt = load_checkpoint(checkpoint_path("runs/mine", "best"))   # verified against checksums.json
+    model = ckpt.build_model()                                      # on the CPU, in eval mode
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save
+from torch import Tensor
+
+from tinylm.config import Config, build_config, dump_toml, load_config_file
+from tinylm.errors import TinyLMError
+from tinylm.model import build_model
+from tinylm.tokenizers.base import Tokenizer, load_tokenizer
+
+CHECKPOINT_FORMAT = "tinylm.checkpoint"
+FORMAT_VERSION = 1  # of checkpoints and of run.json
+
+# a checkpoint carries copies of its run's configuration and tokenizer, under the same names
+CONFIG_FILE = "config.toml"
+TOKENIZER_FILE = "tokenizer.json"
+CHECKPOINTS = "checkpoints"  # the folder of a run that holds its checkpoints
+CHECKPOINT_NAMES = ("latest", "best")
+
+MODEL_FILE = "model.safetensors"
+OPTIMIZER_FILE = "optimizer.safetensors"
+RNG_FILE = "rng.safetensors"
+STATE_FILE = "state.json"  # a folder without it is not a checkpoint
+CHECKSUMS_FILE = "checksums.json"  # written last: every other file's size and SHA-256
+CHECKSUMS_FORMAT = "tinylm.checksums"
+
+
+# ----- writing checkpoints ------------------------------------------------------------------------
+
+
+def save_checkpoint(
+    path: str | os.PathLike,
+    *,
+    model_state: Mapping[str, Tensor],
+    optimizer_state: Mapping[str, Any] | None,
+    rng_state: Mapping[str, Tensor],
+    state: Mapping[str, Any],
+    config: Config,
+    tokenizer: Tokenizer,
+) -> Path:
+    """Write a checkpoint folder at ``path`` atomically (see the module docstring); returns ``path``.
+
+    ``model_state`` is a model's ``state_dict()``; ``optimizer_state`` an optimizer's (or None);
+    ``rng_state`` named uint8 tensors; ``state`` anything JSON for state.json (the format, the
+    optimizer's non-tensor parts, the tokenizer fingerprint and the name of the checksums file
+    are added here).
+    """
+    path = Path(path)
+
+    def write(folder: Path) -> None:
+        tensors, aliases = _unique_tensors(model_state)
+        metadata = {"format": CHECKPOINT_FORMAT}
+        save_safetensors(tensors, folder / MODEL_FILE, {**metadata, "aliases": json.dumps(aliases)})
+        info = dict(state)
+        if optimizer_state is not None:
+            opt_tensors, info["optimizer"] = flatten_optimizer_state(optimizer_state)
+            save_safetensors(opt_tensors, folder / OPTIMIZER_FILE, metadata)
+        rng = {k: v.detach().cpu().contiguous() for k, v in rng_state.items()}
+        save_safetensors(rng, folder / RNG_FILE, metadata)
+        (folder / CONFIG_FILE).write_text(dump_toml(config.to_dict()), encoding="utf-8")
+        tokenizer.save(folder / TOKENIZER_FILE)
+        info = {"format": CHECKPOINT_FORMAT, "version": FORMAT_VERSION,
+                "tokenizer_fingerprint": tokenizer.fingerprint(), "checksums": CHECKSUMS_FILE, **info}
+        (folder / STATE_FILE).write_text(json.dumps(info, indent=1) + "\n", encoding="utf-8")
+        _write_checksums(folder)
+
+    _replace_folder(path, write)
+    return path
+
+
+def copy_checkpoint(source: str | os.PathLike, target: str | os.PathLike) -> Path:
+    """Make ``target`` a copy of the checkpoint ``source``, atomically, once ``source`` is verified.
+
+    A real copy, not hard links: a file damaged in place (a bad sector, a stray write) must not
+    damage both checkpoints of a run, or the advice to fall back on the other one could not work.
+    """
+    source = verify_checkpoint(source)  # never make a damaged checkpoint the one to fall back on
+
+    def write(folder: Path) -> None:
+        folder.rmdir()
+        shutil.copytree(source, folder)
+        for name in os.listdir(folder):
+            _fsync(folder / name)
+
+    return _replace_folder(Path(target), write)
+
+
+def save_safetensors(tensors: Mapping[str, Tensor], path: str | os.PathLike,
+                     metadata: Mapping[str, str] | None = None) -> None:
+    """Write ``tensors`` (contiguous, on the CPU) as the safetensors file ``path``: the same bytes for the
+    same tensors and metadata, and a file created like any other (mode 0644 under the usual umask).
+
+    safetensors' own `save_file` makes every file private (0600), and it keeps the metadata in a
+    Rust hash map, whose order changes from one map to the next (two keys come out either way
+    round, even within one process), so the same weights would hash differently in every run.
+    Here the header is written again with the metadata sorted; tensor offsets count from the end
+    of the header, so its length may change freely.
+    """
+    data = save(dict(tensors), metadata=dict(metadata) if metadata else None)
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + n])
+    if "__metadata__" in header:
+        header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    text += b" " * (-len(text) % 8)  # the tensor data stays 8-byte aligned, as safetensors pads it
+    with open(path, "wb") as f:
+        f.write(len(text).to_bytes(8, "little") + text)
+        f.write(memoryview(data)[8 + n :])  # the tensors, not copied once more
+
+
+def _write_checksums(folder: Path) -> None:
+    """checksums.json: the size and SHA-256 of every file in ``folder``, written after they are all on disk."""
+    files = {name: _digest(folder / name) for name in sorted(os.listdir(folder))}
+    for name in files:
+        _fsync(folder / name)
+    # its own checksum too, so that a damaged checksums.json blames itself, not a file it lists
+    manifest = {"format": CHECKSUMS_FORMAT, "files": files}
+    manifest["sha256"] = _json_sha256(manifest)
+    (folder / CHECKSUMS_FILE).write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
+    _fsync(folder / CHECKSUMS_FILE)
+
+
+def _digest(path: Path) -> dict[str, Any]:
+    with open(path, "rb") as f:
+        return {"bytes": os.fstat(f.fileno()).st_size, "sha256": hashlib.file_digest(f, "sha256").hexdigest()}
+
+
+def _json_sha256(value: Any) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True).encode("utf-8")).hexdigest()
+
+
+def _replace_folder(path: Path, write) -> Path:
+    new = path.with_name(f".{path.name}.new")
+    old = path.with_name(f".{path.name}.old")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(new, ignore_errors=True)  # left by a crash while writing: never complete, never used
+    new.mkdir()
+    try:
+        write(new)
+    except BaseException:
+        shutil.rmtree(new, ignore_errors=True)
+        raise
+    if path.exists():
+        # An .old folder still here is from a crash after its replacement was in place: stale.
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(path, old)
+    os.replace(new, path)
+    _fsync_dir(path.parent)
+    shutil.rmtree(old, ignore_errors=True)
+    return path
+
+
+def _fsync(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # some systems cannot open a folder; the renames are still atomic there
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _unique_tensors(state: Mapping[str, Tensor]) -> tuple[dict[str, Tensor], dict[str, str]]:
+    """The tensors with shared ones (a tied head) stored once, and alias -> stored name for the rest.
+
+    safetensors refuses two names for one piece of memory, and storing E twice would double
+    the file of a tied model for nothing.
+    """
+    tensors: dict[str, Tensor] = {}
+    aliases: dict[str, str] = {}
+    seen: dict[tuple, str] = {}
+    for name, t in state.items():
+        key = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()))
+        if t.numel() and key in seen:
+            aliases[name] = seen[key]
+            continue
+        seen[key] = name
+        tensors[name] = t.detach().cpu().contiguous()
+    return tensors, aliases
+
+
+def flatten_optimizer_state(state_dict: Mapping[str, Any]) -> tuple[dict[str, Tensor], dict[str, Any]]:
+    """An optimizer ``state_dict()`` split into named tensors and a JSON-able rest.
+
+    The tensors are named ``state/<i>/<name>`` for the i-th entry of ``state`` (a parameter's
+    moments, momentum buffer, step count); the rest keeps the entries' keys, their non-tensor
+    values, and the parameter groups (learning rate, betas, weight decay, which parameters).
+    """
+    tensors: dict[str, Tensor] = {}
+    keys, values = [], []
+    for i, (key, entry) in enumerate(state_dict["state"].items()):
+        keys.append(key)
+        plain = {}
+        for name, value in entry.items():
+            if isinstance(value, Tensor):
+                tensors[f"state/{i}/{name}"] = value.detach().cpu().contiguous()
+            else:
+                plain[name] = value
+        values.append(plain)
+    rest = {"state_keys": keys, "state_values": values, "param_groups": list(state_dict["param_groups"])}
+    json.dumps(rest)  # fail now, not halfway through writing, if something is not JSON
+    return tensors, rest
+
+
+def unflatten_optimizer_state(tensors: Mapping[str, Tensor], rest: Mapping[str, Any]) -> dict[str, Any]:
+    """The inverse of `flatten_optimizer_state`: an optimizer ``state_dict()`` again."""
+    state: dict[Any, dict[str, Any]] = {}
+    for i, key in enumerate(rest["state_keys"]):
+        state[key] = dict(rest["state_values"][i])
+    for name, value in tensors.items():
+        _, i, tensor_name = name.split("/", 2)
+        state[rest["state_keys"][int(i)]][tensor_name] = value
+    groups = []
+    for group in rest["param_groups"]:
+        group = dict(group)
+        if isinstance(group.get("betas"), list):
+            group["betas"] = tuple(group["betas"])  # JSON has no tuples
+        groups.append(group)
+    return {"state": state, "param_groups": groups}
+
+
+# ----- reading checkpoints ------------------------------------------------------------------------
+
+
+def checkpoint_path(run_dir: str | os.PathLike, name: str = "latest") -> Path:
+    """Where the checkpoint ``name`` ("latest" or "best") of a run lives (whether or not it exists)."""
+    if name not in CHECKPOINT_NAMES:
+        raise TinyLMError(f"unknown checkpoint {name!r}; a run keeps {' and '.join(CHECKPOINT_NAMES)}")
+    return Path(run_dir) / CHECKPOINTS / name
+
+
+def find_checkpoint(path: str | os.PathLike) -> Path:
+    """The complete checkpoint folder at ``path``, or the one a crash mid-save left beside it, or an error."""
+    path = Path(path)
+    if (path / STATE_FILE).is_file():
+        return path
+    old = path.with_name(f".{path.name}.old")
+    if (old / STATE_FILE).is_file():
+        return old
+    if path.is_dir():
+        raise TinyLMError(f"{path} is not a complete checkpoint (no {STATE_FILE}); {_way_out(path)}")
+    raise TinyLMError(f"no checkpoint at {path}")
+
+
+def verify_checkpoint(path: str | os.PathLike) -> Path:
+    """The checkpoint folder at ``path`` (see `find_checkpoint`), once every file matches checksums.json.
+
+    A file missing, truncated, changed by a single bit or replaced by another checkpoint's is a
+    one-line `TinyLMError` that names it and says what to load instead: the run's other checkpoint
+    when that one is sound, else training again. A checkpoint from before checksums (no
+    checksums.json, and a state.json that does not mention one) passes unchecked.
+    """
+    path = find_checkpoint(path)
+    damage = _damage(path)
+    if damage is not None:
+        raise TinyLMError(f"{damage}; {_way_out(path)}")
+    return path
+
+
+def _damage(path: Path) -> str | None:
+    """What is wrong with the files of the checkpoint folder ``path``, or None."""
+    manifest_file = path / CHECKSUMS_FILE
+    if not manifest_file.is_file():
+        try:
+            state = json.loads((path / STATE_FILE).read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            return None  # load_checkpoint says what is wrong with state.json
+        if isinstance(state, dict) and state.get("checksums"):
+            return f"checkpoint file {manifest_file} is missing (its {STATE_FILE} says it was written)"
+        return None  # written before checkpoints had checksums
+    try:
+        manifest = json.loads(manifest_file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        return f"checkpoint file {manifest_file} is corrupt ({e})"
+    body = {key: value for key, value in manifest.items() if key != "sha256"} if isinstance(manifest, dict) else {}
+    files = body.get("files")
+    if body.get("format") != CHECKSUMS_FORMAT or not isinstance(files, dict) or \
+            manifest.get("sha256") != _json_sha256(body):
+        return f"checkpoint file {manifest_file} is corrupt (it does not match its own checksum)"
+    damaged = {name: why for name, written in files.items() if (why := _file_damage(path / name, written))}
+    if len(damaged) == 1:
+        ((name, why),) = damaged.items()
+        return f"checkpoint file {path / name} {why}"
+    if damaged:  # several at once: as likely a checksums.json copied from elsewhere as several damaged files
+        return (f"checkpoint {path} does not match its {CHECKSUMS_FILE}, which may be another checkpoint's: "
+                + "; ".join(f"{name} {why}" for name, why in damaged.items()))
+    return None
+
+
+def _file_damage(path: Path, written: Mapping[str, Any]) -> str | None:
+    """How the file at ``path`` differs from what checksums.json says was ``written`` there, or None."""
+    if not path.is_file():
+        return "is missing"
+    found = _digest(path)
+    size, size_written = found["bytes"], written["bytes"]
+    if size < size_written:
+        return f"has {size:,} of the {size_written:,} bytes written (truncated, or another checkpoint's file)"
+    if size != size_written:
+        return f"has {size:,} bytes where {size_written:,} were written (another checkpoint's file?)"
+    if found["sha256"] != written["sha256"]:
+        return (f"is corrupt (its SHA-256 differs from the one in {CHECKSUMS_FILE}: flipped bytes, or another "
+                "checkpoint's file)")
+    return None
+
+
+def _way_out(path: Path) -> str:
+    """What to load instead of the damaged checkpoint folder ``path``: its run's other checkpoint if that
+    one is sound, else nothing but a new run."""
+    name = path.name.removeprefix(".").removesuffix(".old")  # .latest.old is latest, caught mid-save
+    if path.parent.name != CHECKPOINTS or name not in CHECKPOINT_NAMES:
+        return "use another checkpoint, or train again"
+    for other in CHECKPOINT_NAMES:
+        if other != name and _is_sound(path.parent / other):
+            return (f"use the other checkpoint, {path.parent / other} (--checkpoint {other}, or --resume {other} "
+                    "to train on), or train again with --force")
+    return "the run has no other sound checkpoint: train again with --force"
+
+
+def _is_sound(path: Path) -> bool:
+    """Whether a complete checkpoint whose files match their checksums is at ``path`` (or beside it, mid-save)."""
+    for folder in (path, path.with_name(f".{path.name}.old")):
+        if (folder / STATE_FILE).is_file():
+            return _damage(folder) is None
+    return False
+
+
+@dataclass
+class Checkpoint:
+    """A checkpoint folder, read: its configuration, tokenizer and state.json; tensors on demand."""
+
+    path: Path
+    config: Config
+    tokenizer: Tokenizer
+    state: dict[str, Any]
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps completed when it was saved."""
+        return int(self.state["step"])
+
+    def model_state(self) -> dict[str, Tensor]:
+        """The weights, by parameter name, with aliases (a tied head) pointing at the same tensor.
+
+        A NaN or infinite weight is an error: such a model only ever gives NaN losses and samples
+        (a run that diverged, or an imported file that was broken already).
+        """
+        tensors, metadata = _read_safetensors(self.path / MODEL_FILE)
+        for name, t in tensors.items():
+            if t.is_floating_point() and not torch.isfinite(t).all():
+                raise TinyLMError(f"the weights in {self.path / MODEL_FILE} are not finite ({name} holds NaN or "
+                                  f"infinite values); {_way_out(self.path)}")
+        for alias, name in json.loads(metadata.get("aliases", "{}")).items():
+            tensors[alias] = tensors[name]
+        return tensors
+
+    def optimizer_state(self) -> dict[str, Any] | None:
+        if "optimizer" not in self.state:
+            return None
+        tensors, _ = _read_safetensors(self.path / OPTIMIZER_FILE)
+        return unflatten_optimizer_state(tensors, self.state["optimizer"])
+
+    def rng_state(self) -> dict[str, Tensor]:
+        return _read_safetensors(self.path / RNG_FILE)[0]
+
+    def load_weights(self, model: torch.nn.Module) -> None:
+        """Copy the weights into ``model``; a checkpoint of another shape is a clear error."""
+        load_weights(model, self.model_state(), self.path)
+
+    def build_model(self, device: torch.device | str = "cpu") -> torch.nn.Module:
+        """The model of this checkpoint's configuration (`GPT`, `RecurrentLM`) with its weights, in eval mode."""
+        self.check_shapes()
+        # the random initialisation is overwritten at once; fork_rng leaves the caller's random state alone
+        with torch.random.fork_rng(devices=[]):
+            model = build_model(self.config.model)
+        model = model.to(device)
+        self.load_weights(model)
+        return model.eval()
+
+
+    def check_shapes(self) -> None:
+        """Refuse a configuration whose weights are not the stored ones, before any memory is allocated.
+
+        The model is built on PyTorch's meta device (shapes, no storage) and its tensors compared
+        with the safetensors header: a config.toml edited to ``d_model = 4000000`` is one line
+        here, not an 8 GB allocation and then a mismatch.
+        """
+        stored = _stored_shapes(self.path / MODEL_FILE)
+        with torch.device("meta"):
+            expected = {name: tuple(t.shape) for name, t in build_model(self.config.model).state_dict().items()}
+        for name, shape in expected.items():
+            if name in stored and stored[name] != shape:
+                raise TinyLMError(
+                    f"the configuration in {self.path / CONFIG_FILE} does not fit the weights in {self.path / MODEL_FILE} "
+                    f"({name}: the configuration makes it {shape}, the file holds {stored[name]}); use the "
+                    "configuration they were trained with")
+        missing, extra = sorted(expected.keys() - stored.keys()), sorted(stored.keys() - expected.keys())
+        if missing or extra:
+            what = f"no {missing[0]}" if missing else f"an unexpected {extra[0]}"
+            raise TinyLMError(f"the weights in {self.path / MODEL_FILE} do not fit the configuration in "
+                              f"{self.path / CONFIG_FILE} ({what}); use the configuration they were trained with")
+
+
+def _stored_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """Each tensor's shape from a safetensors header (aliases included), without reading the tensors."""
+    if not path.is_file():
+        raise TinyLMError(f"checkpoint file {path} is missing; {_way_out(path.parent)}")
+    try:
+        with safe_open(path, framework="pt") as f:
+            shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+            aliases = json.loads((f.metadata() or {}).get("aliases", "{}"))
+    except Exception as e:  # a damaged header: the same error as reading the tensors gives
+        raise _unreadable(path, e) from None
+    for alias, name in aliases.items():
+        if name in shapes:
+            shapes[alias] = shapes[name]
+    return shapes
+
+
+def load_weights(model: torch.nn.Module, state: Mapping[str, Tensor], source: Path | str) -> None:
+    try:
+        model.load_state_dict(state, strict=True)
+    except RuntimeError as e:
+        first = str(e).strip().splitlines()
+        detail = first[1].strip() if len(first) > 1 else first[0]
+        raise TinyLMError(
+            f"the weights in {source} do not fit this model ({detail}): the checkpoint is from another "
+            "configuration; use the configuration it was trained with (its config.toml)"
+        ) from None
+
+
+def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
+    """Read a checkpoint folder's configuration, tokenizer and state, once its files are verified
+    (see `find_checkpoint` and `verify_checkpoint`)."""
+    path = verify_checkpoint(path)
+    try:
+        state = json.loads((path / STATE_FILE).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise TinyLMError(f"{path / STATE_FILE} is corrupt ({e}); {_way_out(path)}") from None
+    if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
+        raise TinyLMError(f"{path} is not a tinylm checkpoint (its {STATE_FILE} has no format {CHECKPOINT_FORMAT!r})")
+    if state.get("version") != FORMAT_VERSION:
+        raise TinyLMError(f"{path} is a checkpoint of format version {state.get('version')!r}; this tinylm reads "
+                          f"version {FORMAT_VERSION}")
+    config = build_config(load_config_file(path / CONFIG_FILE))
+    tokenizer = load_tokenizer(path / TOKENIZER_FILE)
+    if state.get("tokenizer_fingerprint") != tokenizer.fingerprint():
+        raise TinyLMError(f"{path / TOKENIZER_FILE} is not the tokenizer this checkpoint was trained with "
+                          f"(fingerprints differ); {_way_out(path)}")
+    return Checkpoint(path, config, tokenizer, state)
+
+
+def _read_safetensors(path: Path) -> tuple[dict[str, Tensor], dict[str, str]]:
+    """All tensors and the metadata of a safetensors file; an unreadable file is a one-line error."""
+    # (checksums catch all of this first; these are the errors of a checkpoint written before them)
+    if not path.is_file():
+        raise TinyLMError(f"checkpoint file {path} is missing; {_way_out(path.parent)}")
+    try:
+        with safe_open(path, framework="pt") as f:
+            metadata = f.metadata() or {}
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
+    except Exception as e:  # safetensors raises its own error types, OSError, or others for a damaged file
+        raise _unreadable(path, e) from None
+    return tensors, metadata
+
+
+def _unreadable(path: Path, e: Exception) -> TinyLMError:
+    return TinyLMError(f"checkpoint file {path} is corrupt or truncated ({type(e).__name__}: "
+                       f"{str(e).splitlines()[0][:120]}); {_way_out(path.parent)}")
+
+
+def has_checkpoint(path: str | os.PathLike) -> bool:
+    """Whether a checkpoint was saved at ``path``, sound or not: "best" falls back to "latest" only in a run
+    that never had a best one, never past a damaged one."""
+    path = Path(path)
+    return path.is_dir() or path.with_name(f".{path.name}.old").is_dir()

@@ -1,0 +1,121 @@
+"""The data a training run reads: its tokenizer found, checked or trained, and the corpus cut into shards once.
+
+`prepare_data` is what `tinylm train` (every model family) does before its first step; the
+shards go to a folder named for the corpus and the tokenizer (`default_data_dir`), so runs with
+the same settings share them, and so share one validation split. `tinylm prepare` is the same
+work with the tokenizer given or trained by hand (`tinylm.data.shards.prepare`).
+
+Usage::
+
+    shards = prepare_data(resolve_config(preset="tiny").train)   # data/shakespeare-bpe-512, say
+    shards.tokenizer(), shards.num_tokens("train")
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+from tinylm.config import TrainConfig
+from tinylm.data.corpora import Corpus, corpus_stem, load_corpus
+from tinylm.data.shards import META_FILE, TOKENIZER_FILE, ShardSet, prepare
+from tinylm.errors import TinyLMError
+from tinylm.tokenizers import train_tokenizer
+from tinylm.tokenizers.base import Tokenizer, load_tokenizer
+from tinylm.tokenizers.bpe import resolve_pattern
+
+
+def default_data_dir(tc: TrainConfig, corpus_name: str, tokenizer: Tokenizer | None = None) -> Path:
+    """data/<corpus>-<tokenizer>: the kind and size of the tokenizer to train, or a given one's fingerprint."""
+    name = corpus_stem(corpus_name)
+    if tokenizer is not None:
+        return Path("data") / f"{name}-{tokenizer.kind}-{tokenizer.fingerprint()[:8]}"
+    if tc.tokenizer_kind == "char":
+        return Path("data") / f"{name}-char"
+    suffix = f"-{tc.tokenizer_pattern}" if tc.tokenizer_kind == "bpe" and tc.tokenizer_pattern != "gpt4" else ""
+    return Path("data") / f"{name}-{tc.tokenizer_kind}-{tc.tokenizer_vocab_size}{suffix}"
+
+
+def prepare_data(
+    tc: TrainConfig, tokenizer: Tokenizer | None = None, log: Callable[[str], None] = print, *,
+    reuse_only: bool = False,
+) -> ShardSet:
+    """The token shards training reads: prepared once into the data folder, reused after.
+
+    The tokenizer is ``tokenizer`` if given (resuming, or starting from another run), else the
+    file ``tc.tokenizer``, else the one already in the data folder if it is of the configured
+    kind and size, else one trained on the corpus now. ``reuse_only``: the folder was named by a
+    file (a run's run.json), not by the user, so it is only read, never written.
+    """
+    corpus = load_corpus(tc.corpus, glob=tc.glob, text_field=tc.text_field, errors=tc.errors, encoding=tc.encoding)
+    if tokenizer is None and tc.tokenizer is not None:
+        tokenizer = load_tokenizer(tc.tokenizer)
+    data_dir = Path(tc.data_dir) if tc.data_dir else default_data_dir(tc, corpus.name, tokenizer)
+    existing = data_dir / TOKENIZER_FILE if (data_dir / META_FILE).exists() else None
+    if tokenizer is None and existing is not None:
+        candidate = load_tokenizer(existing)
+        if _is_requested_tokenizer(candidate, tc):
+            tokenizer = candidate
+        elif _is_requested_tokenizer(candidate, tc, smaller=True):
+            # the corpus could not fill the vocabulary asked for: reuse it if training again gives the same one
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # "ran out of pairs to merge" was said when the data was made
+                again = _train_tokenizer(corpus, tc)
+            if again.fingerprint() != candidate.fingerprint():
+                raise TinyLMError(
+                    f"{data_dir} holds shards made with a {candidate.kind} tokenizer of {candidate.vocab_size} tokens, "
+                    f"and one trained on {corpus.name} now is another (has the corpus changed?); set --data-dir "
+                    "to another folder")
+            tokenizer = candidate
+        else:
+            raise TinyLMError(
+                f"{data_dir} holds shards made with a {candidate.kind} tokenizer of {candidate.vocab_size} tokens, "
+                f"not the {tc.tokenizer_kind} tokenizer of {tc.tokenizer_vocab_size} asked for; "
+                "set --data-dir to another folder"
+            )
+    if tokenizer is not None and existing is not None:
+        made_with = ShardSet.open(data_dir).meta["tokenizer"]["fingerprint"]
+        if made_with != tokenizer.fingerprint():
+            raise TinyLMError(
+                f"{data_dir} holds shards made with another tokenizer (fingerprint {made_with}) than this run's "
+                f"({tokenizer.fingerprint()}); set --data-dir to another folder"
+            )
+    if tokenizer is None:
+        start = time.perf_counter()
+        tokenizer = _train_tokenizer(corpus, tc)
+        log(f"trained a {tokenizer.kind} tokenizer with |V| = {tokenizer.vocab_size} on {corpus.name} "
+            f"in {time.perf_counter() - start:.1f}s")
+    try:
+        shards = prepare(corpus, tokenizer, data_dir, val_fraction=tc.val_fraction, progress=_stderr_is_terminal(),
+                         reuse_only=reuse_only)
+    except TinyLMError as e:
+        # prepare's advice is for `tinylm prepare`; train's --force deletes the run, not the shards
+        raise TinyLMError(str(e).replace("choose another output folder or pass --force",
+                                         "set --data-dir to another folder")) from None
+    if shards.num_tokens("train") == 0 or shards.num_tokens("val") == 0:
+        raise TinyLMError(f"corpus {corpus.name!r} is too small to give both a training and a validation split")
+    return shards
+
+
+def _is_requested_tokenizer(tok: Tokenizer, tc: TrainConfig, smaller: bool = False) -> bool:
+    """Whether ``tok`` is of the kind, pattern and size ``tc`` asks for (``smaller``: of fewer tokens than asked)."""
+    if tok.kind != tc.tokenizer_kind:
+        return False
+    if tok.kind == "char":
+        return not smaller
+    if tok.kind == "bpe":
+        if tok.pattern != resolve_pattern(tc.tokenizer_pattern):
+            return False
+    return tok.vocab_size < tc.tokenizer_vocab_size if smaller else tok.vocab_size == tc.tokenizer_vocab_size
+
+
+def _train_tokenizer(corpus: Corpus, tc: TrainConfig) -> Tokenizer:
+    return train_tokenizer(tc.tokenizer_kind, corpus.texts(), vocab_size=tc.tokenizer_vocab_size,
+                           pattern=tc.tokenizer_pattern, progress=_stderr_is_terminal())
+
+
+def _stderr_is_terminal() -> bool:
+    return sys.stderr is not None and sys.stderr.isatty()

@@ -1,0 +1,166 @@
+"""Where the arithmetic runs: the device, its precision, and how many CPU threads to use.
+
+Everything that runs a model (training, evaluation, sampling, serving) asks this module, so
+loading a run never leans on the training wing::
+
+    device = resolve_device("auto")                    # the GPU when CUDA is there, else the CPU
+    autocast = autocast_for(device, "auto")            # bfloat16 where the hardware has it
+    with threads(default_cpu_threads(processes=1)):    # the cores that are free now
+        with autocast():
+            ...
+
+The thread count matters on a shared CPU: small models on a few cores are hurt badly by
+oversubscription, so the default counts only the cores that are idle now (`busy_cores`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Callable, Iterator
+
+import torch
+
+from tinylm.errors import TinyLMError
+
+
+def resolve_device(setting: str, local_rank: int = 0) -> torch.device:
+    """"auto" -> the process's GPU when CUDA is there, else the CPU; other settings are checked."""
+    if setting == "auto":
+        return torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    try:
+        device = torch.device(setting)
+    except RuntimeError:
+        raise TinyLMError(f"unknown device {setting!r}; use auto, cpu, cuda, cuda:N or mps") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise TinyLMError(f"device {setting!r} asked for, but PyTorch sees no CUDA GPU here; use --device cpu")
+        if device.index is None:
+            device = torch.device("cuda", local_rank)
+    elif device.type == "mps" and not torch.backends.mps.is_available():
+        raise TinyLMError("device 'mps' asked for, but this PyTorch has no Metal support here; use --device cpu")
+    elif device.type not in ("cpu", "cuda", "mps"):
+        raise TinyLMError(f"unsupported device {setting!r}; use auto, cpu, cuda, cuda:N or mps")
+    return device
+
+
+# ----- precision ----------------------------------------------------------------------------------
+
+
+def native_bf16(device: torch.device) -> bool:
+    """Whether ``device`` multiplies bfloat16 matrices in hardware: a GPU that has it, or a CPU with
+    AVX512-BF16 or AMX. Elsewhere PyTorch emulates bfloat16 on the CPU, slower than float32."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    if device.type == "cpu":
+        return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    return False
+
+
+def autocast_for(device: torch.device, dtype: str) -> Callable[[], contextlib.AbstractContextManager]:
+    """A factory of the mixed-precision context for ``dtype`` ("float32", "bfloat16" or "auto"):
+    bfloat16 autocast, or `contextlib.nullcontext` (float32)."""
+    use_bf16 = dtype == "bfloat16" or (dtype == "auto" and native_bf16(device))
+    if not use_bf16:
+        return contextlib.nullcontext
+    # Matmuls run in bfloat16, reductions (softmax, norms, the loss) stay in float32: autocast's
+    # per-operation policy. bfloat16 has float32's range, so no loss scaling is needed.
+    return lambda: torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+
+
+def precision_name(device: torch.device, dtype: str) -> str:
+    return "bfloat16 autocast" if autocast_for(device, dtype) is not contextlib.nullcontext else "float32"
+
+
+# ----- CPU threads --------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def threads(n: int | None) -> Iterator[None]:
+    """PyTorch's intra-op thread count set to ``n`` (None: left as it is) inside the block, restored after."""
+    before = torch.get_num_threads()
+    if n is not None:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def default_cpu_threads(processes: int) -> int:
+    """Threads per process: the cores this machine has free, shared among its processes.
+
+    Small models on a few cores are hurt badly by oversubscription: on a 2-core machine with
+    another busy process, the tiny preset ran 3-10x slower with 2 threads than with 1
+    (benchmarks/train.py --threads). So cores that are busy now (`busy_cores`) are left out.
+    """
+    cores = available_cpus()
+    busy = round(busy_cores())
+    return max(1, min(cores, cores - busy) // processes)
+
+
+def busy_cores(window: float = 0.25) -> float:
+    """How many of this process's cores are busy now: each one's non-idle share over ``window`` seconds, summed.
+
+    Read from /proc/stat (Linux) for the cores in this process's affinity set. Elsewhere, the
+    1-minute load average; but that counts recent work too, this process's own included, so a
+    second run straight after a first (or the next model of a benchmark) would see the cores it
+    just used as taken. The price of a short sample: a neighbour that is bursty and happens to be
+    idle in the window is not counted (``--threads`` sets the count outright).
+    """
+    try:
+        cores = os.sched_getaffinity(0)
+        before = cpu_times(cores)
+        time.sleep(window)
+        after = cpu_times(cores)
+        if before.keys() != cores or after.keys() != cores:
+            raise OSError("/proc/stat does not list this process's cores")
+    except (AttributeError, OSError, ValueError, IndexError):
+        try:
+            return float(int(os.getloadavg()[0]))  # whole cores: a load of 1.6 leaves the second core free
+        except (AttributeError, OSError):  # no load average on this platform
+            return 0.0
+    busy = 0.0
+    for n in cores:
+        total = after[n][0] - before[n][0]
+        if total > 0:
+            busy += 1 - (after[n][1] - before[n][1]) / total
+    return busy
+
+
+def cpu_times(cores: set[int], stat: str = "/proc/stat") -> dict[int, tuple[int, int]]:
+    """(all time, idle time) in clock ticks of each of ``cores`` since boot, from the kernel's "cpuN" lines."""
+    times = {}
+    with open(stat, encoding="ascii") as f:
+        for line in f:
+            name, *fields = line.split()
+            if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cores and len(fields) >= 5:
+                ticks = [int(x) for x in fields[:8]]  # user nice system idle iowait irq softirq steal
+                times[int(name[3:])] = (sum(ticks), ticks[3] + ticks[4])  # waiting for I/O is idle too
+    return times
+
+
+def available_cpus() -> int:
+    """The cores this process may run on (its affinity set: container and taskset limits count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+# ----- memory -------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def out_of_memory_explained(advice: str) -> Iterator[None]:
+    """An out-of-memory error inside the block, from PyTorch or the allocator, as one `TinyLMError` line: ``advice``."""
+    try:
+        yield
+    except (torch.OutOfMemoryError, MemoryError):
+        raise TinyLMError(advice) from None
+    except RuntimeError as e:
+        text = str(e)
+        if "out of memory" in text or "can't allocate memory" in text:
+            raise TinyLMError(advice) from None
+        raise

@@ -1,0 +1,150 @@
+"""What a training run prints: the header, a progress bar or line per interval, evaluations, the summary
+(and draws: its schedule before the first step).
+
+Only process 0 prints (`tinylm.train.loop` passes the others a ``log`` that drops lines). The
+text goes through ``log`` (print by default), so a Python caller can collect it; the bar alone
+writes to stderr, and only when stderr is a terminal::
+
+    progress = Progress(total=1000, start=0, log=print, enabled=True, bar=stderr_is_terminal())
+    progress.update(step, n_steps, loss, lr, tokens_per_s, seconds_left)
+    progress.write(eval_line(step, val, shards.num_tokens("val")))
+    progress.close()
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from tinylm.config import Config, TrainConfig
+from tinylm.device import precision_name
+from tinylm.evaluate import EvalResult
+from tinylm.explain.accounting import summary
+from tinylm.explain.plots import plot_schedule
+from tinylm.train.schedule import group_lr, momentum_at
+
+
+def stderr_is_terminal() -> bool:
+    return sys.stderr is not None and sys.stderr.isatty()
+
+
+def duration(seconds: float) -> str:
+    """``m:ss``, or ``h:mm:ss`` from an hour on."""
+    seconds = int(round(seconds))
+    h, rest = divmod(seconds, 3600)
+    return f"{h}:{rest // 60:02d}:{rest % 60:02d}" if h else f"{rest // 60}:{rest % 60:02d}"
+
+
+class Progress:
+    """A tqdm bar on a terminal; otherwise a plain line every ``log_interval`` steps."""
+
+    def __init__(self, total: int, start: int, log: Callable[[str], None], enabled: bool, bar: bool) -> None:
+        self.total, self.log, self.enabled = total, log, enabled
+        self.bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True, file=sys.stderr,
+                        leave=False) if enabled and bar else None
+
+    def update(self, step: int, n_steps: int, loss: float, lr: float, tok_s: float, left: float) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.update(n_steps)
+            self.bar.set_postfix_str(f"loss {loss:.4f} | {tok_s:,.0f} tok/s | {duration(left)} left", refresh=False)
+        else:
+            self.log(f"step {step}/{self.total} | loss {loss:.4f} | lr {lr:.2e} | {tok_s:,.0f} tok/s | "
+                     f"{duration(left)} left")
+
+    def write(self, text: str) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.clear()
+            self.log(text)
+            self.bar.refresh()
+        else:
+            self.log(text)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def eval_line(step: int, val: EvalResult, val_tokens: int) -> str:
+    """One evaluation, with what it covered (``val_tokens``: the size of the validation split)."""
+    scope = (f"{val.tokens:,} of {val_tokens:,} tokens, bytes prorated" if val.prorated
+             else f"the whole validation split, {val.tokens:,} tokens")
+    scope += f", {val.describe_windows()}"
+    unknown = f"; {val.unknown_tokens:,} <unk> tokens charged 8 bits a byte" if val.unknown_tokens else ""
+    return (f"step {step}: val loss {val.loss:.4f}, perplexity {val.perplexity:.2f}, "
+            f"{val.bits_per_byte:.4f} bits per byte ({scope}{unknown})")
+
+
+def header_lines(config: Config, *, out: Any, resuming_at: int | None, data: str, total: int, per_step: int,
+                 param_groups: Sequence[dict[str, Any]], device: Any, processes: str, threads: int,
+                 metrics_where: Sequence[str]) -> list[str]:
+    """The lines a run starts with: what it trains, on what data, for how long, where.
+
+    ``data``: the data line; ``processes``: "1 process" or "W processes (ddp)"; ``metrics_where``:
+    where the metrics go (named only when there is more than metrics.jsonl).
+    """
+    mc, tc = config.model, config.train
+    verb = f"resuming at step {resuming_at} of" if resuming_at is not None else "training"
+    lines = [f"tinylm train: {verb} run {out}", data, f"model: {summary(mc)}"]
+    accum = f" x {tc.grad_accum} micro-batches" if tc.grad_accum > 1 else ""
+    decay = f"{tc.decay} to {tc.final_lr:.2e}" if tc.decay != "constant" else "constant"
+    if tc.decay == "wsd":
+        decay = f"held, then {tc.decay_shape} decay over the last {tc.decay_fraction:.0%} to {tc.final_lr:.2e}"
+    rates = ", ".join(f"{g.get('roles', 'all')} {g['peak_lr']:.2e}" for g in param_groups)
+    optimizer = (f"muon (matrices, momentum {tc.muon_momentum:g}) + adamw, lr {rates}" if tc.optimizer == "muon"
+                 else f"{tc.optimizer} lr {tc.lr:.2e}")
+    lines.append(f"training: {total:,} steps of {tc.batch_size}{accum} x {mc.block_size} tokens = {per_step:,} tokens "
+                 f"({total * per_step:,} in all), {optimizer}, {tc.warmup_steps} warmup steps, "
+                 f"then {decay}; {tc.batch_mode} batches")
+    if tc.warmup_steps >= total:
+        lines.append(f"warning: {tc.warmup_steps} warmup steps for a run of {total:,}: the whole run is warmup (the "
+                     f"rate never decays{'' if tc.warmup_steps == total else ' nor reaches its peak'}); "
+                     f"set --warmup-steps below {total:,}")
+    lines.append(f"device: {device}, {precision_name(device, tc.dtype)}, {processes}, "
+                 f"{threads} CPU thread{'s' if threads > 1 else ''} each{', compiled' if tc.compile else ''}")
+    if len(metrics_where) > 1:  # --log-to: metrics.jsonl and where else they go
+        lines.append(f"metrics: {'; '.join(metrics_where)}")
+    return lines
+
+
+def closing_lines(*, step: int, tokens: int, elapsed: float, latest: Any, best: Any, best_step: int | None,
+                  plot: Any) -> list[str]:
+    """What a finished run says after its final evaluation: how long, where its checkpoints and curve are."""
+    lines = [f"trained {step:,} steps in {duration(elapsed)} ({tokens:,} tokens, "
+             f"{tokens / max(elapsed, 1e-9):,.0f} tokens/s overall)",
+             f"checkpoint: {latest} (best: {best}, step {best_step})"]
+    if plot is not None:
+        lines.append(f"loss curve: {plot}")
+    return lines
+
+
+def sample_lines(tc: TrainConfig, sample: str) -> list[str]:
+    """The closing sample of any family's run, with how it was drawn (nothing when no sample was asked for)."""
+    if not tc.sample_tokens:
+        return []
+    return [f"sample ({tc.sample_tokens} tokens at most, temperature {tc.sample_temperature:g}"
+            f"{f', top-k {tc.sample_top_k}' if tc.sample_top_k else ''}):", sample]
+
+
+def plot_schedule_of(optimizers: Sequence[Any], tc: TrainConfig, total: int, path: Path, run_name: str) -> Path:
+    """schedule.png: every optimizer group's rate at every step of the run (and Muon's momentum), known
+    before the first step."""
+    rates: dict[str, list[float]] = {}
+    for opt in optimizers:
+        kind = type(opt).__name__
+        for group in opt.param_groups:
+            label = f"{group.get('roles', 'parameters')} ({kind}, peak {group['peak_lr']:.3g})"
+            rates[label] = [group_lr(tc, total, step, group["peak_lr"]) for step in range(total)]
+    momentum = None
+    if tc.optimizer == "muon" and tc.muon_momentum_warmup:
+        momentum = [momentum_at(step, momentum=tc.muon_momentum, warmup=tc.muon_momentum_warmup)
+                    for step in range(total)]
+    decay = {"wsd": f"warmup-stable-decay ({tc.decay_shape}, last {tc.decay_fraction:.0%})"}.get(tc.decay, tc.decay)
+    return plot_schedule(rates, path, momentum=momentum, title=f"{run_name}: {tc.warmup_steps} warmup steps, then {decay}")
