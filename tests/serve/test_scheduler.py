@@ -15,7 +15,8 @@ from tinylm.config import GPTConfig
 from tinylm.errors import TinyLMError
 from tinylm.generate import SamplingParams, generate
 from tinylm.model import RecurrentLM
-from tinylm.serve.scheduler import ChoiceEvent, Job, JobDone, JobFailed, Scheduler
+from tinylm.serve.jobs import ChoiceEvent, Job, JobDone, JobFailed
+from tinylm.serve.scheduler import Scheduler
 
 PROMPTS = ["To be", "Naïve café owners", "東京", "", "whether 'tis nobler in the mind to suffer the slings"]
 

@@ -4,7 +4,8 @@
 - `create_app` (app.py): the FastAPI app, for embedding or testing: the endpoints, streaming by
   server-sent events, OpenAI-shaped errors, the optional API key, the page at ``/``.
 - `Scheduler` (scheduler.py): the background thread that decodes every request in flight
-  together through one KV cache (continuous batching), each row with its own sampling settings.
+  together through one KV cache (continuous batching), each row with its own sampling settings;
+  a `Job` (jobs.py) is one request to it, and the events it sends back.
 - `chat_prompt` (chat.py): the plain-text chat template ("System: ...", "User: ...",
   "Assistant:") that lets a base model answer `/v1/chat/completions`; a model whose tokenizer has
   a chat template reads its own (`ChatFormat`, `tinylm.tokenizers.chat_template`).
@@ -21,7 +22,8 @@ from __future__ import annotations
 from typing import Any
 
 from tinylm.serve.chat import chat_prompt
-from tinylm.serve.scheduler import Job, Scheduler
+from tinylm.serve.jobs import Job
+from tinylm.serve.scheduler import Scheduler
 from tinylm.serve.server import serve
 
 

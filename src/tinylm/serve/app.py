@@ -89,16 +89,8 @@ from tinylm.serve.protocol import (
     TokenizeRequest,
     check_context,
 )
-from tinylm.serve.scheduler import (
-    ChoiceEvent,
-    Job,
-    JobDone,
-    JobFailed,
-    PromptEvent,
-    Scheduler,
-    TokenLogprob,
-    is_crash,
-)
+from tinylm.serve.jobs import ChoiceEvent, Job, JobDone, JobFailed, PromptEvent, TokenLogprob, is_crash
+from tinylm.serve.scheduler import Scheduler
 
 STATIC = Path(__file__).parent / "static"
 OPEN_PATHS = {"/", "/health", "/docs", "/openapi.json"}  # no API key needed: the page, its files, liveness

@@ -36,7 +36,7 @@ from pydantic_core import PydanticCustomError
 from tinylm.errors import TinyLMError
 from tinylm.generate.sampling import SamplingParams
 from tinylm.serve.chat import ChatFormat
-from tinylm.serve.scheduler import TokenLogprob
+from tinylm.serve.jobs import TokenLogprob
 from tinylm.tokenizers.base import Tokenizer
 
 MAX_CHOICES = 128  # prompts x n in one request
