@@ -1,4 +1,4 @@
-"""What the scheduler is asked and what it answers: a `Job` in, lists of events out.
+r"""What the scheduler is asked and what it answers: a `Job` in, lists of events out.
 
 The HTTP layer (`tinylm.serve.app`) builds a `Job` from a request (token-id prompts, sampling settings,
 what to report) and submits it to the `tinylm.serve.scheduler.Scheduler`, which calls the job's

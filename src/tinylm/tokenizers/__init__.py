@@ -9,7 +9,7 @@
 `load_tokenizer(path)` reads any of them back from tinylm's versioned JSON file.
 """
 
-from tinylm.tokenizers.base import BOS, EOS, PAD, StreamDecoder, Tokenizer, load_tokenizer, tokenizer_from_dict
+from tinylm.tokenizers.base import BOS, EOS, KINDS, PAD, StreamDecoder, Tokenizer, load_tokenizer, tokenizer_from_dict
 from tinylm.tokenizers.bpe import PATTERNS, BPETokenizer
 from tinylm.tokenizers.bpe_train import train_bpe
 from tinylm.tokenizers.imported import ByteLevelBPETokenizer, SentencePieceBPETokenizer
@@ -41,9 +41,7 @@ def train_tokenizer(kind: str, texts, *, vocab_size: int | None = None, pattern:
     return train_bpe(texts, vocab_size=vocab_size, pattern=pattern, n_reserved=n_reserved, progress=progress, **extra)
 
 
-# kind (as written in the JSON file) -> class; `load_tokenizer` dispatches on it
-KINDS: dict[str, type[Tokenizer]] = {"char": CharTokenizer, "word": WordTokenizer, "bpe": BPETokenizer,
-                                     "bytelevel": ByteLevelBPETokenizer, "sentencepiece": SentencePieceBPETokenizer}
+# KINDS: kind (as written in the JSON file) -> class, filled as the classes above are defined
 
 __all__ = [
     "BOS", "EOS", "PAD", "PATTERNS", "KINDS",

@@ -94,6 +94,11 @@ def without_lone_surrogates(text: str) -> str:
         return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
 
 
+# kind (as written in the JSON file) -> class: every concrete tokenizer class adds itself when it is defined
+# (`Tokenizer.__init_subclass__`), and importing any tinylm.tokenizers module imports them all first
+KINDS: dict[str, type[Tokenizer]] = {}
+
+
 class Tokenizer(ABC):
     """Text <-> token ids. Subclasses implement the base vocabulary; this class adds the rest.
 
@@ -102,6 +107,11 @@ class Tokenizer(ABC):
     """
 
     kind: ClassVar[str]
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "kind" in cls.__dict__:
+            KINDS[cls.kind] = cls
 
     def __init__(self, n_reserved: int = 0) -> None:
         names = special_token_names(n_reserved)
@@ -289,8 +299,6 @@ class StreamDecoder:
 
 def tokenizer_from_dict(data: dict[str, Any], source: str = "<dict>") -> Tokenizer:
     """Rebuild a tokenizer from `Tokenizer.to_dict()` output."""
-    from tinylm.tokenizers import KINDS  # the registry of kinds lives with the package
-
     kind = data.get("kind")
     if kind not in KINDS:
         raise TinyLMError(f"tokenizer file {source} has unknown kind {kind!r}; expected one of {sorted(KINDS)}")
