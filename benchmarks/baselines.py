@@ -48,15 +48,14 @@ import argparse
 import importlib.util
 import math
 import re
-import statistics
 import tempfile
-import time
 import tracemalloc
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from timing import median_seconds
 
 from tinylm.data import ShardSet, load_corpus, prepare
 from tinylm.model.ngram import NGramModel
@@ -95,16 +94,6 @@ def print_table(title: str, rows: list[Row], best: Row | None = None) -> None:
               f"{r.eval_tokens:>9,} {r.loss:>7.4f} {r.perplexity:>9.2f} {r.bpb:>7.4f}{mark}  {r.note}")
 
 
-def timed(fn: Callable[[], Any], repeats: int = 1) -> tuple[float, Any]:
-    """(median wall time of ``repeats`` calls, the last result)."""
-    times, result = [], None
-    for _ in range(repeats):
-        start = time.perf_counter()
-        result = fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), result
-
-
 def text_bytes(tok: Tokenizer, ids: np.ndarray) -> int:
     """UTF-8 bytes of the text that ``ids`` stand for (special tokens stand for none)."""
     lengths = np.array([0 if tok.is_special(i) else len(tok.token_bytes(i)) for i in range(tok.vocab_size)])
@@ -122,10 +111,10 @@ def ngram_rows(shards: ShardSet, max_order: int, add_k: float) -> tuple[list[Row
     models: dict[int, NGramModel] = {}
     for order in range(1, max_order + 1):
         tracemalloc.start()  # numpy reports its allocations to tracemalloc: the peak is the build's working set
-        build_s, model = timed(lambda: NGramModel.fit_shards(shards, order, smoothing="kn"))
+        build_s, model = median_seconds(lambda: NGramModel.fit_shards(shards, order, smoothing="kn"))
         peak = tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()
-        eval_s, result = timed(lambda: model.evaluate_shards(shards, "val"))
+        eval_s, result = median_seconds(lambda: model.evaluate_shards(shards, "val"))
         D = ", ".join(f"{d:.2f}" for d in model.discounts[-1])
         note = f"model {model.nbytes / 2**20:.0f} MB, build peak {peak / 2**20:.0f} MB; top D1,D2,D3+ {D}"
         rows.append(Row("tinylm n-gram", "interpolated modified Kneser-Ney", f"n={order}", n_train, build_s, eval_s,
@@ -134,12 +123,12 @@ def ngram_rows(shards: ShardSet, max_order: int, add_k: float) -> tuple[list[Row
     best = min(rows, key=lambda r: r.bpb)
     best_order = int(best.size.removeprefix("n="))
     with tempfile.TemporaryDirectory() as tmp:  # the saved file (deflated .npz) beside the in-memory size
-        save_s, path = timed(lambda: models[best_order].save(f"{tmp}/best.npz"))
+        save_s, path = median_seconds(lambda: models[best_order].save(f"{tmp}/best.npz"))
         best.note += f"; saved as {path.stat().st_size / 2**20:.0f} MB .npz in {save_s:.1f} s"
     for smoothing, kw, words in [("mle", {}, "maximum likelihood (no smoothing)"),
                                  ("add-k", {"k": add_k}, f"add-k, k = {add_k:g}")]:
         model = models[best_order].with_smoothing(smoothing, **kw)
-        eval_s, result = timed(lambda: model.evaluate_shards(shards, "val"))
+        eval_s, result = median_seconds(lambda: model.evaluate_shards(shards, "val"))
         unseen = int(np.isinf(model.score(val)).sum())
         note = (f"{unseen:,} validation {'token gets' if unseen == 1 else 'tokens get'} p = 0" if unseen
                 else "same counts, rescored")
@@ -205,8 +194,8 @@ def nltk_rows(shards: ShardSet, tok: Tokenizer, order: int, n_train: int, n_val:
     subset = f"first {len(train):,} train / {len(val):,} val tokens"
 
     # tinylm, nltk's formulation: build, then score; each the median of 5 runs (they take milliseconds)
-    build_s, model = timed(lambda: NGramModel.fit(train, order, tokenizer=tok, smoothing="kn-nltk"), repeats=5)
-    score_s, ours_logp = timed(lambda: model.score(val), repeats=5)
+    build_s, model = median_seconds(lambda: NGramModel.fit(train, order, tokenizer=tok, smoothing="kn-nltk"), repeats=5)
+    score_s, ours_logp = median_seconds(lambda: model.score(val), repeats=5)
     ours_s = build_s + score_s
 
     # nltk: the everygrams of the same padded documents; the vocabulary is every id in them
@@ -225,8 +214,8 @@ def nltk_rows(shards: ShardSet, tok: Tokenizer, order: int, n_train: int, n_val:
 
     print(f"\nnltk: fitting KneserNeyInterpolated(order={order}) on {len(train):,} tokens and scoring "
           f"{len(val):,}, one token at a time ...", flush=True)
-    nltk_build_s, lm = timed(nltk_build)
-    nltk_score_s, nltk_p = timed(lambda: nltk_score(lm))
+    nltk_build_s, lm = median_seconds(nltk_build)
+    nltk_score_s, nltk_p = median_seconds(lambda: nltk_score(lm))
 
     # perplexity over the targets nltk can score (p > 0); tinylm's copy gives 0 on exactly the same ones
     ours_p = np.exp(ours_logp)
@@ -244,8 +233,8 @@ def nltk_rows(shards: ShardSet, tok: Tokenizer, order: int, n_train: int, n_val:
             nats["nltk"] / seen.sum(), nats["nltk"] / (kept_bytes * math.log(2)), note),
     ]
     # tinylm's own formulation on the same subset: every target, finite
-    kn_s, kn = timed(lambda: NGramModel.fit(train, order, tokenizer=tok, smoothing="kn"))
-    kn_score_s, r = timed(lambda: kn.evaluate(val, val_bytes))
+    kn_s, kn = median_seconds(lambda: NGramModel.fit(train, order, tokenizer=tok, smoothing="kn"))
+    kn_score_s, r = median_seconds(lambda: kn.evaluate(val, val_bytes))
     rows.append(Row("tinylm n-gram", "interpolated modified Kneser-Ney", f"n={order}", len(train), kn_s, kn_score_s,
                     r.tokens, r.loss, r.bits_per_byte, "all targets (unseen tokens via the uniform part)"))
     print_table(f"2. tinylm vs nltk.lm on a subset ({subset}), same ids, same padded documents", rows)
@@ -285,9 +274,9 @@ def main(argv: list[str] | None = None) -> None:
 
     corpus = load_corpus(args.corpus)
     texts = list(corpus.texts())
-    bpe_s, tok = timed(lambda: train_bpe(texts, vocab_size=args.vocab_size, pattern="gpt4"))
+    bpe_s, tok = median_seconds(lambda: train_bpe(texts, vocab_size=args.vocab_size, pattern="gpt4"))
     with tempfile.TemporaryDirectory() as tmp:
-        prep_s, shards = timed(lambda: prepare(corpus, tok, tmp))
+        prep_s, shards = median_seconds(lambda: prepare(corpus, tok, tmp))
         split = shards.meta["splits"]
         assert text_bytes(tok, np.asarray(shards.tokens("val"))) == split["val"]["bytes"]  # bytes agree with prepare
         print(f"corpus {args.corpus}: {len(texts)} documents; tokenizer: byte-level BPE, GPT-4 pattern, "

@@ -50,6 +50,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from timing import alternating
+
 from tinylm.config import GPTConfig
 from tinylm.export.hf import hf_config
 from tinylm.export.weights import convert_to_theirs, hf_rules
@@ -135,17 +137,6 @@ def bytes_per_token(model: GPT, prompt_len: int, new_tokens: int) -> float:
     return (weights + cache) * element
 
 
-def interleaved(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
-    """name -> median seconds over ``repeats`` rounds, the functions taking turns within each round."""
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
-
-
 def column_major(model: GPT) -> GPT:
     """A copy of ``model`` whose weight matrices are stored (in, out) instead of nn.Linear's (out, in).
 
@@ -199,7 +190,7 @@ def bench_shape(name: str, config: GPTConfig, args: argparse.Namespace) -> list[
     for fn, _, _ in contenders.values():
         fn()  # warm up: first calls allocate, load kernels, fill caches
     bandwidths = [copy_bandwidth()]
-    seconds = interleaved({label: c[0] for label, c in contenders.items()}, args.repeats)
+    seconds = {label: t for label, (t, _) in alternating({label: c[0] for label, c in contenders.items()}, args.repeats).items()}
     bandwidths.append(copy_bandwidth())
     bound = statistics.mean(bandwidths) / bytes_per_token(ours, args.prompt_tokens, n)  # tokens/s at batch 1
 

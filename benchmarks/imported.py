@@ -25,10 +25,8 @@ its greedy tokens are the same.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -36,6 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from hfkit import STYLES, build  # noqa: E402
+from timing import alternating  # noqa: E402
 
 from tinylm.data import load_corpus  # noqa: E402
 from tinylm.tokenizers.files import import_tokenizer  # noqa: E402
@@ -58,15 +57,10 @@ def bench_tokenizers(vocab_size: int, repeats: int) -> None:
             folder = build(style, Path(tmp) / style, vocab_size=vocab_size, texts=docs)
             ours = import_tokenizer(folder)
             theirs = AutoTokenizer.from_pretrained(str(folder))._tokenizer  # the `tokenizers` object itself
-            times: dict[str, list[float]] = {"ours": [], "theirs": []}
-            for _ in range(repeats):
-                start = time.perf_counter()
-                a = [ours.encode(d) for d in docs]
-                times["ours"].append(time.perf_counter() - start)
-                start = time.perf_counter()
-                b = [theirs.encode(d, add_special_tokens=False).ids for d in docs]
-                times["theirs"].append(time.perf_counter() - start)
-            ours_s, theirs_s = statistics.median(times["ours"]), statistics.median(times["theirs"])
+            timed = alternating({"ours": lambda: [ours.encode(d) for d in docs],
+                                 "theirs": lambda: [theirs.encode(d, add_special_tokens=False).ids for d in docs]},
+                                repeats)
+            (ours_s, a), (theirs_s, b) = timed["ours"], timed["theirs"]
             print(f"{style:<26}{ours.kind:<15}{n_bytes / 1e6 / ours_s:>12.2f}{n_bytes / 1e6 / theirs_s:>10.2f}"
                   f"{theirs_s / ours_s:>12.2f}x  {a == b}")
 
@@ -129,7 +123,7 @@ def bench_models() -> None:
             cpp, cpp_same = "refused", ""
             try:
                 export_gguf(run.model, run.tokenizer, root / "m.gguf")
-            except Exception as e:  # noqa: BLE001 (a family llama.cpp cannot run is refused in one line)
+            except Exception:  # noqa: BLE001 (a family llama.cpp cannot run is refused in one line)
                 cpp = "refused"
             else:
                 llm = llama_cpp.Llama(model_path=str(root / "m.gguf"), n_ctx=256, logits_all=True, n_threads=1,

@@ -23,36 +23,18 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import time
-from collections.abc import Callable
-from typing import Any
 
 import tiktoken
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models, pre_tokenizers, trainers
+
+from timing import alternating
 
 from tinylm.data import load_corpus
 from tinylm.tokenizers import BPETokenizer, train_bpe
 from tinylm.tokenizers.base import special_token_names
 
 REFERENCE_MAX_BYTES = 1_000_000  # the reference encoder does ~0.5 MB/s; more would only make us wait
-
-
-def median_seconds(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[str, tuple[float, Any]]:
-    """name -> (median wall time of ``repeats`` calls, the last result).
-
-    The functions take turns (a, b, a, b, ...) rather than running back to back, so that a
-    change in machine load in the middle hits both sides of a comparison alike.
-    """
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    results: dict[str, Any] = {}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            results[name] = fn()
-            times[name].append(time.perf_counter() - start)
-    return {name: (statistics.median(times[name]), results[name]) for name in fns}
 
 
 def train_hf(docs: list[str], vocab_size: int) -> HFTokenizer:
@@ -119,7 +101,7 @@ def main(argv: list[str] | None = None) -> None:
         f"median of {args.repeats} runs; {os.cpu_count()} CPUs"
     )
 
-    training = median_seconds(
+    training = alternating(
         {"ours": lambda: train_bpe(docs, args.vocab_size, "gpt4"), "hf": lambda: train_hf(docs, args.vocab_size)},
         args.repeats,
     )
@@ -129,7 +111,7 @@ def main(argv: list[str] | None = None) -> None:
     enc = plain_tiktoken(tok)
     ref_docs = prefix_docs(docs, REFERENCE_MAX_BYTES)
     ref_mb = sum(len(doc.encode("utf-8")) for doc in ref_docs) / 1e6
-    encoding = median_seconds(
+    encoding = alternating(
         {
             "reference": lambda: [tok.encode_reference(doc) for doc in ref_docs],
             "encode": lambda: [tok.encode(doc) for doc in docs],

@@ -25,7 +25,8 @@ from __future__ import annotations
 import argparse
 import math
 import statistics
-import time
+
+from timing import median_seconds
 
 from tinylm.data import load_corpus
 from tinylm.tokenizers import train_bpe
@@ -34,15 +35,6 @@ from tinylm.errors import TinyLMError
 
 LENGTHS = [250_000, 500_000, 1_000_000, 2_000_000, 4_000_000]
 RUNS = {"spaces": " ", "tabs": "\t", "U+3000": "\u3000", "space-tab": " \t"}
-
-
-def median_time(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def exponent(lengths: list[int], times: list[float]) -> float:
@@ -70,21 +62,21 @@ def main() -> None:
             ids = tok.encode_ordinary(text)
             if n == LENGTHS[0]:
                 assert ids == tok.encode_reference(text), name
-            ours.append(median_time(lambda: tok.encode_ordinary(text), args.repeats))
+            ours.append(median_seconds(lambda: tok.encode_ordinary(text), args.repeats)[0])
             try:
                 theirs_ids = _tiktoken_call(enc.encode_ordinary, text)
                 assert theirs_ids == ids, name
-                theirs = f"{median_time(lambda: enc.encode_ordinary(text), args.repeats):.3f}"
+                theirs = f"{median_seconds(lambda: enc.encode_ordinary(text), args.repeats)[0]:.3f}"
             except TinyLMError:
                 theirs = "panics"
             alone = unit * (n // len(unit))
             assert _tiktoken_call(enc.encode_ordinary, alone) == tok.encode_ordinary(alone), name
-            alone_time = median_time(lambda: enc.encode_ordinary(alone), args.repeats)
+            alone_time = median_seconds(lambda: enc.encode_ordinary(alone), args.repeats)[0]
             print(f"{name:>10} {n:>10,} {ours[-1]:>9.3f} {theirs:>11} {alone_time:>22.3f}")
         print(f"{name:>10} exponent of tinylm's time in n: {exponent(LENGTHS, ours):.2f}")
 
-    ours = median_time(lambda: [tok.encode_ordinary(d) for d in docs], args.repeats)
-    theirs = median_time(lambda: [enc.encode_ordinary(d) for d in docs], args.repeats)
+    ours = median_seconds(lambda: [tok.encode_ordinary(d) for d in docs], args.repeats)[0]
+    theirs = median_seconds(lambda: [enc.encode_ordinary(d) for d in docs], args.repeats)[0]
     assert [tok.encode_ordinary(d) for d in docs] == [enc.encode_ordinary(d) for d in docs]
     mb = sum(len(d.encode("utf-8")) for d in docs) / 1e6
     print(f"ordinary text ({mb:.1f} MB of Shakespeare, one document at a time): tinylm {ours:.3f} s, "
