@@ -1,6 +1,6 @@
 """The import graph of src/tinylm: no cycles, and nothing imports from a floor above its own.
 
-The layout tells the story of the lectures, and the imports must follow it downwards: a module
+The layout tells the story from text to a served model, and the imports must follow it downwards: a module
 may import from its own floor or any floor below, never from above. The floors, lowest first:
 
     floor  modules                                       why there

@@ -1,4 +1,4 @@
-"""Parameter, FLOP and memory accounting: formulas checked against the real modules and the lecture's numbers."""
+"""Parameter, FLOP and memory accounting: formulas checked against the real modules and numbers worked out by hand."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def real_count(module: torch.nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())  # a tied matrix is one parameter, counted once
 
 
-def test_one_multi_head_attention_layer_of_the_lecture_notes():
+def test_one_multi_head_attention_layer_of_the_original_transformer():
     # d = 512, n_h = 8, d_h = 64: 3 * 8 * (512 x 64) + (8 * 64) x 512 = 1,048,576 weights without biases
     config = GPTConfig(d_model=512, n_head=8, bias=False)
     assert config.head_dim == 64

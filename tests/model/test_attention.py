@@ -35,7 +35,7 @@ def padding_mask(kind: str | None, B: int, T: int) -> torch.Tensor | None:
 
 
 def by_definition(q, k, v, mask, window=None):
-    """The lecture notes' formula, one head and one batch row at a time, with plain Python loops for M
+    """The definition, softmax(q k^T / sqrt(d_h) + M) v, one head and one batch row at a time, with plain Python loops for M
     (with a ``window`` W, query i also stops seeing key j once i - j >= W)."""
     B, nh, T_q, hs = q.shape
     T_k = k.size(2)
@@ -142,8 +142,8 @@ def test_a_query_with_no_visible_key_outputs_zeros():
         assert (y[0, :, 3:] != 0).any()
 
 
-def test_the_lecture_notes_worked_example():
-    # CS229 notes: T = 3, d_h = 2, scale c = 1; v_1 = (1,0), v_2 = (0,1), v_3 = (1,1); the inner products
+def test_a_worked_example_by_hand():
+    # T = 3, d_h = 2, scale c = 1; v_1 = (1,0), v_2 = (0,1), v_3 = (1,1); the inner products
     # of q_2 with the keys are (0, 1, 1) and of q_3 are (2, 0, 1).
     k = torch.tensor([[2.0, 0.0], [0.0, 1.0], [1.0, 1.0]])
     v = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])

@@ -85,7 +85,7 @@ def test_the_loss_is_the_mean_next_token_cross_entropy_over_non_ignored_targets(
 
 @pytest.mark.parametrize("positions", ["learned", "rope", "none"])
 def test_without_positions_attention_cannot_tell_order(positions):
-    # the lecture's exercise: swap x_2 and x_3; the output of an attention layer at a later position does
+    # the classic exercise: swap x_2 and x_3; the output of an attention layer at a later position does
     # not change... unless the model is told where each token is. One layer: in a deeper causal stack the
     # mask itself leaks order (after layer 1, position 2 has seen x_3 and position 3 has not), so the claim
     # is about attention itself, not about a deep causal Transformer.

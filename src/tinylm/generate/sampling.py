@@ -1,4 +1,4 @@
-"""Sampling: from the model's next-token logits to one token, with every knob of the lecture notes.
+"""Sampling: from the model's next-token logits to one token: temperature, top-k, top-p, min-p, greedy.
 
 The model gives, for the last position, logits u (one per token of V) and the distribution
 p = softmax(u). Decoding strategies reshape p before drawing from it; tinylm applies them in
