@@ -88,6 +88,14 @@ def threads(n: int | None) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
+def cpu_threads(setting: int | None, device: torch.device, processes: int) -> int | None:
+    """The thread count to run with: ``setting`` if given, else on a CPU the free cores shared among
+    ``processes`` (`default_cpu_threads`), else None (PyTorch's own count)."""
+    if setting is None and device.type == "cpu":
+        return default_cpu_threads(processes)
+    return setting
+
+
 def default_cpu_threads(processes: int) -> int:
     """Threads per process: the cores this machine has free, shared among its processes.
 

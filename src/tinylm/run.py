@@ -219,6 +219,14 @@ class RunResult:
     sample: str
     elapsed: float  # seconds of training, over all sessions of the run
 
+    @classmethod
+    def of_folder(cls, out: Path, status: str, step: int, total_steps: int, tokens: int, train_loss: float | None,
+                  val: dict[str, Any] | None, sample: str, elapsed: float) -> RunResult:
+        """The result of the network's run in ``out``, with the checkpoints and loss curve it has on disk."""
+        best, plot = checkpoint_path(out, "best"), out / PLOT_FILE
+        return cls(out, status, step, total_steps, tokens, train_loss, val, checkpoint_path(out, "latest"),
+                   best if best.exists() else None, plot if plot.exists() else None, sample, elapsed)
+
 
 def check_new_run_folder(out: Path, force: bool, *, resumable: bool = True) -> None:
     """A new run may go in ``out``: it is missing or empty, or ``force`` allows replacing the old run there.

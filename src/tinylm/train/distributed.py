@@ -22,6 +22,7 @@ How the work is split (see `tinylm.train.loop`):
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 from collections.abc import Callable
@@ -163,3 +164,15 @@ def wrap_model(model: torch.nn.Module, parallel: str, ctx: Distributed) -> torch
         fully_shard(model)
         return model
     raise TinyLMError(f"unknown parallel mode {parallel!r}; expected ddp or fsdp")
+
+
+def gradient_sync(model: torch.nn.Module, ddp: torch.nn.Module | None, sharded: bool,
+                  sync: bool) -> contextlib.AbstractContextManager:
+    """The context of one micro-batch's backward pass: gradients are averaged across processes only when
+    ``sync`` (the last micro-batch of a step), so accumulation needs no traffic."""
+    if sharded:
+        model.set_requires_gradient_sync(sync)
+        return contextlib.nullcontext()
+    if ddp is not None and not sync:
+        return ddp.no_sync()
+    return contextlib.nullcontext()

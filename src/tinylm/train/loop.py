@@ -27,11 +27,9 @@ Non-finite losses: the per-step losses are checked (a single sync, every ``log_i
 steps) before anything is logged or saved, so a NaN or infinite loss stops the run with the
 step that went bad and leaves the last good checkpoint as it was.
 
-The parts around the loop live beside it: what a run starts from (the budget, resuming, the
-data: `tinylm.train.start`), what it prints (`tinylm.train.progress`), where it runs
-(`tinylm.device`, `tinylm.train.distributed`), and the run folder and its checkpoints
-(`tinylm.run`, `tinylm.checkpoint`). An n-gram model is counted, not trained:
-`tinylm.train.ngram`, which `train` hands such a run to.
+Around the loop: what a run starts from (`tinylm.train.start`), what it prints
+(`tinylm.train.progress`), what its checkpoints hold (`tinylm.train.state`), where it runs
+(`tinylm.device`, `tinylm.train.distributed`). An n-gram run is counted (`tinylm.train.ngram`).
 
 Usage::
 
@@ -40,7 +38,6 @@ Usage::
     result = train(None, "runs/mine", resume=True)      # after an interruption
 """
 
-
 from __future__ import annotations
 
 import contextlib
@@ -48,7 +45,7 @@ import math
 import os
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -56,54 +53,29 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from tinylm.config import Config, TrainConfig
+from tinylm.config import Config
 from tinylm.data.shards import ShardSet
-from tinylm.device import autocast_for, default_cpu_threads, threads
+from tinylm.device import cpu_threads, out_of_memory_explained, threads
 from tinylm.errors import TinyLMError
 from tinylm.evaluate import EvalResult, evaluate, restrict, window_starts
 from tinylm.explain.plots import plot_loss_curve
 from tinylm.generate.reference import reference_generate
 from tinylm.generate.sampling import SamplingParams
-from tinylm.model import build_model
-from tinylm.model.gpt import GPT, IGNORE_INDEX
-from tinylm.run import (
-    METRICS_FILE,
-    PLOT_FILE,
-    SCHEDULE_FILE,
-    Checkpoint,
-    RunResult,
-    check_same_family,
-    checkpoint_path,
-    checkpoint_to_resume,
-    clear_run_folder,
-    copy_checkpoint,
-    data_info,
-    load_weights,
-    read_metrics,
-    read_run_info,
-    run_family,
-    save_checkpoint,
-    start_ids,
-    write_run_files,
-    write_run_info,
-)
+from tinylm.model.gpt import IGNORE_INDEX
+from tinylm.run import METRICS_FILE, PLOT_FILE, SCHEDULE_FILE, Checkpoint, RunResult, checkpoint_path
+from tinylm.run import check_same_family, checkpoint_to_resume, clear_run_folder, copy_checkpoint, data_info
+from tinylm.run import read_metrics, run_family, start_ids, update_run_info, write_run_files
 from tinylm.train.batches import BatchSource, micro_batches
-from tinylm.train.distributed import Distributed, wrap_model
+from tinylm.train.distributed import Distributed, gradient_sync
 from tinylm.train.metrics_sinks import MetricsLog, check_backends, open_metrics_log
 from tinylm.train.ngram import count_ngram
-from tinylm.train.optim import make_optimizer, optimizers_of, set_schedule
-from tinylm.train.progress import (
-    Progress,
-    closing_lines,
-    eval_line,
-    header_lines,
-    plot_schedule_of,
-    sample_lines,
-    stderr_is_terminal,
-)
+from tinylm.train.optim import optimizers_of, set_schedule
+from tinylm.train.progress import Progress, closing_lines, eval_line, header_lines, plot_schedule_of, sample_lines
+from tinylm.train.progress import out_of_memory_advice, stderr_is_terminal
 from tinylm.train.schedule import group_lr, momentum_at
-from tinylm.train.start import already_trained, plan_run, resumed_config, tokens_per_step
-from tinylm.train.state import checkpoint_state, full_state_dicts, restore, rng_states, seed_dropout
+from tinylm.train.start import already_trained, build_training_model, check_arguments, plan_run, resumed_config
+from tinylm.train.start import tokens_per_step
+from tinylm.train.state import checkpoint_state, restore, save_training_checkpoint, seed_dropout
 
 
 class StepOutcome(NamedTuple):
@@ -119,10 +91,8 @@ class _Pending(NamedTuple):
     (one sync per ``log_interval`` steps, not one per step)."""
 
     step: int
-    loss_sum: torch.Tensor
-    n_targets: int
-    grad_norm: torch.Tensor
     lr: float
+    outcome: StepOutcome
 
 
 def train(
@@ -152,17 +122,8 @@ def train(
 
     Under ``torchrun`` every process calls this; process 0 logs and writes.
     """
-    if config is None and not resume:
-        raise TinyLMError("a configuration is needed to start a run (only resume can take the run's own)")
-    if resume and force:
-        raise TinyLMError("--resume continues a run and --force deletes it; choose one")
-    if resume and init_from is not None:
-        raise TinyLMError("--resume continues a run from its own checkpoint; --init-from starts a new one: choose one")
     out = Path(out_dir)
-    data_dir = (config.train.data_dir if config is not None else None)
-    if data_dir is not None and Path(data_dir).resolve() == out.resolve():
-        raise TinyLMError(f"--data-dir and --out are the same folder ({out}); keep the shards apart from the run "
-                          "(e.g. --data-dir data/NAME)")
+    check_arguments(config, out, resume, force, init_from)
     if resume and config is not None:
         check_same_family(config, out)
     if run_family(config, out) == "ngram":  # counting, not gradient descent
@@ -175,10 +136,7 @@ def train(
     ctx = Distributed.from_env(config.train.device)
     clean = False
     try:
-        n_threads = config.train.threads
-        if n_threads is None and ctx.device.type == "cpu":
-            n_threads = default_cpu_threads(ctx.local_world_size)
-        with threads(n_threads):
+        with threads(cpu_threads(config.train.threads, ctx.device, ctx.local_world_size)):
             result = _start(config, out, ckpt, ctx, force, init_from, stop_after, progress, log)
         clean = True
         return result
@@ -201,7 +159,7 @@ def _start(config: Config, out: Path, ckpt: Checkpoint | None, ctx: Distributed,
         if plan.extension:
             log_main(plan.extension)
         trainer.log_header()
-        with _memory_errors_explained(plan.config.train, plan.config.model.block_size, ctx.device):
+        with out_of_memory_explained(out_of_memory_advice(plan.config, ctx.device)):
             return trainer.run()
     finally:
         trainer.metrics.close()
@@ -226,44 +184,21 @@ class _Trainer:
                                   seed=tc.seed, bos_id=self.tokenizer.bos_id, pad_id=self.tokenizer.pad_id)
 
         # the model, its optimizer, and how each step calls it
-        self.fsdp = ctx.active and tc.parallel == "fsdp"
-        torch.manual_seed(tc.seed)  # the same initial weights in every process
-        model = build_model(mc)
-        if init is not None:
-            load_weights(model, init.model_state(), init.path)
-        if ckpt is not None and not self.fsdp:  # a sharded model loads its shards after sharding
-            ckpt.load_weights(model)
-        model.to(self.device)
-        if self.device.type == "cuda":
-            torch.backends.cuda.matmul.allow_tf32 = True  # float32 matmuls on tensor cores
-            torch.backends.cudnn.allow_tf32 = True
-        self.model = model
-        wrapped = wrap_model(model, tc.parallel, ctx)
-        # the fused AdamW kernel (CUDA, and CPU, where it is 3-5% faster per step than the
-        # for-loop version: benchmarks/train.py) for plain tensors; sharded (DTensor)
-        # parameters take the default path
-        fused = self.device.type in ("cuda", "cpu") and tc.optimizer in ("adamw", "muon") and not self.fsdp
-        self.optimizer = make_optimizer(model, tc, fused=fused)
-        self.ddp = wrapped if ctx.active and not self.fsdp else None
-        self.step_model = torch.compile(wrapped) if tc.compile else wrapped
-        # evaluation and sampling skip DDP's gradient hooks; a sharded model must be called as itself
-        self.eval_model = self.step_model if self.fsdp else (torch.compile(model) if tc.compile else model)
-        self.autocast = autocast_for(self.device, tc.dtype)
-        # Under bfloat16 autocast on a CPU a Transformer's head and loss run a slice of positions at a
-        # time (model/head_loss.py: 0.82x the step time, benchmarks/train_step.py; none of the (B, T, |V|)
-        # logits kept). Float32 training keeps the plain head and loss, so its figures stay bit for bit.
-        self.head_in_slices = (isinstance(model, GPT) and self.device.type == "cpu"
-                               and self.autocast is not contextlib.nullcontext)
+        built = build_training_model(config, ctx, init, ckpt)
+        self.model, self.step_model, self.eval_model, self.ddp = built.model, built.step_model, built.eval_model, built.ddp
+        self.optimizer, self.fsdp, self.autocast = built.optimizer, built.sharded, built.autocast
+        self.head_in_slices = built.head_in_slices
 
-        # where the run stands: fresh, or as the checkpoint left it
-        self.step = 0
-        self.tokens = 0
-        self.elapsed_before = 0.0  # seconds of training in earlier sessions of this run
-        self.best_val_loss = math.inf
-        self.best_step: int | None = None
+        # where the run stands: fresh, or as the checkpoint left it (its optimizer, random state and counts)
+        state = ckpt.state if ckpt is not None else {}
+        self.step: int = ckpt.step if ckpt is not None else 0
+        self.tokens = int(state.get("tokens", 0))
+        self.elapsed_before = float(state.get("elapsed", 0.0))  # seconds of training in earlier sessions of this run
+        self.best_val_loss = float(state.get("best_val_loss") or math.inf)
+        self.best_step: int | None = state.get("best_step")
         self.saved_step: int | None = ckpt.step if ckpt is not None else None  # the step checkpoints/latest holds
         if ckpt is not None:
-            self._restore(ckpt)
+            restore(ckpt, self.model, self.optimizer, ctx, sharded=self.fsdp, seed=tc.seed)
         else:
             seed_dropout(tc.seed, ctx.rank)
         self.started = time.perf_counter()  # reset when the first step starts
@@ -271,16 +206,6 @@ class _Trainer:
         ctx.main_first(lambda: self._write_run_files(force))
         # process 0 logs the metrics; it opens the backends once the run folder is ready (--force cleared)
         self.metrics = open_metrics_log(config, out, self.step) if ctx.is_main else MetricsLog([])
-
-    def _restore(self, ckpt: Checkpoint) -> None:
-        """Where the run stands as the checkpoint saved it: the optimizer, each process's random state, the counts."""
-        restore(ckpt, self.model, self.optimizer, self.ctx, sharded=self.fsdp, seed=self.tc.seed)
-        state = ckpt.state
-        self.step = ckpt.step
-        self.tokens = int(state.get("tokens", 0))
-        self.elapsed_before = float(state.get("elapsed", 0.0))
-        self.best_val_loss = float(state.get("best_val_loss") or math.inf)
-        self.best_step = state.get("best_step")
 
     def _write_run_files(self, force: bool) -> None:
         if self.ckpt is None and force:
@@ -291,13 +216,9 @@ class _Trainer:
         plot_schedule_of(optimizers_of(self.optimizer), self.tc, self.total, self.out / SCHEDULE_FILE, self.out.name)
 
     def log_header(self) -> None:
-        meta, splits, tok = self.shards.meta, self.shards.meta["splits"], self.tokenizer
-        data = (f"data: {meta['corpus']}, {tok.kind} tokenizer |V| = {tok.vocab_size}: "
-                f"{splits['train']['tokens']:,} training and {splits['val']['tokens']:,} validation tokens "
-                f"({self.shards.path}{', reused' if self.shards.reused else ''})")
         processes = f"{self.ctx.world_size} processes ({self.tc.parallel})" if self.ctx.active else "1 process"
         for line in header_lines(self.config, out=self.out, resuming_at=self.step if self.ckpt is not None else None,
-                                 data=data, total=self.total, per_step=tokens_per_step(self.config),
+                                 shards=self.shards, total=self.total, per_step=tokens_per_step(self.config),
                                  param_groups=self.optimizer.param_groups, device=self.device, processes=processes,
                                  threads=torch.get_num_threads(), metrics_where=self.metrics.where):
             self.log_main(line)
@@ -318,7 +239,7 @@ class _Trainer:
         for i, mb in enumerate(micro):
             x, y, mask = mb.to(self.device)
             last = i == tc.grad_accum - 1
-            with self._gradient_sync(last):
+            with gradient_sync(self.model, self.ddp, self.fsdp, sync=last):
                 if self.head_in_slices:
                     with self.autocast():
                         _, nll = self.step_model(x, targets=y, attention_mask=mask, reduction="sum",
@@ -341,20 +262,11 @@ class _Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         return StepOutcome(loss_sum, n_targets, norm.detach())
 
-    def _gradient_sync(self, sync: bool) -> contextlib.AbstractContextManager:
-        """Average gradients across processes only on the last micro-batch: accumulation needs no traffic."""
-        if self.fsdp:
-            self.model.set_requires_gradient_sync(sync)
-            return contextlib.nullcontext()
-        if self.ddp is not None and not sync:
-            return self.ddp.no_sync()
-        return contextlib.nullcontext()
-
     def _check(self, pending: list[_Pending]) -> list[float]:
         """The global mean loss of each pending step; stops the run at the first non-finite one."""
-        sums = self.ctx.all_reduce_sum(torch.stack([p.loss_sum for p in pending]).double())
-        norms = torch.stack([p.grad_norm.float() for p in pending]).cpu()
-        losses = [float(s) / p.n_targets for s, p in zip(sums.cpu(), pending)]
+        sums = self.ctx.all_reduce_sum(torch.stack([p.outcome.loss_sum for p in pending]).double())
+        norms = torch.stack([p.outcome.grad_norm.float() for p in pending]).cpu()
+        losses = [float(s) / p.outcome.n_targets for s, p in zip(sums.cpu(), pending)]
         for p, loss, norm in zip(pending, losses, norms.tolist()):
             if not (math.isfinite(loss) and math.isfinite(norm)):
                 what = (f"the training loss became {loss}" if not math.isfinite(loss)
@@ -387,8 +299,7 @@ class _Trainer:
                 lr = self._lr(step, tc.lr)
                 set_schedule(self.optimizer, lambda peak: self._lr(step, peak),
                              momentum_at(step, momentum=tc.muon_momentum, warmup=tc.muon_momentum_warmup))
-                loss_sum, n_targets, norm = self._train_step(step)
-                pending.append(_Pending(step, loss_sum, n_targets, norm, lr))
+                pending.append(_Pending(step, lr, StepOutcome(*self._train_step(step))))
                 self.step += 1
                 self.tokens += per_step
                 window_tokens += per_step
@@ -402,8 +313,8 @@ class _Trainer:
                     last_loss = sum(losses) / len(losses)
                     rate = (now - self.started) / max(done - (self.ckpt.step if self.ckpt else 0), 1)
                     left = rate * (self.total - done)
-                    self._metrics({"kind": "train", "step": done, "loss": last_loss, "lr": lr, "tokens": self.tokens,
-                                   "tokens_per_s": tok_s, "grad_norm": float(pending[-1].grad_norm),
+                    self.metrics.log({"kind": "train", "step": done, "loss": last_loss, "lr": lr, "tokens": self.tokens,
+                                   "tokens_per_s": tok_s, "grad_norm": float(pending[-1].outcome.grad_norm),
                                    "elapsed": self._elapsed()})
                     progress.update(done, len(pending), last_loss, lr, tok_s, left)
                     pending, window_start, window_tokens = [], now, 0
@@ -411,7 +322,7 @@ class _Trainer:
                 if do_eval:
                     val = self._evaluate(tc.eval_tokens)
                     progress.write(eval_line(done, val, self.shards.num_tokens("val")))
-                    self._metrics({"kind": "eval", "step": done, **val.as_dict(), "elapsed": self._elapsed()})
+                    self.metrics.log({"kind": "eval", "step": done, **val.as_dict(), "elapsed": self._elapsed()})
                     improved = self._note_val_loss(val.loss)
                 if do_save and done < self.total:
                     self._save_latest()
@@ -445,21 +356,12 @@ class _Trainer:
     def _elapsed(self) -> float:
         return self.elapsed_before + time.perf_counter() - self.started
 
-    def _metrics(self, row: dict[str, Any]) -> None:
-        self.metrics.log(row)
-
-    def _save(self, name: str) -> Path:
-        model_state, optimizer_state = full_state_dicts(self.model, self.optimizer, self.fsdp)
-        rng = rng_states(self.ctx)
-        path = checkpoint_path(self.out, name)
-        if self.ctx.is_main:
-            state = checkpoint_state(self.tc, step=self.step, total=self.total, tokens=self.tokens,
-                                     elapsed=self._elapsed(), best_val_loss=self.best_val_loss,
-                                     best_step=self.best_step, world_size=self.ctx.world_size)
-            save_checkpoint(path, model_state=model_state, optimizer_state=optimizer_state, rng_state=rng,
-                            config=self.config, tokenizer=self.tokenizer, state=state)
-        self.ctx.barrier()
-        return path
+    def _save(self, name: str) -> None:
+        state = checkpoint_state(self.tc, step=self.step, total=self.total, tokens=self.tokens, elapsed=self._elapsed(),
+                                 best_val_loss=self.best_val_loss, best_step=self.best_step,
+                                 world_size=self.ctx.world_size)
+        save_training_checkpoint(checkpoint_path(self.out, name), self.model, self.optimizer, self.ctx,
+                                 sharded=self.fsdp, config=self.config, tokenizer=self.tokenizer, state=state)
 
     def _save_latest(self) -> None:
         self._save("latest")
@@ -482,15 +384,9 @@ class _Trainer:
             self._save("best")
 
     def _update_run_info(self, status: str, train_loss: float | None, **extra: Any) -> None:
-        if not self.ctx.is_main:
-            return
-        info = read_run_info(self.out)
-        info.update({"status": status, "step": self.step, "total_steps": self.total, **extra})
-        if train_loss is not None:
-            info["train_loss"] = train_loss
-        info.pop("format", None)
-        info.pop("version", None)
-        write_run_info(self.out, info)
+        if self.ctx.is_main:
+            loss = {"train_loss": train_loss} if train_loss is not None else {}
+            update_run_info(self.out, status=status, step=self.step, total_steps=self.total, **extra, **loss)
 
     def _finish(self, last_loss: float | None) -> RunResult:
         tc, out = self.tc, self.out
@@ -502,8 +398,8 @@ class _Trainer:
             comparable = restrict(final, periodic, n_val, self.shards.meta["splits"]["val"]["bytes"])
         else:
             comparable = self._evaluate(tc.eval_tokens)
-        self._metrics({"kind": "eval", "step": self.step, **comparable.as_dict(), "elapsed": self._elapsed()})
-        self._metrics({"kind": "final", "step": self.step, **final.as_dict(), "elapsed": self._elapsed()})
+        self.metrics.log({"kind": "eval", "step": self.step, **comparable.as_dict(), "elapsed": self._elapsed()})
+        self.metrics.log({"kind": "final", "step": self.step, **final.as_dict(), "elapsed": self._elapsed()})
         improved = self._note_val_loss(comparable.loss)
         self._save_latest()
         if improved:
@@ -543,30 +439,6 @@ class _Trainer:
         return completion.text
 
     def _result(self, status: str, train_loss: float | None, val: dict[str, Any] | None, sample: str) -> RunResult:
-        best = checkpoint_path(self.out, "best")
-        plot = self.out / PLOT_FILE
-        return RunResult(self.out, status, self.step, self.total, self.tokens, train_loss, val,
-                         checkpoint_path(self.out, "latest"), best if best.exists() else None,
-                         plot if plot.exists() else None, sample, self._elapsed())
+        return RunResult.of_folder(self.out, status, self.step, self.total, self.tokens, train_loss, val, sample,
+                                   self._elapsed())
 
-
-def _oom_message(tc: TrainConfig, block_size: int, device: torch.device) -> str:
-    return (
-        f"out of memory on {device} with batch_size {tc.batch_size} x block_size {block_size}: lower batch_size "
-        f"(--batch-size {max(tc.batch_size // 2, 1)} --grad-accum {tc.grad_accum * 2} keeps the same batch per step) "
-        "or block_size, or use a smaller model"
-    )
-
-
-@contextlib.contextmanager
-def _memory_errors_explained(tc: TrainConfig, block_size: int, device: torch.device) -> Iterator[None]:
-    """An out-of-memory error, from PyTorch or the allocator, as one line saying what to lower."""
-    try:
-        yield
-    except (torch.OutOfMemoryError, MemoryError):
-        raise TinyLMError(_oom_message(tc, block_size, device)) from None
-    except RuntimeError as e:
-        text = str(e)
-        if "out of memory" in text or "can't allocate memory" in text:
-            raise TinyLMError(_oom_message(tc, block_size, device)) from None
-        raise

@@ -21,6 +21,7 @@ from typing import Any
 from tqdm import tqdm
 
 from tinylm.config import Config, TrainConfig
+from tinylm.data.shards import ShardSet
 from tinylm.device import precision_name
 from tinylm.evaluate import EvalResult
 from tinylm.explain.accounting import summary
@@ -82,16 +83,20 @@ def eval_line(step: int, val: EvalResult, val_tokens: int) -> str:
             f"{val.bits_per_byte:.4f} bits per byte ({scope}{unknown})")
 
 
-def header_lines(config: Config, *, out: Any, resuming_at: int | None, data: str, total: int, per_step: int,
+def header_lines(config: Config, *, out: Any, resuming_at: int | None, shards: ShardSet, total: int, per_step: int,
                  param_groups: Sequence[dict[str, Any]], device: Any, processes: str, threads: int,
                  metrics_where: Sequence[str]) -> list[str]:
     """The lines a run starts with: what it trains, on what data, for how long, where.
 
-    ``data``: the data line; ``processes``: "1 process" or "W processes (ddp)"; ``metrics_where``:
-    where the metrics go (named only when there is more than metrics.jsonl).
+    ``processes``: "1 process" or "W processes (ddp)"; ``metrics_where``: where the metrics go
+    (named only when there is more than metrics.jsonl).
     """
     mc, tc = config.model, config.train
     verb = f"resuming at step {resuming_at} of" if resuming_at is not None else "training"
+    meta, splits, tok = shards.meta, shards.meta["splits"], shards.tokenizer()
+    data = (f"data: {meta['corpus']}, {tok.kind} tokenizer |V| = {tok.vocab_size}: "
+            f"{splits['train']['tokens']:,} training and {splits['val']['tokens']:,} validation tokens "
+            f"({shards.path}{', reused' if shards.reused else ''})")
     lines = [f"tinylm train: {verb} run {out}", data, f"model: {summary(mc)}"]
     accum = f" x {tc.grad_accum} micro-batches" if tc.grad_accum > 1 else ""
     decay = f"{tc.decay} to {tc.final_lr:.2e}" if tc.decay != "constant" else "constant"
@@ -112,6 +117,16 @@ def header_lines(config: Config, *, out: Any, resuming_at: int | None, data: str
     if len(metrics_where) > 1:  # --log-to: metrics.jsonl and where else they go
         lines.append(f"metrics: {'; '.join(metrics_where)}")
     return lines
+
+
+def out_of_memory_advice(config: Config, device: Any) -> str:
+    """What to lower when a step runs out of memory (the same batch per step in two micro-batches first)."""
+    tc, block_size = config.train, config.model.block_size
+    return (
+        f"out of memory on {device} with batch_size {tc.batch_size} x block_size {block_size}: lower batch_size "
+        f"(--batch-size {max(tc.batch_size // 2, 1)} --grad-accum {tc.grad_accum * 2} keeps the same batch per step) "
+        "or block_size, or use a smaller model"
+    )
 
 
 def closing_lines(*, step: int, tokens: int, elapsed: float, latest: Any, best: Any, best_step: int | None,

@@ -35,7 +35,6 @@ from tinylm.model import build_model
 from tinylm.model.gpt import GPT
 from tinylm.run import (
     CONFIG_FILE,
-    PLOT_FILE,
     RUN_FILE,
     Checkpoint,
     RunResult,
@@ -62,6 +61,21 @@ RESUMABLE_CHANGES = frozenset({
 })
 # The budget may grow on resume (extending a run); `extension_note` says what that does to the schedule.
 BUDGET_SETTINGS = frozenset({"max_steps", "max_tokens"})
+
+
+def check_arguments(config: Config | None, out: Path, resume: bool | str, force: bool,
+                    init_from: str | os.PathLike | None) -> None:
+    """The combinations `train` refuses before it reads anything."""
+    if config is None and not resume:
+        raise TinyLMError("a configuration is needed to start a run (only resume can take the run's own)")
+    if resume and force:
+        raise TinyLMError("--resume continues a run and --force deletes it; choose one")
+    if resume and init_from is not None:
+        raise TinyLMError("--resume continues a run from its own checkpoint; --init-from starts a new one: choose one")
+    data_dir = (config.train.data_dir if config is not None else None)
+    if data_dir is not None and Path(data_dir).resolve() == out.resolve():
+        raise TinyLMError(f"--data-dir and --out are the same folder ({out}); keep the shards apart from the run "
+                          "(e.g. --data-dir data/NAME)")
 
 
 def tokens_per_step(config: Config) -> int:
@@ -248,10 +262,9 @@ def already_trained(out: Path, ckpt: Checkpoint | None, total: int, log: Callabl
     if info.get("status") != "complete":
         return None
     log(f"{out} is already trained: {ckpt.step} of {total} steps")
-    best, plot = checkpoint_path(out, "best"), out / PLOT_FILE
-    return RunResult(out, "complete", ckpt.step, total, int(ckpt.state.get("tokens", 0)), info.get("train_loss"),
-                     info.get("final"), checkpoint_path(out, "latest"), best if best.exists() else None,
-                     plot if plot.exists() else None, info.get("sample", ""), float(info.get("elapsed", 0.0)))
+    return RunResult.of_folder(out, "complete", ckpt.step, total, int(ckpt.state.get("tokens", 0)),
+                               info.get("train_loss"), info.get("final"), info.get("sample", ""),
+                               float(info.get("elapsed", 0.0)))
 
 
 @dataclass

@@ -3,8 +3,8 @@
 `tinylm.checkpoint` writes and reads the folder; this module says what a training run puts in
 it and takes back out, so that a resumed run ends with the weights an uninterrupted one would:
 
-    model_state, optimizer_state = full_state_dicts(model, optimizer, sharded)   # every process calls
-    save_checkpoint(path, model_state=..., rng_state=rng_states(ctx), state=checkpoint_state(...), ...)
+    state = checkpoint_state(tc, step=..., total=..., ...)                       # state.json's training part
+    save_training_checkpoint(path, model, optimizer, ctx, sharded=..., config=..., tokenizer=..., state=state)
     restore(ckpt, model, optimizer, ctx, sharded=..., seed=tc.seed)               # on resume
 
 A sharded (FSDP) model's weights and moments are gathered whole, onto process 0, so a checkpoint
@@ -13,13 +13,15 @@ is the same files whatever the number of processes that wrote it.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from tinylm.checkpoint import Checkpoint
-from tinylm.config import TrainConfig
+from tinylm.checkpoint import Checkpoint, save_checkpoint
+from tinylm.config import Config, TrainConfig
+from tinylm.tokenizers.base import Tokenizer
 from tinylm.train.distributed import Distributed
 from tinylm.train.optim import load_named_optimizer_state, named_optimizer_state, optimizers_of
 
@@ -82,6 +84,17 @@ def checkpoint_state(tc: TrainConfig, *, step: int, total: int, tokens: int, ela
                 "numpy": "none kept: batches are a function of (seed, step)",
                 "python": "random is not used"},
     }
+
+
+def save_training_checkpoint(path: Path, model: torch.nn.Module, optimizer: Any, ctx: Distributed, *, sharded: bool,
+                             config: Config, tokenizer: Tokenizer, state: dict[str, Any]) -> None:
+    """Every process takes part (a sharded model is gathered, each random state collected); process 0 writes."""
+    model_state, optimizer_state = full_state_dicts(model, optimizer, sharded)
+    rng = rng_states(ctx)
+    if ctx.is_main:
+        save_checkpoint(path, model_state=model_state, optimizer_state=optimizer_state, rng_state=rng,
+                        config=config, tokenizer=tokenizer, state=state)
+    ctx.barrier()
 
 
 def restore(ckpt: Checkpoint, model: torch.nn.Module, optimizer: Any, ctx: Distributed, *, sharded: bool,
