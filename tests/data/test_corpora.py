@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from tinylm.data import CORPORA, Document, load_corpus, strip_gutenberg
+from tinylm.config import corpus_stem
 from tinylm.data import corpora
 from tinylm.errors import TinyLMError
 
@@ -394,7 +395,7 @@ def test_built_in_corpora_are_utf8(tmp_path):
 @pytest.mark.parametrize("spec, stem", [("docs.jsonl", "docs"), ("notes/", "notes"), ("shakespeare", "shakespeare"),
                                         ("a/b/play.txt", "play"), ("/", "corpus")])
 def test_corpus_stem(spec, stem):
-    assert corpora.corpus_stem(spec) == stem
+    assert corpus_stem(spec) == stem
 
 
 def test_unknown_name_missing_path_and_empty_inputs(tmp_path):

@@ -59,7 +59,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-from tinylm.config import corpus_stem  # noqa: F401 (the folder names a corpus gives; data/ and train/ use it)
 from tinylm.errors import TinyLMError
 
 CORPORA = ["shakespeare", "stdlib"]

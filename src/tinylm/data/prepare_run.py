@@ -20,7 +20,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from tinylm.config import TrainConfig
-from tinylm.data.corpora import Corpus, corpus_stem, load_corpus
+from tinylm.config import corpus_stem
+from tinylm.data.corpora import Corpus, load_corpus
 from tinylm.data.shards import META_FILE, TOKENIZER_FILE, ShardSet, prepare
 from tinylm.errors import TinyLMError
 from tinylm.tokenizers import train_tokenizer

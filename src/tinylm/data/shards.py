@@ -59,6 +59,7 @@ import numpy as np
 from tqdm import tqdm
 
 from tinylm.data.corpora import Corpus
+from tinylm.device import available_cpus
 from tinylm.errors import TinyLMError
 from tinylm.jsonfile import JSONFormat
 from tinylm.tokenizers.base import FORMAT_NAME as TOKENIZER_FORMAT
@@ -217,13 +218,6 @@ def _encode_in_worker(texts: list[str]) -> list[np.ndarray]:
         raise TinyLMError(f"a tokenizing worker failed: {type(e).__name__}: {e}") from None
 
 
-def _available_cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))  # respects container and taskset limits
-    except AttributeError:
-        return os.cpu_count() or 1
-
-
 def _encoded(
     batches: Iterator[tuple[list[str], list[str]]], tokenizer: Tokenizer, dtype: np.dtype, workers: int
 ) -> Iterator[tuple[list[str], list[str], list[np.ndarray]]]:
@@ -317,7 +311,7 @@ def prepare(
 
     dtype = token_dtype(tokenizer.vocab_size)
     if workers is None:
-        workers = 1 if plan.n_bytes < _SERIAL_BELOW_BYTES else _available_cpus()
+        workers = 1 if plan.n_bytes < _SERIAL_BELOW_BYTES else available_cpus()
     out.mkdir(parents=True, exist_ok=True)
     stats = {split: {"file": f"{split}.bin", "documents": 0, "tokens": 0, "bytes": 0} for split in SPLITS}
     temps: dict[str, Path] = {}
