@@ -140,6 +140,12 @@ def training_memory(config: GPTConfig, bytes_per_value: int = 4, optimizer: str 
     return memory
 
 
+def kv_cache_bytes_per_token(config: GPTConfig, bytes_per_value: int = 4) -> int:
+    """Bytes a KV cache holds per token of context: a key and a value of n_kv d_h numbers in every layer
+    (grouped-query attention shares them between n_h / n_kv query heads, which is what it saves)."""
+    return 2 * config.n_layer * config.kv_heads * config.head_dim * bytes_per_value
+
+
 def summary(config: GPTConfig, seq_len: int | None = None) -> str:
     """One line for the start of a run: shape, parameters and training FLOPs per token."""
     if config.family in ("rnn", "lstm"):
