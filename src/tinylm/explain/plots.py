@@ -44,7 +44,7 @@ def plot_loss_curve(
     ax.grid(True, alpha=0.3)
     if train or val:
         ax.legend()
-    return _save(fig, ax, path, title)
+    return save_figure(fig, ax, path, title)
 
 
 def plot_schedule(
@@ -80,7 +80,7 @@ def plot_schedule(
         handles, labels = handles + more_handles, labels + more_labels
     if handles:
         ax.legend(handles, labels, fontsize=9)
-    return _save(fig, ax, path, title)
+    return save_figure(fig, ax, path, title)
 
 
 def plot_bits_per_byte(
@@ -107,11 +107,11 @@ def plot_bits_per_byte(
     ax.set_xlim(0, top * 1.25)
     ax.set_xlabel("bits per byte (lower is better)")
     ax.grid(True, axis="x", alpha=0.3)
-    return _save(fig, ax, path, title)
+    return save_figure(fig, ax, path, title)
 
 
-def _save(fig, ax, path: str | os.PathLike, title: str | None) -> Path:
-    """Title the axes, lay the figure out and write it as a PNG file, atomically."""
+def save_figure(fig, ax, path: str | os.PathLike, title: str | None = None) -> Path:
+    """Title the axes, lay the figure out and write it as a PNG file, atomically (every picture of tinylm.explain)."""
     if title:
         ax.set_title(title, fontsize=10)
     fig.tight_layout()
