@@ -12,6 +12,8 @@
 ``GET  /health``           liveness, and the scheduler's counters (``HEAD /health``: the status alone)
 ``POST /tokenize``         text (or chat messages) -> token ids; ``POST /detokenize``: ids -> text
 ``POST /next_token``       the next-token distribution after a text (the playground's chart)
+``POST /explain/tokens``   the playground's inside view: a text's token pieces, and (``/explain/attention``)
+                           its attention maps (`tinylm.serve.inside`)
 ``GET  /``                 the playground: a prompt box, sliders, the streamed completion, the chart
 =========================  =========================================================================
 
@@ -80,6 +82,7 @@ import tinylm.serve.protocol as protocol
 from tinylm.errors import TinyLMError
 from tinylm.generate.inspect import drawable_logits, top_ids
 from tinylm.serve.chat import ChatFormat, is_blank_token, reply_text
+from tinylm.serve.inside import router as inside_router
 from tinylm.serve.protocol import (
     APIError,
     ChatRequest,
@@ -269,6 +272,8 @@ def create_app(run: Any, *, model_name: str | None = None, api_key: str | None =
                 "top": [{"id": i, "token": protocol.token_string(served.tokenizer, i),
                          "logit": protocol.finite(float(logits[i])),
                          "probability": float(probs[i])} for i in order]}
+
+    app.include_router(inside_router)  # /explain/tokens, /explain/attention
 
     @app.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
     async def page() -> FileResponse:

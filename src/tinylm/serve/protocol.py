@@ -245,6 +245,21 @@ class NextTokenRequest(_Strict):
     top: int = Field(20, ge=1, le=200)
 
 
+class ExplainTokensRequest(_Strict):
+    """``POST /explain/tokens`` (the playground's inside view): how ``text`` splits into tokens."""
+
+    model: str | None = None
+    text: str
+
+
+class ExplainAttentionRequest(ExplainTokensRequest):
+    """``POST /explain/attention``: the attention weights over ``text``'s tokens; every layer and head by default,
+    or one layer's heads, or one head of one layer."""
+
+    layer: int | None = Field(None, ge=0)
+    head: int | None = Field(None, ge=0)
+
+
 # fields that take several shapes: a type error there lists every shape's failure; one line says them all
 UNION_FIELDS = {"prompt": "a string, a list of strings, a list of token ids or a list of lists of token ids",
                 "stop": "a string or a list of strings", "content": "a string or a list of text parts"}
