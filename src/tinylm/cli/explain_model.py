@@ -1,12 +1,114 @@
 """`tinylm explain attention` and `tinylm explain forward`: look inside a trained Transformer.
 
-Added to the `explain` group (built in `tinylm.cli.explain`) by `add_model_commands`.
+    tinylm explain attention --run runs/tiny --text "To be, or not" --out attention.png
+    tinylm explain attention --run runs/tiny --text "To be" --layer 1 --head 0 --json
+    tinylm explain attention --example lecture        # the 3 x 3 worked example, no run needed
+    tinylm explain forward --run runs/tiny --text "To be" --position 2
+    tinylm explain forward --example lecture          # the two-token loss, 1.211 nats
+
+Added to the `explain` group (built in `tinylm.cli.explain`) by `add_model_commands`; the work is
+done by `tinylm.explain.attention` and `tinylm.explain.forward`.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
+
+from tinylm.cli.flags import integer
+from tinylm.errors import TinyLMError
+
+
+def _check_run_and_text(args: argparse.Namespace) -> None:
+    if args.example is not None:
+        if args.run or args.text is not None:
+            raise TinyLMError("--example lecture needs no --run or --text: it shows its own numbers")
+        return
+    if not args.run or args.text is None:
+        raise TinyLMError(f"give a run and a text: tinylm explain {args.explain_command} --run DIR --text TEXT "
+                          "(or --example lecture)")
+
+
+def cmd_attention(args: argparse.Namespace) -> int:
+    from tinylm.explain.attention import attention_of_text, format_example, plot_attention, worked_example
+
+    _check_run_and_text(args)
+    if args.example is not None:
+        example = worked_example()
+        print(json.dumps(example.report()) if args.json else format_example(example))
+        return 0
+    from tinylm.run import load_run
+
+    run = load_run(args.run, checkpoint=args.checkpoint)
+    maps = attention_of_text(run.model, run.tokenizer, args.text, start_ids=run.start_ids, layer=args.layer,
+                             head=args.head)
+    out = Path(args.out) if args.out else Path(run.path) / "attention.png"
+    plot_attention(maps, out, title=f"{Path(run.path).name}: attention weights (row: query, column: key)")
+    if args.json:
+        print(json.dumps({"run": str(args.run), "picture": str(out), **maps.report()}))
+        return 0
+    print(f"{len(maps.tokens)} tokens: {' | '.join(maps.tokens)}")
+    print(f"{len(maps.layers) * len(maps.head_numbers)} panels (layers {maps.layer_numbers}, heads "
+          f"{maps.head_numbers}); the masked future, above each diagonal, is left blank")
+    print(f"picture: {out}")
+    return 0
+
+
+def cmd_forward(args: argparse.Namespace) -> int:
+    from tinylm.explain.attention import text_ids
+    from tinylm.explain.forward import format_trace, format_two_token_loss, trace_forward, two_token_loss
+
+    _check_run_and_text(args)
+    if args.example is not None:
+        example = two_token_loss()
+        print(json.dumps(example.report()) if args.json else format_two_token_loss(example))
+        return 0
+    from tinylm.run import load_run
+
+    run = load_run(args.run, checkpoint=args.checkpoint)
+    if run.family != "gpt":
+        raise TinyLMError(f"{args.run} is a {run.family} run; `explain forward` traces a Transformer's forward pass")
+    ids = text_ids(run.model, run.tokenizer, args.text, start_ids=run.start_ids)
+    trace = trace_forward(run.model, ids, position=args.position, head=args.head)
+    print(json.dumps({"run": str(args.run), **trace.report()}) if args.json else format_trace(trace))
+    return 0
 
 
 def add_model_commands(subparsers: argparse._SubParsersAction) -> None:
-    """tinylm explain attention and tinylm explain forward (filled in as the library lands)."""
+    """tinylm explain attention and tinylm explain forward."""
+    p = subparsers.add_parser(
+        "attention", help="heatmaps of a Transformer's masked attention weights on a text",
+        description="Run a text (after the run's start token) through a trained Transformer and draw every layer's "
+        "and head's attention weights as heatmaps, tokens on the axes: row i is how position i spreads its "
+        "attention over positions 0..i; the future above the diagonal, hidden by the -inf mask, is left blank. "
+        "--example lecture instead computes a worked 3 x 3 example (T = 3, d_h = 2, c = 1) with tinylm's "
+        "reference attention and prints the weights and the output.")
+    p.add_argument("--run", metavar="DIR", help="the run folder written by `tinylm train`")
+    p.add_argument("--text", help="the text to read")
+    p.add_argument("--layer", type=integer, metavar="L", help="only this layer (0-based; default: all)")
+    p.add_argument("--head", type=integer, metavar="H", help="only this head (0-based; default: all)")
+    p.add_argument("--out", metavar="PNG", help="where to write the picture (default: attention.png in the run folder)")
+    _common(p)
+    p.set_defaults(func=cmd_attention, parser=p, explain_command="attention")
+
+    p = subparsers.add_parser(
+        "forward", help="one forward pass step by step: embeddings, q = h W^Q, scores, mask, softmax, ..., loss",
+        description="Run a text through a trained Transformer once and print every step in row-vector notation "
+        "(x, h = E[x], q = h W^Q, k, v, the scores, the mask row, the softmax, the attention output, the residual "
+        "adds, the norms, the logits, the loss), each with its shape and its values at one position. The values "
+        "are recorded from the model's own modules while it runs, so the logits are the model's. --example "
+        "lecture instead works out the loss of two tokens over a vocabulary of 3 (1.211 nats).")
+    p.add_argument("--run", metavar="DIR", help="the run folder written by `tinylm train`")
+    p.add_argument("--text", help="the text to read")
+    p.add_argument("--position", type=integer, metavar="T", help="the position whose values to show (default: the last)")
+    p.add_argument("--head", type=integer, default=0, metavar="H", help="the head whose scores and softmax to show "
+                   "(default: 0)")
+    _common(p)
+    p.set_defaults(func=cmd_forward, parser=p, explain_command="forward")
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--checkpoint", choices=["best", "latest"], default="best", help="which checkpoint (default: best)")
+    p.add_argument("--json", action="store_true", help="print the numbers as one JSON object")
+    p.add_argument("--example", choices=["lecture"], help="the worked example instead of a run")
