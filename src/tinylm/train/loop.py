@@ -66,6 +66,7 @@ from tinylm.run import METRICS_FILE, PLOT_FILE, SCHEDULE_FILE, Checkpoint, RunRe
 from tinylm.run import check_same_family, checkpoint_to_resume, clear_run_folder, copy_checkpoint, data_info
 from tinylm.run import read_metrics, run_family, start_ids, update_run_info, write_run_files
 from tinylm.train.batches import BatchSource, micro_batches
+from tinylm.train.cost import cost_lines, run_cost, write_cost_table
 from tinylm.train.distributed import Distributed, gradient_sync
 from tinylm.train.metrics_sinks import MetricsLog, check_backends, open_metrics_log
 from tinylm.train.ngram import count_ngram
@@ -214,6 +215,7 @@ class _Trainer:
             "status": "running", "family": self.config.model.family, "step": self.step, "total_steps": self.total,
             "data": data_info(self.shards)})
         plot_schedule_of(optimizers_of(self.optimizer), self.tc, self.total, self.out / SCHEDULE_FILE, self.out.name)
+        write_cost_table(self.out, self.config, self.model)
 
     def log_header(self) -> None:
         processes = f"{self.ctx.world_size} processes ({self.tc.parallel})" if self.ctx.active else "1 process"
@@ -409,15 +411,16 @@ class _Trainer:
             plot = plot_loss_curve(read_metrics(out / METRICS_FILE), out / PLOT_FILE,
                                    title=f"{out.name}: {final.bits_per_byte:.3f} bits per byte on validation")
         sample = self._sample()
+        cost = run_cost(out, self.config, self.device, self.ctx.world_size) if self.ctx.is_main else None
         val = {"loss": final.loss, "perplexity": final.perplexity, "bits_per_byte": final.bits_per_byte,
                "tokens": final.tokens, "prorated": final.prorated}
         self._update_run_info("complete", last_loss, final=val, sample=sample, elapsed=self._elapsed(),
-                              best_step=self.best_step)
+                              best_step=self.best_step, cost=cost)
         lines = [eval_line(self.step, final, self.shards.num_tokens("val")),
                  *closing_lines(step=self.step, tokens=self.tokens, elapsed=self._elapsed(),
                                 latest=checkpoint_path(out, "latest"), best=checkpoint_path(out, "best"),
                                 best_step=self.best_step, plot=plot),
-                 *sample_lines(tc, sample)]
+                 *cost_lines(cost), *sample_lines(tc, sample)]
         for line in lines:
             self.log_main(line)
         result = self._result("complete", last_loss, val, sample)
