@@ -1,4 +1,5 @@
-"""What the subcommands share: the one-line-error parser, flag types, and the corpus, tokenizer and input flags.
+"""What the subcommands share: the one-line-error parser, flag types, the corpus, tokenizer and input flags, and
+the setting flags generated from the configuration dataclasses (`tinylm train`, `tinylm explain cost`).
 
 A command module builds its parser from these (`add_corpus_flags(p)`) and reads the flags back
 with their partners (`load_corpus_from(args)`), so every command spells a corpus the same way.
@@ -7,11 +8,15 @@ with their partners (`load_corpus_from(args)`), so every command spells a corpus
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
+import typing
 from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
+from tinylm.config import DEFAULT_PRESET, SECTIONS, field_types, resolve_config
+from tinylm.config.fields import optional_inner
 from tinylm.errors import TinyLMError
 
 
@@ -44,6 +49,9 @@ nonneg_float = _number(float, "a number >= 0", lambda v: v >= 0)
 probability = _number(float, "a number between 0 and 1", lambda v: 0.0 <= v <= 1.0)
 fraction = _number(float, "a number strictly between 0 and 1", lambda v: 0.0 < v < 1.0)
 port = _number(int, "a port number from 0 (any free port) to 65535", lambda v: 0 <= v <= 65535)
+
+
+SETTING_PREFIX = "setting:"  # argparse dest of a [model]/[train] setting: "setting:<table>.<key>"
 
 
 def add_corpus_flags(p: argparse.ArgumentParser, default: str | None = "shakespeare", what: str = "") -> None:
@@ -156,3 +164,57 @@ def show_help(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace],
         return 2
 
     return show
+
+
+def settings_from(args: argparse.Namespace) -> dict[str, object]:
+    """The setting flags given on the command line, ``{"model.n_layer": "6", ...}``, values as typed."""
+    return {k[len(SETTING_PREFIX):]: v for k, v in vars(args).items() if k.startswith(SETTING_PREFIX)}
+
+
+def add_setting_flags(p: argparse.ArgumentParser) -> None:
+    """One flag per configuration field, [model] and [train], generated from the dataclasses.
+
+    Values stay text here; `apply_overrides` parses and checks them, so a flag and a TOML key
+    give the same errors. Only the flags given on the command line end up in the namespace.
+    The defaults shown are the tiny preset's, which is where `tinylm train` starts. `tinylm train` and
+    `tinylm explain cost` share these flags, so a model is spelled the same way for both.
+    """
+    tiny = resolve_config(preset=DEFAULT_PRESET)
+    for section, cls in SECTIONS.items():
+        group = p.add_argument_group(
+            f"[{section}] settings",
+            "override the preset and --config file, e.g. --n-layer 6" if section == "model"
+            else "override the preset and --config file, e.g. --lr 2e-3 --max-steps 500",
+        )
+        types = field_types(cls)
+        for f in dataclasses.fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            dest = f"{SETTING_PREFIX}{section}.{f.name}"
+            help_text = f.metadata["help"]
+            default = getattr(getattr(tiny, section), f.name)
+            if types[f.name] is bool:
+                group.add_argument(flag, dest=dest, action="store_const", const=True, default=argparse.SUPPRESS,
+                                   help=f"{help_text}; --no-{flag[2:]} to turn off (tiny: {str(default).lower()})")
+                group.add_argument("--no-" + flag[2:], dest=dest, action="store_const", const=False,
+                                   default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+                continue
+            tp = optional_inner(types[f.name])
+            if typing.get_origin(tp) is typing.Literal:
+                metavar = "{" + ",".join(typing.get_args(tp)) + "}"
+            else:
+                metavar = {int: "N", float: "X"}.get(tp, "TEXT")
+            shown = "unset" if default is None else default
+            group.add_argument(flag, dest=dest, metavar=metavar, default=argparse.SUPPRESS,
+                               action=OneFamily if f.name == "family" else "store",
+                               help=f"{help_text} (tiny: {shown})".replace("%", "%%"))
+
+
+class OneFamily(argparse.Action):
+    """--model and --family are one setting: given both, they must agree (otherwise the last would win unseen)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        before = getattr(namespace, self.dest, None)
+        if before is not None and before != values:
+            parser.error(f"{option_string} {values} contradicts the family given before ({before}); "
+                         "give --model (or --family) once")
+        setattr(namespace, self.dest, values)

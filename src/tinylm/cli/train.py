@@ -9,21 +9,15 @@ with --init-from, resuming, the run folder's name) is `tinylm.config.resolve_con
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
-import typing
 from pathlib import Path
 
-from tinylm.cli.flags import positive_int
-from tinylm.config import (DEFAULT_PRESET, FAMILY_NAMES, SECTIONS, default_run_dir, dump_toml, field_types,
-                           load_config_file, resolve_config, unused_settings)
-from tinylm.config.fields import optional_inner
-
-_SETTING_PREFIX = "setting:"  # argparse dest of a [model]/[train] setting: "setting:<table>.<key>"
+from tinylm.cli.flags import SETTING_PREFIX, OneFamily, add_setting_flags, positive_int, settings_from
+from tinylm.config import FAMILY_NAMES, default_run_dir, dump_toml, load_config_file, resolve_config, unused_settings
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    settings = _settings(args)
+    settings = settings_from(args)
     if args.out is None:
         args.out = str(default_run_dir(args.preset, args.config, settings))
     if args.resume and not (args.preset or args.config or settings):
@@ -57,11 +51,6 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _settings(args: argparse.Namespace) -> dict[str, object]:
-    """The setting flags given on the command line, ``{"model.n_layer": "6", ...}``, values as typed."""
-    return {k[len(_SETTING_PREFIX):]: v for k, v in vars(args).items() if k.startswith(_SETTING_PREFIX)}
-
-
 def add_commands(sub: argparse._SubParsersAction) -> None:
     """tinylm train."""
     # tinylm train
@@ -91,56 +80,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    help="no progress bar or progress lines")
     p.add_argument("--print-config", action="store_true",
                    help="print the resolved configuration as TOML and exit: nothing is trained or written")
-    p.add_argument("--model", dest=f"{_SETTING_PREFIX}model.family", choices=list(FAMILY_NAMES),
-                   action=_OneFamily, default=argparse.SUPPRESS, help="which model to train: the Transformer (gpt, "
+    p.add_argument("--model", dest=f"{SETTING_PREFIX}model.family", choices=list(FAMILY_NAMES),
+                   action=OneFamily, default=argparse.SUPPRESS, help="which model to train: the Transformer (gpt, "
                    "default), an LSTM or RNN by the same loop, or an n-gram model by counting (the same as --family)")
-    _add_setting_flags(p)
+    add_setting_flags(p)
     p.set_defaults(func=cmd_train, parser=p)
-
-
-def _add_setting_flags(p: argparse.ArgumentParser) -> None:
-    """One flag per configuration field, [model] and [train], generated from the dataclasses.
-
-    Values stay text here; `apply_overrides` parses and checks them, so a flag and a TOML key
-    give the same errors. Only the flags given on the command line end up in the namespace.
-    The defaults shown are the tiny preset's, which is where `tinylm train` starts.
-    """
-    tiny = resolve_config(preset=DEFAULT_PRESET)
-    for section, cls in SECTIONS.items():
-        group = p.add_argument_group(
-            f"[{section}] settings",
-            "override the preset and --config file, e.g. --n-layer 6" if section == "model"
-            else "override the preset and --config file, e.g. --lr 2e-3 --max-steps 500",
-        )
-        types = field_types(cls)
-        for f in dataclasses.fields(cls):
-            flag = "--" + f.name.replace("_", "-")
-            dest = f"{_SETTING_PREFIX}{section}.{f.name}"
-            help_text = f.metadata["help"]
-            default = getattr(getattr(tiny, section), f.name)
-            if types[f.name] is bool:
-                group.add_argument(flag, dest=dest, action="store_const", const=True, default=argparse.SUPPRESS,
-                                   help=f"{help_text}; --no-{flag[2:]} to turn off (tiny: {str(default).lower()})")
-                group.add_argument("--no-" + flag[2:], dest=dest, action="store_const", const=False,
-                                   default=argparse.SUPPRESS, help=argparse.SUPPRESS)
-                continue
-            tp = optional_inner(types[f.name])
-            if typing.get_origin(tp) is typing.Literal:
-                metavar = "{" + ",".join(typing.get_args(tp)) + "}"
-            else:
-                metavar = {int: "N", float: "X"}.get(tp, "TEXT")
-            shown = "unset" if default is None else default
-            group.add_argument(flag, dest=dest, metavar=metavar, default=argparse.SUPPRESS,
-                               action=_OneFamily if f.name == "family" else "store",
-                               help=f"{help_text} (tiny: {shown})".replace("%", "%%"))
-
-
-class _OneFamily(argparse.Action):
-    """--model and --family are one setting: given both, they must agree (otherwise the last would win unseen)."""
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        before = getattr(namespace, self.dest, None)
-        if before is not None and before != values:
-            parser.error(f"{option_string} {values} contradicts the family given before ({before}); "
-                         "give --model (or --family) once")
-        setattr(namespace, self.dest, values)
