@@ -12,14 +12,16 @@ with the command that installs it: a missing browser must not pass as a skipped 
 
 from __future__ import annotations
 
+import io
 import shutil
 
 import httpx
 import pytest
+from PIL import Image
 from servekit import ThreadServer
 
 from tinylm.generate import SamplingParams, generate
-from tinylm.generate.inspect import drawable_logits
+from tinylm.generate.inspect import attention_maps, drawable_logits
 from tinylm.generate.sampling import sampling_distribution
 
 INSTALL = "install Chromium with `apt-get install -y chromium` (Debian/Ubuntu) so that `chromium` is on PATH"
@@ -190,4 +192,66 @@ def test_the_chart_says_when_the_server_cannot_be_reached(browser, run):
     page.wait_for_selector("#status[data-state='error']", timeout=10_000)
     assert "cannot reach the server" in page.text_content("#status")
     assert rejections == []
+    page.close()
+
+
+def heatmap_colour(weight: float) -> tuple[int, int, int]:
+    """inside.js's cellColour: pale blue at 0 to deep blue at 1, by the square root of the weight."""
+    a = min(max(weight, 0.0), 1.0) ** 0.5
+    return tuple(round(f + (t - f) * a) for f, t in zip((226, 234, 250), (14, 48, 140)))
+
+
+def piece_label(data: bytes) -> str:
+    """A piece as the page writes it: its text, or its bytes (\\xc3) when they are only part of a character."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return "".join(f"\\x{b:02x}" for b in data)
+
+
+def test_the_inside_view_shows_the_tokens_and_draws_the_attention_heatmap(browser, server, run, run_dir):
+    """Open the inside view on a typed text: the pieces are `Tokenizer.pieces`'s, and the heatmap's cells are the
+    colours of `attention_maps`'s weights for the chosen layer and head below the diagonal, the background above
+    it. Every request the page makes goes to the server (it works offline)."""
+    page = browser.new_page(viewport={"width": 1280, "height": 1400})
+    errors: list[str] = []
+    elsewhere: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.on("request", lambda r: None if r.url.startswith((server.base_url, "data:")) else elsewhere.append(r.url))
+    page.goto(server.base_url + "/")
+    page.wait_for_function(f"document.querySelector('#model-name').textContent.startsWith('{run_dir.name}')")
+    text = "Naïve café, to be"
+    page.fill("#prompt", "")
+    page.type("#prompt", text)
+    page.click("#inside-toggle")
+
+    pieces = run.tokenizer.pieces(text)
+    ids = run.start_ids + [i for i, _ in pieces]
+    page.wait_for_function(f"document.querySelectorAll('#pieces .piece').length === {len(pieces)} "
+                           f"&& document.querySelector('#heatmap').dataset.tokens === '{len(ids)}'")
+    shown = page.eval_on_selector_all("#pieces .piece", "ps => ps.map(p => [Number(p.dataset.tokenId), "
+                                      "p.querySelector('.piece-text').textContent, p.querySelector('.piece-id').textContent])")
+    assert [(i, int(label)) for i, _, label in shown] == [(i, i) for i, _ in pieces]
+    assert [t for _, t, _ in shown] == [piece_label(data) for _, data in pieces]
+    assert any("\\x" in t for _, t, _ in shown)  # the text has pieces that are part of a character: shown as bytes
+    assert len({p.get_attribute("style") for p in page.query_selector_all("#pieces .piece")[:2]}) == 2  # coloured apart
+
+    page.select_option("#inside-layer", "1")
+    page.select_option("#inside-head", "2")
+    page.wait_for_function("document.querySelector('#heatmap-caption').textContent.startsWith('layer 1, head 2')")
+    weights = attention_maps(run.model, ids)[1][2]  # (T, T)
+    cell = int(page.get_attribute("#heatmap", "data-cell"))
+    image = Image.open(io.BytesIO(page.locator("#heatmap").screenshot())).convert("RGB")
+    T = len(ids)
+    border = (image.width - cell * T) // 2  # the element's screenshot includes its CSS border
+    for i in range(T):
+        for j in range(T):
+            pixel = image.getpixel((border + j * cell + cell // 2, border + i * cell + cell // 2))
+            if j > i:
+                assert pixel == (255, 255, 255), (i, j)  # masked: nothing drawn
+            else:
+                assert pixel != (255, 255, 255), (i, j)
+                expected = heatmap_colour(float(weights[i, j]))
+                assert max(abs(a - b) for a, b in zip(pixel, expected)) <= 2, (i, j, pixel, expected)
+    assert errors == [] and elsewhere == []
     page.close()
