@@ -54,7 +54,8 @@ def test_attention_is_the_library_s_maps_over_the_prompt_ids(server, run):
     expected = attention_maps(run.model, ids)  # per layer (n_head, T, T)
     body = post(server, "/explain/attention", {"text": TEXT}).json()
     assert [t["id"] for t in body["tokens"]] == ids
-    assert [t["start"] for t in body["tokens"]] == [True] * len(run.start_ids) + [False] * (len(ids) - len(run.start_ids))
+    n_start = len(run.start_ids)
+    assert [t["start"] for t in body["tokens"]] == [True] * n_start + [False] * (len(ids) - n_start)
     assert (body["n_layer"], body["n_head"]) == (len(expected), expected[0].shape[0]) == (2, 4)
     weights = torch.tensor(body["weights"])  # (n_layer, n_head, T, T)
     torch.testing.assert_close(weights, torch.stack(expected).float(), rtol=0, atol=1e-6)
@@ -72,7 +73,7 @@ def test_attention_is_the_library_s_maps_over_the_prompt_ids(server, run):
 
 @pytest.mark.parametrize(("body", "param", "phrase"), [
     ({"text": ""}, "text", "the text is empty"),
-    ({"text": "to be " * 100}, "text", "this model's context holds 64"),
+    ({"text": "to be " * 100}, "text", "the model's context is 64"),
     ({"text": "to be", "layer": 2}, "layer", "layer 2 is out of range: this model has 2 layers, 0..1"),
     ({"text": "to be", "layer": 0, "head": 4}, "head", "head 4 is out of range: this model has 4 heads, 0..3"),
     ({"text": "to be", "head": 1}, "head", "head needs a layer"),

@@ -28,6 +28,7 @@ from starlette.concurrency import run_in_threadpool
 
 import tinylm.serve.protocol as protocol
 from tinylm.errors import TinyLMError
+from tinylm.explain.attention import text_ids
 from tinylm.generate.inspect import attention_maps
 from tinylm.serve.protocol import APIError, ExplainAttentionRequest, ExplainTokensRequest
 
@@ -67,12 +68,10 @@ async def explain_attention(body: ExplainAttentionRequest, request: Request) -> 
     _check_text(body.text)
     if body.head is not None and body.layer is None:
         raise APIError(400, "head needs a layer: give layer too (or neither, for every layer's heads)", param="head")
-    text_ids = await run_in_threadpool(served.tokenizer.encode, body.text)
-    ids = served.start_ids + text_ids  # as /v1/completions builds a prompt
-    if len(ids) > served.block_size:
-        # attention_maps would read only the last block_size tokens: the page would show a map of another text
-        raise APIError(400, f"the text is {len(ids)} tokens with the start tokens; this model's context holds "
-                       f"{served.block_size}: shorten the text", param="text", code="context_length_exceeded")
+    try:  # the start ids, then the text's: as /v1/completions builds a prompt (and `tinylm explain attention`)
+        ids = await run_in_threadpool(text_ids, served.model, served.tokenizer, body.text, served.start_ids)
+    except TinyLMError as e:  # longer than the context: attention_maps would show the map of its last part only
+        raise APIError(400, str(e), param="text", code="context_length_exceeded") from None
     try:  # inference only, beside the scheduler (as /next_token)
         maps = await run_in_threadpool(lambda: [m.float().cpu() for m in attention_maps(served.model, ids)])
     except TinyLMError as e:  # an n-gram or LSTM model: attention_maps says which family has none
