@@ -14,8 +14,9 @@ stderr with exit status 2 and no traceback; so is a bad flag value.
     tinylm eval runs/quick --stride 64             # sliding windows: more context for every target
 
 The commands are grouped by the part of the library they call, one module each: `tokenizer`,
-`data` (prepare), `train`, `evaluate` (eval, compare), `generate` (sample, next-token, serve) and
-`export` (export, import); each has an `add_commands` that adds its subcommands to the parser, and
+`data` (prepare), `train`, `evaluate` (eval, compare), `generate` (sample, next-token, serve), `export`
+(export, import) and `explain` (tokens, sampling, cost, attention, forward); each has an `add_commands` that
+adds its subcommands to the parser, and
 `flags` holds what they share. A command imports the library it calls when it runs, so that
 `tinylm --help` answers without loading torch.
 """
@@ -28,7 +29,7 @@ import warnings
 from collections.abc import Callable, Sequence
 
 from tinylm import __version__
-from tinylm.cli import data, evaluate, export, generate, tokenizer, train
+from tinylm.cli import data, evaluate, explain, export, generate, tokenizer, train
 from tinylm.cli.flags import Parser, show_help
 from tinylm.errors import TinyLMError
 
@@ -41,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"tinylm {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
-    for commands in (tokenizer, data, train, evaluate, generate, export):  # the order of `tinylm --help`
+    for commands in (tokenizer, data, train, evaluate, generate, export, explain):  # the order of `tinylm --help`
         commands.add_commands(sub)
     return parser
 

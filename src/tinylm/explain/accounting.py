@@ -43,10 +43,16 @@ from tinylm.errors import TinyLMError
 OPTIMIZER_STATES = {"adamw": 2, "sgd": 0, "muon": 1}
 
 
+def attention_layer_weights(config: GPTConfig) -> int:
+    """The matrices of one attention layer alone: W_q d (n_h d_h), W_k and W_v d (n_kv d_h) each, W_o (n_h d_h) d."""
+    d, hs, nh, nkv = config.d_model, config.head_dim, config.n_head, config.kv_heads
+    return d * nh * hs + 2 * d * nkv * hs + nh * hs * d
+
+
 def attention_layer_params(config: GPTConfig) -> int:
     """Parameters of one attention layer: W_q, W_k, W_v (grouped-query sizes) and W_o, with biases if any."""
     d, hs, nh, nkv = config.d_model, config.head_dim, config.n_head, config.kv_heads
-    weights = d * nh * hs + 2 * d * nkv * hs + nh * hs * d
+    weights = attention_layer_weights(config)
     biases = nh * hs + 2 * nkv * hs + d if config.bias else 0
     qk_norm = 2 * hs if config.qk_norm else 0  # the q and k gains, shared by the heads
     value_weight = 1 if config.value_embed else 0  # how much of the value embedding this layer adds
@@ -144,6 +150,59 @@ def kv_cache_bytes_per_token(config: GPTConfig, bytes_per_value: int = 4) -> int
     """Bytes a KV cache holds per token of context: a key and a value of n_kv d_h numbers in every layer
     (grouped-query attention shares them between n_h / n_kv query heads, which is what it saves)."""
     return 2 * config.n_layer * config.kv_heads * config.head_dim * bytes_per_value
+
+
+def kv_cache_bytes(config: GPTConfig, seq_len: int | None = None, bytes_per_value: int = 4) -> dict[str, int]:
+    """Bytes of the KV cache: a key and a value of n_kv d_h numbers per layer for every token kept.
+
+    Per token 2 n_layer n_kv d_h values; grouped-query attention (fewer kv heads) shrinks exactly this.
+    ``full_context``: a whole context of ``seq_len`` tokens (block_size unless given), for one sequence.
+    """
+    per_token = 2 * config.n_layer * config.kv_heads * config.head_dim * bytes_per_value
+    return {"per_token": per_token, "full_context": per_token * _context(config, seq_len)}
+
+
+def activation_bytes(config: GPTConfig, batch_size: int, seq_len: int | None = None,
+                     bytes_per_value: int = 4) -> dict[str, int]:
+    """An estimate of the activations a training step keeps for the backward pass, for a batch of B sequences of T.
+
+    Per layer, counted tensor by tensor as the reference path stores them (B T values each): the two norms'
+    inputs and outputs (4 d), q, k, v and the attention output (2 d + 2 n_kv d_h), the attention
+    weights before and after softmax (2 n_h T per token: the T^2 term, which a fused kernel does not
+    store), W_o's output (d), and the MLP's inputs and hidden activations (d + 3 d_ff, 4 d_ff for swiglu).
+    Then the final logits, V per token. A rough count (dropout masks and kernel workspaces left out),
+    meant to show which term grows with what.
+    """
+    T = _context(config, seq_len)
+    d, hs, nh, nkv, d_ff = config.d_model, config.head_dim, config.n_head, config.kv_heads, config.hidden_dim
+    mlp = d + (4 if config.mlp == "swiglu" else 3) * d_ff
+    per_token_layer = 4 * d + 2 * nh * hs + 2 * nkv * hs + d + mlp
+    tokens = batch_size * T
+    parts = {
+        "layers": config.n_layer * tokens * per_token_layer * bytes_per_value,
+        "attention_scores": config.n_layer * batch_size * 2 * nh * T * T * bytes_per_value,
+        "logits": tokens * config.vocab_size * bytes_per_value,
+    }
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def exact_flops_per_token(config: GPTConfig, seq_len: int | None = None) -> dict[str, int]:
+    """FLOPs per token counted matrix multiplication by matrix multiplication (forward, and training at 3x), next
+    to the rule of thumb 6 N + 12 n_layer n_h d_h T with N all the parameters (embeddings too, as most
+    back-of-the-envelope estimates take it). The exact count is what `torch.utils.flop_counter` counts for
+    a forward pass through the reference attention path."""
+    forward = sum(forward_flops_breakdown(config, seq_len).values())
+    T = _context(config, seq_len)
+    rule = 6 * count_params(config) + 12 * config.n_layer * config.n_head * config.head_dim * T
+    return {"forward": forward, "training": 3 * forward, "rule_6n": rule}
+
+
+def cost_vs_context(config: GPTConfig, contexts: list[int]) -> list[dict[str, int]]:
+    """For each context length T: parameters, training FLOPs per token, inner products per sequence, KV bytes."""
+    return [{"T": T, "params": count_params(config), "flops_per_token": flops_per_token(config, T),
+             "inner_products": attention_inner_products(config, T),
+             "kv_cache_bytes": kv_cache_bytes(config, T)["full_context"]} for T in contexts]
 
 
 def summary(config: GPTConfig, seq_len: int | None = None) -> str:

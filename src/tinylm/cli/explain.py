@@ -1,0 +1,166 @@
+"""`tinylm explain`: the lectures' pictures and worked numbers, for any tokenizer, run or configuration.
+
+    tinylm explain tokens --tokenizer tok.json --text "To be, or not to be" --merges --out tokens.png
+    tinylm explain sampling --logits 2,1,-1 --temperatures 1,2,0.01
+    tinylm explain sampling --run runs/tiny-shakespeare --text "ROMEO:" --top-k 5 --top-p 0.9 --out sampling.png
+    tinylm explain cost --n-layer 1 --d-model 512 --n-head 8
+    tinylm explain attention ... / tinylm explain forward ...   (cli/explain_model.py)
+
+Each command is a thin call into `tinylm.explain` (tokens, sampling, cost); --json prints the table
+as one JSON object, --out draws the picture as a PNG.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from tinylm.cli.explain_model import add_model_commands
+from tinylm.cli.flags import Parser, add_setting_flags, positive_int, probability, settings_from, show_help
+from tinylm.errors import TinyLMError
+
+
+def _tokenizer_from(args: argparse.Namespace):
+    from tinylm.tokenizers import load_tokenizer
+
+    if (args.tokenizer is None) == (args.run is None):
+        raise TinyLMError("give the tokenizer with --tokenizer FILE or a run's with --run DIR (one of them)")
+    if args.tokenizer is not None:
+        return load_tokenizer(args.tokenizer)
+    from tinylm.run import TOKENIZER_FILE, check_run_dir
+
+    return load_tokenizer(check_run_dir(args.run) / TOKENIZER_FILE)
+
+
+def cmd_tokens(args: argparse.Namespace) -> int:
+    from tinylm.explain.tokens import format_pieces, plot_pieces, token_pieces
+
+    pieces = token_pieces(_tokenizer_from(args), args.text, merges=args.merges)
+    picture = plot_pieces(pieces, args.out) if args.out else None
+    if args.json:
+        print(json.dumps({"pieces": [p.to_json() for p in pieces], "picture": picture and str(picture)}))
+        return 0
+    print(format_pieces(pieces))
+    if picture:
+        print(f"picture: {picture}")
+    return 0
+
+
+def _numbers(text: str, flag: str) -> list[float]:
+    try:
+        values = [float(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise TinyLMError(f"{flag} expects numbers separated by commas, e.g. 2,1,-1; got {text!r}") from None
+    if not values:
+        raise TinyLMError(f"{flag} expects numbers separated by commas, e.g. 2,1,-1; got {text!r}")
+    return values
+
+
+def cmd_sampling(args: argparse.Namespace) -> int:
+    from tinylm.explain.sampling import explain_logits, explain_run, format_sampling, plot_sampling
+    from tinylm.generate.commands import parse_temperatures
+
+    temps = parse_temperatures(args.temperatures)
+    if args.logits is not None:
+        if args.run is not None:
+            raise TinyLMError("give --logits (no model needed) or --run with --text, not both")
+        table = explain_logits(_numbers(args.logits, "--logits"), temps, args.top_k, args.top_p)
+    else:
+        if args.run is None:
+            raise TinyLMError("give --run DIR and --text TEXT for a model's next token, or --logits 2,1,-1")
+        from tinylm.run import load_run
+
+        table = explain_run(load_run(args.run), args.text or "", temps, args.top_k, args.top_p, args.top)
+    picture = plot_sampling(table, args.out) if args.out else None
+    if args.json:
+        print(json.dumps({**table.to_json(), "picture": picture and str(picture)}))
+        return 0
+    print(format_sampling(table))
+    if picture:
+        print(f"picture: {picture}")
+    return 0
+
+
+def cmd_cost(args: argparse.Namespace) -> int:
+    from tinylm.config import build_config, load_config_file, resolve_config
+    from tinylm.explain.cost import cost_report, format_cost, plot_cost
+
+    settings = settings_from(args)
+    if args.run is not None:
+        if args.preset or args.config or settings:
+            raise TinyLMError("--run explains the run's own configuration; leave out --preset, --config and settings")
+        from tinylm.run import CONFIG_FILE, check_run_dir
+
+        path = check_run_dir(args.run) / CONFIG_FILE
+        if not path.is_file():
+            raise TinyLMError(f"{args.run} has no {CONFIG_FILE}; give the folder `tinylm train` wrote")
+        config = build_config(load_config_file(path))
+    else:
+        config = resolve_config(args.preset, args.config, settings)
+    report = cost_report(config.model, batch_size=args.batch or config.train.batch_size, seq_len=args.context)
+    picture = plot_cost(config.model, args.out) if args.out else None
+    if args.json:
+        print(json.dumps({**report, "picture": picture and str(picture)}))
+        return 0
+    print(format_cost(report))
+    if picture:
+        print(f"picture: {picture}")
+    return 0
+
+
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    """tinylm explain and its subcommands."""
+    group = sub.add_parser("explain", help="pictures and worked numbers: tokens, sampling, cost, attention, forward",
+                           description="Explain a tokenizer, a model or a configuration the way the lectures do: "
+                           "tables on the terminal (--json for scripts) and pictures as PNG files (--out).")
+    group.set_defaults(func=show_help(group), parser=group)
+    explain = group.add_subparsers(dest="explain_command", metavar="WHAT", parser_class=Parser)
+
+    # tinylm explain tokens
+    p = explain.add_parser("tokens", help="how a text splits into tokens: pieces, ids, bytes (and BPE merges)",
+                           description="Split a text with a tokenizer (char, word, BPE or imported) and show each "
+                           "piece with its id and byte count, as a table and, with --out, coloured boxes in a PNG.")
+    p.add_argument("--tokenizer", metavar="FILE", help="a tokenizer JSON file (tinylm tokenizer train --out)")
+    p.add_argument("--run", metavar="DIR", help="or a run folder: its tokenizer")
+    p.add_argument("--text", required=True, help="the text to split")
+    p.add_argument("--merges", action="store_true", help="BPE: the ranks of the merges that built each piece")
+    p.add_argument("--out", metavar="PNG", help="draw the pieces into this PNG file")
+    p.add_argument("--json", action="store_true", help="print the pieces as one JSON object")
+    p.set_defaults(func=cmd_tokens, parser=p)
+
+    # tinylm explain sampling
+    p = explain.add_parser("sampling", help="the next-token distribution before and after temperature, top-k, top-p",
+                           description="Show how temperature, then top-k, then top-p reshape a next-token "
+                           "distribution (the filters every tinylm sampler uses), for a run's next token after "
+                           "--text or for logits given with --logits (no model needed).")
+    p.add_argument("--run", metavar="DIR", help="the run folder whose next token to explain")
+    p.add_argument("--text", help="the text before the next token (with --run)")
+    p.add_argument("--logits", metavar="U1,U2,...", help="explain these logits instead of a model's, e.g. 2,1,-1")
+    p.add_argument("--temperatures", default="0.5,1,2", help="temperatures, comma-separated (default: 0.5,1,2; "
+                   "0 is greedy)")
+    p.add_argument("--top-k", type=positive_int, metavar="K", help="keep the K most likely tokens (default: off)")
+    p.add_argument("--top-p", type=probability, metavar="P", help="keep the nucleus of mass P (default: off)")
+    p.add_argument("--top", type=positive_int, default=10, help="with --run: tokens to show (default: 10)")
+    p.add_argument("--out", metavar="PNG", help="draw one panel per temperature into this PNG file")
+    p.add_argument("--json", action="store_true", help="print the table as one JSON object")
+    p.set_defaults(func=cmd_sampling, parser=p)
+
+    # tinylm explain cost
+    p = explain.add_parser("cost", help="parameters, FLOPs, KV cache and activation memory of a configuration",
+                           allow_abbrev=False,
+                           description="Account for a model without building it: parameters per component (tied "
+                           "weights once), FLOPs per token (exact, and the 6N + attention rule), KV-cache bytes, "
+                           "activation memory for a batch, and (--out) a plot of cost against the context length. "
+                           "The model is a run's, or a preset, TOML file and setting flags as for `tinylm train`.")
+    p.add_argument("--run", metavar="DIR", help="a run folder: its configuration")
+    p.add_argument("--preset", help="start from a named preset (default: tiny, unless --config names one)")
+    p.add_argument("--config", help="a TOML file with [model] and [train] tables")
+    p.add_argument("--context", type=positive_int, metavar="T", help="context length T (default: block_size)")
+    p.add_argument("--batch", type=positive_int, metavar="B", help="sequences per batch for the activation memory "
+                   "(default: the configuration's batch_size)")
+    p.add_argument("--out", metavar="PNG", help="plot parameters, FLOPs and inner products against T into this PNG")
+    p.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    add_setting_flags(p)
+    p.set_defaults(func=cmd_cost, parser=p)
+
+    add_model_commands(explain)  # tinylm explain attention, tinylm explain forward

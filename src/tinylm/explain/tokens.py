@@ -1,0 +1,112 @@
+"""How a text splits into tokens: the pieces with their ids and byte counts, as a table and a picture.
+
+    from tinylm.tokenizers import load_tokenizer
+    from tinylm.explain.tokens import token_pieces, format_pieces, plot_pieces
+    pieces = token_pieces(load_tokenizer("tok.json"), "To be, or not to be", merges=True)
+    print(format_pieces(pieces)); plot_pieces(pieces, "tokens.png")
+
+Works for every tokenizer kind (`Tokenizer.pieces`): a char tokenizer gives one piece a character,
+a word tokenizer one a word or space, a BPE tokenizer pieces of any length. A piece of BPE may be
+only part of a character's UTF-8 bytes; its text then shows U+FFFD, and the byte count tells.
+
+For a BPE tokenizer, ``merges=True`` also gives the merge steps that built each piece: a token
+made by merge r (id 256 + r) is the pair (a, b) of `BPETokenizer.merges[r]`, each of which was made
+the same way, down to single bytes. Every step's rank is smaller than the rank of the merge that
+uses its result, so listing the ranks in increasing order is the order in which training learned them.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tinylm.errors import TinyLMError
+from tinylm.explain.plots import save_figure
+from tinylm.tokenizers import BPETokenizer, Tokenizer
+
+
+@dataclass
+class Piece:
+    """One token of a text: its id, its bytes, and (BPE with ``merges``) the merge ranks that built it."""
+
+    token_id: int
+    token_bytes: bytes
+    merges: list[int] | None = field(default=None)
+
+    @property
+    def text(self) -> str:
+        return self.token_bytes.decode("utf-8", errors="replace")
+
+    @property
+    def n_bytes(self) -> int:
+        return len(self.token_bytes)
+
+    def to_json(self) -> dict:
+        row = {"id": self.token_id, "text": self.text, "bytes": list(self.token_bytes), "n_bytes": self.n_bytes}
+        if self.merges is not None:
+            row["merges"] = self.merges
+        return row
+
+
+def merge_ranks(tokenizer: BPETokenizer, token_id: int) -> list[int]:
+    """The ranks of the merges that built ``token_id`` from single bytes, in the order training learned them."""
+    ranks: list[int] = []
+    stack = [token_id]
+    while stack:
+        i = stack.pop()
+        rank = i - 256
+        if 0 <= rank < len(tokenizer.merges):  # single bytes (< 256) and special tokens were never merged
+            ranks.append(rank)
+            stack.extend(tokenizer.merges[rank])
+    return sorted(ranks)
+
+
+def token_pieces(tokenizer: Tokenizer, text: str, merges: bool = False) -> list[Piece]:
+    """The pieces of ``text`` (special tokens are read as plain text); ``merges`` needs a tinylm BPE tokenizer."""
+    if merges and not isinstance(tokenizer, BPETokenizer):
+        raise TinyLMError(f"--merges shows how a tinylm BPE tokenizer built its tokens; this is a {tokenizer.kind} "
+                          "tokenizer")
+    return [Piece(i, b, merge_ranks(tokenizer, i) if merges else None) for i, b in tokenizer.pieces(text)]
+
+
+def format_pieces(pieces: list[Piece]) -> str:
+    """A plain-text table, one piece a line: position, id, bytes, the text in quotes (and the merge ranks)."""
+    show_merges = any(p.merges is not None for p in pieces)
+    lines = [f"{'#':>4}  {'id':>7}  {'bytes':>5}  {'piece':<18}" + ("  merges (rank order)" if show_merges else "")]
+    for n, p in enumerate(pieces):
+        shown = repr(p.text) if "\ufffd" not in p.text else repr(p.token_bytes)
+        merges = "  " + (" ".join(map(str, p.merges)) or "-") if show_merges and p.merges is not None else ""
+        lines.append(f"{n:>4}  {p.token_id:>7}  {p.n_bytes:>5}  {shown:<18}{merges}")
+    total = sum(p.n_bytes for p in pieces)
+    lines.append(f"{len(pieces)} tokens for {total} bytes ({total / max(len(pieces), 1):.2f} bytes per token)")
+    return "\n".join(lines)
+
+
+def plot_pieces(pieces: list[Piece], path: str | os.PathLike, title: str | None = None, per_row: int = 12) -> Path:
+    """The pieces as coloured boxes in reading order, each with its text above and its id below, into ``path``."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Rectangle
+
+    if not pieces:
+        raise TinyLMError("the text has no tokens to draw; give a non-empty --text")
+    rows = (len(pieces) + per_row - 1) // per_row
+    fig = Figure(figsize=(min(per_row, len(pieces)) * 0.95 + 0.4, 0.9 * rows + 0.5), dpi=110)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    colours = [f"C{k}" for k in range(10)]
+    for n, p in enumerate(pieces):
+        x, y = n % per_row, -(n // per_row)
+        ax.add_patch(Rectangle((x + 0.04, y + 0.05), 0.92, 0.6, color=colours[n % len(colours)], alpha=0.35))
+        shown = p.text.replace("\n", "\\n").replace(" ", "\u2423")  # an open box for a space, so it can be seen
+        ax.text(x + 0.5, y + 0.38, shown, ha="center", va="center", fontsize=9, family="monospace")
+        ax.text(x + 0.5, y - 0.08, f"{p.token_id} ({p.n_bytes}B)", ha="center", va="center", fontsize=6.5,
+                color="0.3")
+    ax.set_xlim(0, min(per_row, len(pieces)))
+    ax.set_ylim(-rows + 0.8, 0.75)
+    ax.set_axis_off()
+    return save_figure(fig, ax, path, title or f"{len(pieces)} tokens, {sum(p.n_bytes for p in pieces)} bytes")
+
+
+__all__ = ["Piece", "format_pieces", "merge_ranks", "plot_pieces", "token_pieces"]
