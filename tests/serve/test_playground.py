@@ -133,6 +133,7 @@ def test_the_page_and_its_script_are_served_from_the_package(server):
     script = httpx.get(server.base_url + "/static/playground.js")
     assert page.status_code == script.status_code == 200
     assert '<script src="/static/playground.js">' in page.text and "samplingDistribution" in script.text
+    assert httpx.get(server.base_url + "/static/inside.js").status_code == 200 and "/static/inside.js" in page.text
     assert '<link rel="icon" href="data:' in page.text  # inline: browsers ask for no /favicon.ico (a 404)
     assert script.headers["content-type"].startswith(("application/javascript", "text/javascript"))
 

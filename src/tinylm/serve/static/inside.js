@@ -104,8 +104,9 @@ async function refreshInside() {
     fillChooser("inside-layer", attention.n_layer);
     fillChooser("inside-head", attention.n_head);
     drawHeatmap(attention.tokens, attention.weights);
+    const starts = attention.tokens.filter((t) => t.start).length;
     $("heatmap-caption").textContent = "layer " + layer + ", head " + head + ": " + attention.tokens.length +
-      " tokens (the first " + attention.tokens.filter((t) => t.start).length + " the start tokens)";
+      " tokens down (queries) and across (keys), " + starts + " start token" + (starts === 1 ? "" : "s") + " first";
     setInsideStatus(tokens.count + " tokens", "done");
   } catch (e) {
     if (ticket === insideRequest) setInsideStatus(e.message, "error");
