@@ -231,7 +231,8 @@ def test_the_inside_view_shows_the_tokens_and_draws_the_attention_heatmap(browse
     page.wait_for_function(f"document.querySelectorAll('#pieces .piece').length === {len(pieces)} "
                            f"&& document.querySelector('#heatmap').dataset.tokens === '{len(ids)}'")
     shown = page.eval_on_selector_all("#pieces .piece", "ps => ps.map(p => [Number(p.dataset.tokenId), "
-                                      "p.querySelector('.piece-text').textContent, p.querySelector('.piece-id').textContent])")
+                                      "p.querySelector('.piece-text').textContent, "
+                                      "p.querySelector('.piece-id').textContent])")
     assert [(i, int(label)) for i, _, label in shown] == [(i, i) for i, _ in pieces]
     assert [t for _, t, _ in shown] == [piece_label(data) for _, data in pieces]
     assert any("\\x" in t for _, t, _ in shown)  # the text has pieces that are part of a character: shown as bytes
