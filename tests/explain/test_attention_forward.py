@@ -160,3 +160,19 @@ def test_the_commands_draw_and_trace_a_run(run_dir, tmp_path):
     out = tinylm("forward", "--run", str(run_dir), "--text", "To be", "--position", "2")
     assert out.returncode == 0, out.stderr
     assert "q = h W^Q" in out.stdout and "loss" in out.stdout
+
+
+def test_a_run_without_attention_is_one_line(tmp_path):
+    tok = BPETokenizer([], pattern="gpt2")
+    from tinylm.model import RecurrentLM
+
+    model_config = GPTConfig(family="lstm", vocab_size=tok.vocab_size, block_size=16, n_layer=1, d_model=16)
+    config = Config(model_config, TrainConfig())
+    save_checkpoint(checkpoint_path(tmp_path, "best"), model_state=RecurrentLM(model_config).state_dict(),
+                    optimizer_state=None, rng_state={}, state={"step": 0}, config=config, tokenizer=tok)
+    (tmp_path / "config.toml").write_text(dump_toml(config.to_dict()), encoding="utf-8")
+    write_run_info(tmp_path, {"status": "complete"})
+    for command in ("attention", "forward"):
+        out = tinylm(command, "--run", str(tmp_path), "--text", "ab")
+        assert out.returncode != 0 and out.stderr.count("\n") == 1, out.stderr
+        assert "LSTM" in out.stderr or "lstm" in out.stderr, out.stderr

@@ -17,6 +17,7 @@ import json
 from pathlib import Path
 
 from tinylm.cli.flags import integer
+from tinylm.config import FAMILY_NAMES
 from tinylm.errors import TinyLMError
 
 
@@ -68,7 +69,8 @@ def cmd_forward(args: argparse.Namespace) -> int:
 
     run = load_run(args.run, checkpoint=args.checkpoint)
     if run.family != "gpt":
-        raise TinyLMError(f"{args.run} is a {run.family} run; `explain forward` traces a Transformer's forward pass")
+        raise TinyLMError(f"{args.run} holds {FAMILY_NAMES.get(run.family, run.family)} model; `explain forward` "
+                          "traces a Transformer's forward pass")
     ids = text_ids(run.model, run.tokenizer, args.text, start_ids=run.start_ids)
     trace = trace_forward(run.model, ids, position=args.position, head=args.head)
     print(json.dumps({"run": str(args.run), **trace.report()}) if args.json else format_trace(trace))

@@ -74,7 +74,7 @@ def trace_forward(model: nn.Module, ids: Sequence[int], position: int | None = N
     """Run ``model`` once on ``ids`` and record every step, showing position ``position`` (default: the last)."""
     if not isinstance(model, GPT):
         family = getattr(getattr(model, "config", None), "family", None)
-        what = f"an {FAMILY_NAMES[family]} model" if family in FAMILY_NAMES else type(model).__name__
+        what = f"{FAMILY_NAMES[family]} model" if family in FAMILY_NAMES else type(model).__name__
         raise TinyLMError(f"{what} has no Transformer forward pass to trace; `explain forward` is for Transformers")
     T, cfg = len(ids), model.config
     if not 1 <= T <= cfg.block_size:
