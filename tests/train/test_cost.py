@@ -104,3 +104,12 @@ def test_a_recurrent_run_has_no_cost_table(tmp_path, corpus, data_dir):
     assert not (tmp_path / "rnn" / COST_FILE).exists()
     assert not any(line.startswith("cost: ") for line in lines)
     assert json.loads((tmp_path / "rnn" / "run.json").read_text())["cost"] is None
+
+
+def test_a_resumed_run_counts_the_training_of_every_session(tmp_path, corpus, data_dir):
+    config = tiny_config(corpus, data_dir)
+    out = tmp_path / "resumed"
+    train(config, out, stop_after=4, progress=False, log=lambda line: None)
+    result = train(None, out, resume=True, progress=False, log=lambda line: None)
+    cost = json.loads((out / "run.json").read_text())["cost"]
+    assert cost["tokens"] == result.tokens == 8 * 4 * 32  # 8 steps of 4 x 32 tokens, 4 of them before the stop
