@@ -15,7 +15,7 @@ from tinylm.tokenizers import BPETokenizer
 
 @pytest.fixture(scope="session")
 def small_run_dir(tmp_path_factory) -> Path:
-    """A run folder as `tinylm train` leaves it (config.toml, run.json, a best checkpoint), block_size 16."""
+    """A run folder as `tinylm train` leaves it (config.toml, tokenizer.json, run.json, a best checkpoint), block_size 16."""
     folder = tmp_path_factory.mktemp("explain-run")
     tok = BPETokenizer([], pattern="gpt2")
     model_config = GPTConfig(vocab_size=tok.vocab_size, block_size=16, n_layer=2, d_model=32, n_head=4,
@@ -26,5 +26,6 @@ def small_run_dir(tmp_path_factory) -> Path:
     save_checkpoint(checkpoint_path(folder, "best"), model_state=model.state_dict(), optimizer_state=None,
                     rng_state={}, state={"step": 0}, config=config, tokenizer=tok)
     (folder / "config.toml").write_text(dump_toml(config.to_dict()), encoding="utf-8")
+    tok.save(folder / "tokenizer.json")
     write_run_info(folder, {"status": "complete"})
     return folder
