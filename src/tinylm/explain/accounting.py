@@ -153,12 +153,9 @@ def kv_cache_bytes_per_token(config: GPTConfig, bytes_per_value: int = 4) -> int
 
 
 def kv_cache_bytes(config: GPTConfig, seq_len: int | None = None, bytes_per_value: int = 4) -> dict[str, int]:
-    """Bytes of the KV cache: a key and a value of n_kv d_h numbers per layer for every token kept.
-
-    Per token 2 n_layer n_kv d_h values; grouped-query attention (fewer kv heads) shrinks exactly this.
-    ``full_context``: a whole context of ``seq_len`` tokens (block_size unless given), for one sequence.
-    """
-    per_token = 2 * config.n_layer * config.kv_heads * config.head_dim * bytes_per_value
+    """Bytes of the KV cache per token (`kv_cache_bytes_per_token`) and for a whole context of ``seq_len`` tokens
+    (block_size unless given) of one sequence."""
+    per_token = kv_cache_bytes_per_token(config, bytes_per_value)
     return {"per_token": per_token, "full_context": per_token * _context(config, seq_len)}
 
 
