@@ -52,8 +52,33 @@ def test_bpe_merges_rebuild_each_piece_in_rank_order(tokenizers):
             made[256 + rank] = made[a] + made[b]
         assert made[p.token_id] == p.token_bytes
     assert merge_ranks(tok, ord("a")) == []  # a single byte needs no merge
-    with pytest.raises(TinyLMError, match="this is a char tokenizer"):
+    with pytest.raises(TinyLMError, match="this char tokenizer has none"):
         token_pieces(tokenizers["char"], "x", merges=True)
+
+
+def test_an_imported_byte_level_tokenizer_and_its_merges(tmp_path):
+    # a GPT-2-style tokenizer.json from Hugging Face `tokenizers`, whose ids are not tinylm's 256 + rank
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    from tinylm.tokenizers.hf_files import read_hf_tokenizer
+
+    hf = HFTokenizer(models.BPE())
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.decoder = decoders.ByteLevel()
+    hf.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    hf.save(str(tmp_path / "tokenizer.json"))
+    tok = read_hf_tokenizer(tmp_path)
+    assert tok.kind == "bytelevel"
+    pieces = token_pieces(tok, "the theme", merges=True)
+    assert [p.token_id for p in pieces] == hf.encode("the theme").ids
+    for p in pieces:  # the merges, replayed in rank order, spell the piece
+        made = {}
+        for rank in p.merges:
+            a, b = tok.merges[rank]
+            made[rank] = tok.token_bytes(a) + tok.token_bytes(b)
+        assert made[p.merges[-1]] == p.token_bytes and len(p.merges) == p.n_bytes - 1
 
 
 def test_the_picture_has_a_box_per_piece(tokenizers, tmp_path):

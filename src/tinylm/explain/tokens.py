@@ -9,9 +9,9 @@ Works for every tokenizer kind (`Tokenizer.pieces`): a char tokenizer gives one 
 a word tokenizer one a word or space, a BPE tokenizer pieces of any length. A piece of BPE may be
 only part of a character's UTF-8 bytes; its text then shows U+FFFD, and the byte count tells.
 
-For a BPE tokenizer, ``merges=True`` also gives the merge steps that built each piece: a token
-made by merge r (id 256 + r) is the pair (a, b) of `BPETokenizer.merges[r]`, each of which was made
-the same way, down to single bytes. Every step's rank is smaller than the rank of the merge that
+For a BPE tokenizer (tinylm's or an imported byte-level one), ``merges=True`` also gives the merge
+steps that built each piece: a token made by merge r is the pair (a, b) of ``merges[r]``, each of
+which was made the same way, down to single bytes. Every step's rank is smaller than the rank of the merge that
 uses its result, so listing the ranks in increasing order is the order in which training learned them.
 """
 
@@ -49,25 +49,43 @@ class Piece:
         return row
 
 
-def merge_ranks(tokenizer: BPETokenizer, token_id: int) -> list[int]:
+def merge_table(tokenizer: Tokenizer) -> dict[int, int]:
+    """For a BPE tokenizer with a merge list (tinylm's, or an imported byte-level one): the id each merge
+    made -> that merge's rank. tinylm's merge r makes id 256 + r; an imported tokenizer's ids can be in
+    any order, so the made token is found by its bytes."""
+    merges = getattr(tokenizer, "merges", None)
+    if not merges:
+        raise TinyLMError(f"--merges shows how a BPE tokenizer built its tokens from a merge list; this "
+                          f"{tokenizer.kind} tokenizer has none")
+    if isinstance(tokenizer, BPETokenizer):
+        return {256 + rank: rank for rank in range(len(merges))}
+    by_bytes = {}
+    for i in range(tokenizer.vocab_size):
+        if not tokenizer.is_special(i):
+            by_bytes.setdefault(tokenizer.token_bytes(i), i)
+    made = {by_bytes.get(tokenizer.token_bytes(a) + tokenizer.token_bytes(b)): rank
+            for rank, (a, b) in enumerate(merges)}
+    made.pop(None, None)
+    return made
+
+
+def merge_ranks(tokenizer: Tokenizer, token_id: int, table: dict[int, int] | None = None) -> list[int]:
     """The ranks of the merges that built ``token_id`` from single bytes, in the order training learned them."""
+    table = merge_table(tokenizer) if table is None else table
     ranks: list[int] = []
     stack = [token_id]
     while stack:
-        i = stack.pop()
-        rank = i - 256
-        if 0 <= rank < len(tokenizer.merges):  # single bytes (< 256) and special tokens were never merged
+        rank = table.get(stack.pop())
+        if rank is not None:  # single bytes and special tokens were never merged
             ranks.append(rank)
             stack.extend(tokenizer.merges[rank])
     return sorted(ranks)
 
 
 def token_pieces(tokenizer: Tokenizer, text: str, merges: bool = False) -> list[Piece]:
-    """The pieces of ``text`` (special tokens are read as plain text); ``merges`` needs a tinylm BPE tokenizer."""
-    if merges and not isinstance(tokenizer, BPETokenizer):
-        raise TinyLMError(f"--merges shows how a tinylm BPE tokenizer built its tokens; this is a {tokenizer.kind} "
-                          "tokenizer")
-    return [Piece(i, b, merge_ranks(tokenizer, i) if merges else None) for i, b in tokenizer.pieces(text)]
+    """The pieces of ``text`` (special tokens are read as plain text); ``merges`` needs a BPE tokenizer."""
+    table = merge_table(tokenizer) if merges else None
+    return [Piece(i, b, merge_ranks(tokenizer, i, table) if merges else None) for i, b in tokenizer.pieces(text)]
 
 
 def format_pieces(pieces: list[Piece]) -> str:
