@@ -120,3 +120,22 @@ def test_the_command_reads_a_run_s_configuration(small_run_dir):
 def test_bad_input_is_one_line(args, message):
     out = explain("cost", *args)
     assert out.returncode != 0 and message in out.stderr and len(out.stderr.strip().splitlines()) == 1
+
+
+def test_the_activation_estimate_is_near_what_autograd_saves():
+    # every tensor the backward pass keeps, by storage (the weights themselves left out), on the reference path
+    config = small_config(block_size=64, d_model=64, n_kv_head=None)
+    model = build_model(config)
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def keep(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in weights:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    idx = torch.randint(0, config.vocab_size, (4, config.block_size))
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        model(idx, idx)
+    estimate = cost_report(config, batch_size=4)["activation_bytes"]["total"]
+    assert 0.8 < sum(saved.values()) / estimate < 1.25
