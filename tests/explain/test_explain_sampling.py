@@ -93,3 +93,15 @@ def test_text_longer_than_the_context_is_one_line(small_run_dir):
     out = explain("sampling", "--run", str(small_run_dir), "--text", "y" * 40)
     assert out.returncode != 0 and "longer than the model's context" in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1
+
+
+def test_the_command_on_a_run(small_run_dir, tmp_path):
+    out = explain("sampling", "--run", str(small_run_dir), "--text", "To be", "--temperatures", "0.5,1",
+                  "--top-k", "3", "--top-p", "0.9", "--top", "5", "--json", "--out", str(tmp_path / "r.png"))
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert len(report["tokens"]) == 5 and [t["temperature"] for t in report["temperatures"]] == [0.5, 1]
+    for t in report["temperatures"]:
+        assert list(t["stages"]) == ["temperature", "top_k", "top_p"]
+        assert t["stages"]["top_k"][3:] == [0.0, 0.0]  # top-k 3 leaves nothing to the 4th and 5th tokens
+    assert imread(tmp_path / "r.png").shape[1] == round((3.2 * 2 + 0.6) * 110)
