@@ -82,7 +82,7 @@ def test_an_imported_byte_level_tokenizer_and_its_merges(tmp_path):
 
 
 def test_the_picture_has_a_box_per_piece(tokenizers, tmp_path):
-    for text, n_columns in (("to be", None), (TEXT, 12)):
+    for text, n_columns in (("to be", None), (TEXT.replace("\U0001F600", "!"), 12)):  # glyphs the font has
         pieces = token_pieces(tokenizers["char"], text)
         image = imread(plot_pieces(pieces, tmp_path / "t.png"))
         columns = n_columns or len(pieces)
