@@ -19,7 +19,7 @@ CORPUS = ["To be, or not to be: that is the question.", "the theme of the thesis
 
 @pytest.fixture(scope="module")
 def tokenizers():
-    return {kind: train_tokenizer(kind, CORPUS, vocab_size=320, unknown="bytes", workers=1)
+    return {kind: train_tokenizer(kind, CORPUS, vocab_size=290, unknown="bytes", workers=1)
             for kind in ("char", "word", "bpe")}
 
 
