@@ -190,7 +190,11 @@ def attention_figure(maps: AttentionMaps, title: str | None = None):
 
 
 def plot_attention(maps: AttentionMaps, path: str | os.PathLike, title: str | None = None) -> Path:
-    """Draw `attention_figure` into the PNG file ``path``, atomically."""
+    """Draw `attention_figure` into the PNG file ``path``, atomically.
+
+    Not `plots.save_figure`: its tight_layout would undo the constrained layout that makes room for
+    the colorbar shared by every panel.
+    """
     fig = attention_figure(maps, title)
     with atomic_path(path) as tmp:
         fig.savefig(tmp, format="png")
