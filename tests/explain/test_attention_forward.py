@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from tinylm.config import Config, GPTConfig, TrainConfig, dump_toml
 from tinylm.errors import TinyLMError
@@ -23,21 +22,8 @@ from tinylm.tokenizers import BPETokenizer
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("run")
-    tok = BPETokenizer([], pattern="gpt2")
-    from tinylm.model import GPT
-
-    model_config = GPTConfig(vocab_size=tok.vocab_size, block_size=16, n_layer=2, d_model=32, n_head=4,
-                             positions="rope", norm="rmsnorm", mlp="swiglu", bias=False, init_std=0.25)
-    config = Config(model_config, TrainConfig())
-    torch.manual_seed(0)
-    model = GPT(model_config)
-    save_checkpoint(checkpoint_path(folder, "best"), model_state=model.state_dict(), optimizer_state=None,
-                    rng_state={}, state={"step": 0}, config=config, tokenizer=tok)
-    (folder / "config.toml").write_text(dump_toml(config.to_dict()), encoding="utf-8")
-    write_run_info(folder, {"status": "complete"})
-    return folder
+def run_dir(small_run_dir) -> Path:
+    return small_run_dir  # the shared small run (tests/explain/conftest.py)
 
 
 @pytest.fixture(scope="module")
