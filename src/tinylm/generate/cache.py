@@ -68,6 +68,14 @@ class StaticKVCacheLayer(CacheCursor):
         """Forget everything (the buffers are kept and overwritten)."""
         self._rewind()
 
+    def truncate(self, length: int) -> None:
+        """Keep the first ``length`` positions and forget the rest (speculative decoding rolls back rejected
+        drafts): the stale entries past ``length`` are never read again, only overwritten."""
+        if not 0 <= length <= self.length:
+            raise TinyLMError(f"cannot truncate a cache of {self.length} positions to {length}")
+        self._rewind()
+        self._advance(length)
+
 
 def cache_for(model: nn.Module, batch: int, max_len: int):
     """The generation cache for ``model``: its own (``model.new_cache``) or a `KVCache`."""
@@ -137,3 +145,13 @@ class KVCache(Sequence[StaticKVCacheLayer]):
         for layer in self.layers:
             layer.reset()
         self.last_tokens = None
+
+    def truncate(self, length: int, last_tokens: Tensor | None = None) -> None:
+        """Keep every layer's first ``length`` positions. A model with a bigram-hash table needs the token now
+        last in the cache (B,) as ``last_tokens`` (the cache cannot know it: it stores keys, not tokens)."""
+        for layer in self.layers:
+            layer.truncate(length)
+        if self.last_tokens is not None:
+            if last_tokens is None:
+                raise TinyLMError("this cache keeps each row's last token (a bigram-hash model): pass last_tokens")
+            self.last_tokens = last_tokens

@@ -1,0 +1,272 @@
+"""Speculative decoding for one sequence: a cheap draft guesses k tokens, the model checks them in one pass.
+
+Decoding one token costs one forward pass of the model, however few numbers it reads. A *draft*
+(something much cheaper: a lookup in the text so far, a small model) proposes the next k tokens
+d_1..d_k; the model then reads the last accepted token and the k drafts in ONE forward pass over
+its KV cache, which gives its distributions p_1..p_{k+1} after each prefix. The draft's guesses
+are kept or thrown away by the acceptance rule of Leviathan et al. / Chen et al. (2023), which
+makes the output follow the model's own distribution exactly, whatever the draft proposes:
+
+    for i = 1..k:  accept d_i with probability min(1, p_i(d_i) / q_i(d_i))
+                   on rejection: draw from normalize(max(0, p_i - q_i)) and stop the round
+    all k accepted: draw one bonus token from p_{k+1}
+
+q_i is the draft's distribution for d_i (one-hot for a deterministic draft such as the prompt
+lookup, so a draft is kept with probability p_i(d_i)). Why it is exact: token x comes out of
+step i with probability min(p, q)(x) (proposed and kept) + (1 - sum min(p, q)) * max(0, p - q)(x)
+/ sum max(0, p - q) (rejected, then redrawn); since sum max(0, p - q) = 1 - sum min(p, q), that
+is min(p, q)(x) + max(0, p - q)(x) = p(x). p is the model's distribution after the request's
+temperature and filters (`tinylm.generate.sampling.sampling_distribution`), so greedy decoding
+(p one-hot on the argmax) keeps exactly the drafts equal to the argmax and gives the engine's
+tokens.
+
+The cache holds every token but the last one ("pending"); a round feeds pending + drafts, so a
+round of k drafts writes k + 1 positions, and on rejection the cache is cut back to pending + the
+accepted drafts (`KVCache.truncate`). The context window follows `context_start`, as in the
+engine: drafts are checked only while they fit in the current window, then the window is cut
+and recomputed. Only models whose cache is a `KVCache` (the Transformers) can roll back; an
+RNN's state or an n-gram's history cannot, so those are refused as the model (any of them can
+be a draft).
+
+k adapts: one more after a round where all drafts were kept (up to ``k``), back to one more
+than the drafts kept after a rejection, and drafting pauses for a while when the recent
+acceptance rate falls below ``min_acceptance``. `SpeculativeStats` counts rounds, proposed and
+accepted drafts, and the model's forward passes.
+
+    completion, stats = speculative_generate(run.model, ids, SamplingParams(temperature=0), PromptLookupDraft(),
+                                             k=4, tokenizer=run.tokenizer)
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from tinylm.errors import TinyLMError
+from tinylm.generate.cache import KVCache, cache_for
+from tinylm.generate.sampling import SamplingParams, excluded_mask, make_generators, sampling_distribution, token_logprobs
+from tinylm.generate.steps import Completion, accept_token, context_start, warn_window, window_keep
+from tinylm.generate.stream import TextStream
+from tinylm.tokenizers.base import Tokenizer, default_stop_ids
+
+# rounds of recent history the acceptance rate is measured over, and how many plain steps a pause lasts
+ACCEPTANCE_WINDOW = 8
+PAUSE_STEPS = 16
+
+
+@dataclass
+class SpeculativeStats:
+    """What the drafts achieved: ``accepted / proposed`` is the acceptance rate; ``tokens / forward_passes``
+    how many tokens each pass of the model bought (1 without a draft)."""
+
+    rounds: int = 0  # rounds with at least one draft token
+    proposed: int = 0  # draft tokens checked by the model
+    accepted: int = 0  # draft tokens kept
+    forward_passes: int = 0  # calls of the model (prefills included)
+    tokens: int = 0  # tokens generated
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+
+# ----- drafts: propose(seq, k, excluded, params, generator) -> (tokens, q (n, V) or None for one-hot) -----
+
+
+class PromptLookupDraft:
+    """Propose what followed the last time the text's final n tokens occurred (n = ``max_ngram``..1).
+
+    Deterministic (q is one-hot). On repetitive text (code, lists, quoting the prompt) the guesses are
+    often right; on fresh text it finds nothing and proposes nothing.
+    """
+
+    def __init__(self, max_ngram: int = 3) -> None:
+        if max_ngram < 1:
+            raise TinyLMError(f"the prompt lookup needs n-grams of at least 1 token, got {max_ngram}")
+        self.max_ngram = max_ngram
+
+    def propose(self, seq: Sequence[int], k: int, excluded: Tensor | None, params: SamplingParams,
+                generator: torch.Generator | None) -> tuple[list[int], Tensor | None]:
+        for n in range(min(self.max_ngram, len(seq) - 1), 0, -1):
+            tail = list(seq[-n:])
+            # the latest earlier occurrence: its last token must end before the tail's start + n - 1
+            for start in range(len(seq) - n - 1, -1, -1):
+                if list(seq[start:start + n]) == tail:
+                    return list(seq[start + n:start + n + k]), None
+        return [], None
+
+
+class ModelDraft:
+    """A draft model: ``next_logits(prefix ids) -> logits (V,)``, sampled with the request's filters (q).
+
+    `ModelDraft.of(model)` wraps any tinylm model (a smaller GPT, the run's n-gram `NGramLM`) by
+    reading the last ``block_size`` tokens afresh each time: simple and fine for small drafts.
+    """
+
+    def __init__(self, next_logits: Callable[[Sequence[int]], Tensor]) -> None:
+        self.next_logits = next_logits
+
+    @classmethod
+    def of(cls, model: nn.Module) -> ModelDraft:
+        device = next(model.parameters()).device
+        block_size = model.config.block_size
+        model.eval()
+
+        @torch.inference_mode()
+        def next_logits(prefix: Sequence[int]) -> Tensor:
+            idx = torch.tensor([list(prefix[-block_size:])], dtype=torch.long, device=device)  # (1, T)
+            logits, _ = model(idx)
+            return logits[0, -1]  # (V,)
+
+        return cls(next_logits)
+
+    def propose(self, seq: Sequence[int], k: int, excluded: Tensor | None, params: SamplingParams,
+                generator: torch.Generator | None) -> tuple[list[int], Tensor | None]:
+        prefix, tokens, qs = list(seq), [], []
+        V = excluded.numel() if excluded is not None else None
+        for _ in range(k):
+            logits = self.next_logits(prefix).float().flatten()
+            if V is not None:
+                logits = _fit(logits, V).masked_fill(excluded.to(logits.device), float("-inf"))
+            q = sampling_distribution(logits[None], params)[0]  # (V,)
+            token = _draw(q, generator)
+            tokens.append(token)
+            qs.append(q)
+            prefix.append(token)
+        return tokens, (torch.stack(qs) if qs else None)
+
+
+def _fit(logits: Tensor, V: int) -> Tensor:
+    """A draft's logits over exactly the model's V ids (a padded output layer is cut, a smaller one padded)."""
+    if logits.numel() >= V:
+        return logits[:V]
+    return torch.cat([logits, logits.new_full((V - logits.numel(),), float("-inf"))])
+
+
+def _draw(probs: Tensor, generator: torch.Generator | None) -> int:
+    """One id from probs (V,): the argmax without a generator (greedy), else a draw."""
+    if generator is None:
+        return int(probs.argmax())
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+# ----- the loop ------------------------------------------------------------------------------------
+
+
+@torch.inference_mode()
+def speculative_generate(
+    model: nn.Module,
+    prompt_ids: Sequence[int],
+    params: SamplingParams,
+    draft: PromptLookupDraft | ModelDraft,
+    k: int = 4,
+    *,
+    tokenizer: Tokenizer | None = None,
+    min_acceptance: float = 0.1,
+) -> tuple[Completion, SpeculativeStats]:
+    """One completion of ``prompt_ids``, distributed exactly as the engine's, checking up to ``k`` drafts a pass."""
+    if params.num_beams != 1 or params.num_samples != 1:
+        raise TinyLMError("speculative decoding makes one sample of one prompt: use num_beams = 1 and num_samples = 1")
+    if not isinstance(k, int) or k < 1:
+        raise TinyLMError(f"the draft length k must be an integer >= 1, got {k!r}")
+    if params.stop and tokenizer is None:
+        raise TinyLMError("stop strings need a tokenizer to turn tokens into text")
+    seq = [int(t) for t in prompt_ids]
+    V = model.config.vocab_size
+    if not seq or any(not 0 <= t < V for t in seq):
+        raise TinyLMError(f"the prompt must be 1 or more ids in the model's vocabulary 0..{V - 1}")
+    block_size = model.config.block_size
+    keep = window_keep(params, block_size)
+    device = next(model.parameters()).device
+    stop_ids = set(params.stop_ids) if params.stop_ids is not None else default_stop_ids(tokenizer)
+    excluded = excluded_mask(tokenizer, V, stop_ids, device)
+    if excluded is None:
+        excluded = torch.zeros(V, dtype=torch.bool, device=device)
+    generator = None if params.greedy else make_generators(params.seed, 1, device)[0]
+    capacity = min(block_size, len(seq) + params.max_new_tokens)
+    cache = cache_for(model, 1, capacity)
+    if not isinstance(cache, KVCache):
+        raise TinyLMError("speculative decoding rolls the model's KV cache back; this model family keeps "
+                          "another kind of state: use it as the draft, or decode without one")
+
+    stats = SpeculativeStats()
+    stream = TextStream(tokenizer, params.stop) if tokenizer is not None else None
+    tokens: list[int] = []
+    logprobs: list[float] = []
+    finish, stop = None, None
+    start, warned = -1, False  # where the cache's window begins in seq; -1: no window yet
+    k_now, recent, paused = k, deque(maxlen=ACCEPTANCE_WINDOW), 0
+    was_training = model.training
+    model.eval()
+    try:
+        while finish is None and len(tokens) < params.max_new_tokens:
+            # the window: cut and recompute when the pending token no longer fits (or at the start)
+            if start < 0 or len(seq) - start > capacity:
+                start = context_start(len(seq), block_size, keep)
+                if start > 0 and not warned:
+                    warn_window(block_size, keep)
+                    warned = True
+                cache.reset()
+                if len(seq) - 1 > start:  # everything but the pending token
+                    model(torch.tensor([seq[start:-1]], device=device), kv_cache=cache)
+                    stats.forward_passes += 1
+            room = capacity - (len(seq) - start)  # drafts that fit in the window after the pending token
+            n_draft = min(k_now, room, params.max_new_tokens - len(tokens) - 1) if paused == 0 else 0
+            drafts, q = draft.propose(seq, n_draft, excluded, params, generator) if n_draft > 0 else ([], None)
+            drafts = drafts[:max(n_draft, 0)]
+            # ONE pass: the pending token and the drafts; row i gives p after seq + drafts[:i]
+            fed = torch.tensor([[seq[-1], *drafts]], device=device)  # (1, 1 + n)
+            logits, _ = model(fed, kv_cache=cache)
+            stats.forward_passes += 1
+            logits = logits[0].float().masked_fill(excluded, float("-inf"))  # (1 + n, V)
+            p = sampling_distribution(logits, params)  # (1 + n, V)
+            new, kept = _accept(p, drafts, q, generator)
+            if drafts:
+                stats.rounds += 1
+                stats.proposed += len(drafts)
+                stats.accepted += kept
+                recent.append((kept, len(drafts)))
+                k_now = min(k, k_now + 1) if kept == len(drafts) else max(1, kept + 1)
+                got, tried = map(sum, zip(*recent))
+                if len(recent) == ACCEPTANCE_WINDOW and got < min_acceptance * tried:
+                    paused, k_now = PAUSE_STEPS, 1  # then probe again with one draft
+                    recent.clear()
+            elif paused:
+                paused -= 1
+            # roll the cache back to the pending token and the drafts kept
+            cache.truncate(len(seq) - start + kept, last_tokens=torch.tensor([([seq[-1]] + drafts)[kept]], device=device))
+            for i, token in enumerate(new):
+                tokens.append(token)
+                logprobs.append(float(token_logprobs(logits[i:i + 1], torch.tensor([token], device=device))))
+                seq.append(token)
+                piece, finish, stop = accept_token(stream, token, stop_ids, len(tokens) == params.max_new_tokens)
+                if finish is not None:
+                    break
+    finally:
+        model.train(was_training)
+    stats.tokens = len(tokens)
+    completion = Completion(text=stream.text if stream else "", token_ids=tokens, logprobs=logprobs,
+                            finish_reason=finish or "length", stop=stop)
+    return completion, stats
+
+
+def _accept(p: Tensor, drafts: list[int], q: Tensor | None,
+            generator: torch.Generator | None) -> tuple[list[int], int]:
+    """The acceptance rule (module docstring): the new tokens (kept drafts + one drawn) and how many drafts were kept."""
+    for i, d in enumerate(drafts):
+        q_d = float(q[i, d]) if q is not None else 1.0
+        ratio = float(p[i, d]) / q_d if q_d > 0 else 0.0
+        # ratio >= 1 keeps the draft for sure: no draw needed (and none made when greedy, where ratio is 0 or 1)
+        if ratio >= 1 or (ratio > 0 and generator is not None
+                          and float(torch.rand((), generator=generator, device=p.device)) < ratio):
+            continue
+        q_i = q[i] if q is not None else torch.nn.functional.one_hot(torch.tensor(d), p.size(-1)).to(p)
+        residual = (p[i] - q_i).clamp(min=0)  # (V,)
+        if float(residual.sum()) <= 0:  # p == q up to rounding: the draft could not be rejected
+            residual = p[i]
+        return drafts[:i] + [_draw(residual / residual.sum(), generator)], i
+    return drafts + [_draw(p[len(drafts)], generator)], len(drafts)

@@ -1,0 +1,152 @@
+"""Speculative decoding against the engine: the same greedy tokens, the model's own sampling distribution."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import warnings
+
+import pytest
+import torch
+
+from tinylm.errors import TinyLMError
+from tinylm.generate.cache import KVCache
+from tinylm.generate.engine import Engine
+from tinylm.generate.sampling import SamplingParams, sampling_distribution
+from tinylm.generate.speculative import ModelDraft, PromptLookupDraft, speculative_generate
+
+from toys import tiny_gpt
+
+GREEDY = SamplingParams(max_new_tokens=60, temperature=0)
+REPETITIVE = [3, 14, 15, 92, 65, 35, 89] * 4
+
+
+def assert_same(spec, engine) -> None:
+    assert spec.token_ids == engine.token_ids
+    assert spec.finish_reason == engine.finish_reason
+    torch.testing.assert_close(torch.tensor(spec.logprobs), torch.tensor(engine.logprobs), atol=1e-5, rtol=0)
+
+
+# ----- greedy: token for token the engine's output -------------------------------------------------
+
+
+def test_prompt_lookup_proposes_what_followed_the_latest_match_of_the_longest_tail():
+    draft = PromptLookupDraft()
+    # tail (7, 8, 9) occurred at 1..3, followed by 4, 5; the shorter tail (9) at 6 is not preferred
+    assert draft.propose([1, 7, 8, 9, 4, 5, 9, 0, 7, 8, 9], 2, None, GREEDY, None) == ([4, 5], None)
+    assert draft.propose([1, 2, 3], 4, None, GREEDY, None) == ([], None)  # nothing repeats
+    assert draft.propose([5, 1, 2, 5], 3, None, GREEDY, None) == ([1, 2, 5], None)  # unigram 5, latest earlier
+
+
+@pytest.mark.parametrize("options", [{}, {"bigram_hash": 101, "n_kv_head": 2}])
+def test_greedy_prompt_lookup_equals_the_engine_and_keeps_drafts_on_a_repetitive_prompt(options):
+    model = tiny_gpt(**options)
+    if "bigram_hash" in options:
+        with torch.no_grad():
+            model.bigram.weight.normal_(0, 1.0)  # the cache's last token matters after a rollback
+    spec, stats = speculative_generate(model, REPETITIVE, GREEDY, PromptLookupDraft(), k=4)
+    assert_same(spec, Engine(model, GREEDY).generate([REPETITIVE])[0])
+    assert stats.tokens == 60 and stats.proposed > stats.accepted  # drafts were rejected and rolled back
+    assert stats.forward_passes == 1 + stats.tokens - stats.accepted  # the prefill, then kept + 1 tokens a pass
+    if not options:  # this model falls into a loop the lookup predicts
+        assert stats.accepted >= 10
+
+
+def test_greedy_with_a_different_random_draft_model_equals_the_engine_though_most_drafts_are_rejected():
+    model, other = tiny_gpt(seed=0), tiny_gpt(seed=1)
+    spec, stats = speculative_generate(model, REPETITIVE, GREEDY, ModelDraft.of(other), k=3, min_acceptance=0)
+    assert_same(spec, Engine(model, GREEDY).generate([REPETITIVE])[0])
+    assert stats.proposed >= 50 and stats.acceptance_rate < 0.2
+
+
+def test_the_model_as_its_own_draft_keeps_every_draft():
+    model = tiny_gpt()
+    spec, stats = speculative_generate(model, REPETITIVE, GREEDY, ModelDraft.of(model), k=4)
+    assert_same(spec, Engine(model, GREEDY).generate([REPETITIVE])[0])
+    assert stats.accepted == stats.proposed > 40
+    assert stats.forward_passes <= 1 + math.ceil(60 / 5)  # the prefill, then k + 1 tokens a pass
+
+
+def test_greedy_speculation_past_the_context_window_equals_the_engine():
+    model = tiny_gpt(block_size=32)
+    params = SamplingParams(max_new_tokens=80, temperature=0, window_keep=12)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # both warn that the window was cut
+        engine = Engine(model, params).generate([REPETITIVE])[0]
+        spec, _ = speculative_generate(model, REPETITIVE, params, PromptLookupDraft(), k=5)
+    assert_same(spec, engine)
+
+
+def test_a_stop_id_among_the_kept_drafts_ends_the_sample_there():
+    model = tiny_gpt()
+    engine = Engine(model, GREEDY).generate([REPETITIVE])[0]
+    stop = engine.token_ids[20]
+    params = SamplingParams(max_new_tokens=60, temperature=0, stop_ids=[stop])
+    spec, _ = speculative_generate(model, REPETITIVE, params, ModelDraft.of(model), k=4)
+    assert_same(spec, Engine(model, params).generate([REPETITIVE])[0])
+    assert spec.finish_reason == "stop" and spec.token_ids[-1] == stop
+
+
+def test_kv_cache_truncate_keeps_the_first_positions_and_refuses_to_grow():
+    cache = KVCache.for_model(tiny_gpt(), batch=1, max_len=16)
+    for layer in cache:
+        layer.update(torch.ones(1, 4, 5, 8), torch.ones(1, 4, 5, 8))
+    cache.truncate(3)
+    assert cache.length == 3
+    k, _ = cache[0].update(torch.full((1, 4, 1, 8), 2.0), torch.zeros(1, 4, 1, 8))
+    assert k.shape[2] == 4 and float(k[0, 0, 3, 0]) == 2.0 and float(k[0, 0, 2, 0]) == 1.0
+    with pytest.raises(TinyLMError, match="cannot truncate"):
+        cache.truncate(9)
+
+
+def test_bad_requests_are_refused_in_one_line():
+    model = tiny_gpt()
+    with pytest.raises(TinyLMError, match="one sample of one prompt"):
+        speculative_generate(model, [1, 2], SamplingParams(num_beams=2, temperature=0), PromptLookupDraft())
+    with pytest.raises(TinyLMError, match="k must be"):
+        speculative_generate(model, [1, 2], GREEDY, PromptLookupDraft(), k=0)
+
+
+# ----- sampling: the model's distribution, whatever the draft --------------------------------------
+
+
+def exact_joint(model, prompt, params, n) -> dict[tuple[int, ...], float]:
+    """P(first n tokens) under the model with the request's filters, by enumerating every prefix."""
+    V = model.config.vocab_size
+    out = {}
+    for path in itertools.product(range(V), repeat=n):
+        prob = 1.0
+        for i in range(n):
+            logits, _ = model(torch.tensor([prompt + list(path[:i])]))
+            prob *= float(sampling_distribution(logits[:, -1], params)[0, path[i]])
+        out[path] = prob
+    return out
+
+
+@pytest.mark.parametrize("draft_kind", ["model", "lookup"])
+@torch.inference_mode()
+def test_sampled_tokens_follow_the_models_distribution_with_a_disagreeing_draft(draft_kind):
+    # vocabulary 4, the first 3 tokens: 64 outcomes, all checked in one round of k = 2 drafts plus the bonus
+    model, other = tiny_gpt(seed=0, vocab_size=4), tiny_gpt(seed=5, vocab_size=4)
+    prompt = [0, 1, 2, 3, 0, 1]  # the lookup proposes 2, 3 after the tail (0, 1)
+    params = SamplingParams(max_new_tokens=3, temperature=0.9, top_k=3)
+    p = exact_joint(model, prompt, params, 3)
+    draft = ModelDraft.of(other) if draft_kind == "model" else PromptLookupDraft()
+    N = 2000
+    counts = dict.fromkeys(p, 0)
+    accepted = 0
+    for seed in range(N):
+        params.seed = seed
+        c, stats = speculative_generate(model, prompt, params, draft, k=2, min_acceptance=0)
+        counts[tuple(c.token_ids)] += 1
+        accepted += stats.accepted
+    tv = 0.5 * sum(abs(counts[x] / N - p[x]) for x in p)
+    # The bound: E[TV] <= 1/2 sum_x sqrt(p_x (1 - p_x) / N) (Jensen on each |count/N - p_x|), and TV moves by
+    # at most 1/N when one draw changes, so by McDiarmid P(TV > E[TV] + t) <= exp(-2 N t^2) = 1e-6 for
+    # t = sqrt(ln(1e6) / (2N)). A correct sampler fails this with probability below one in a million.
+    bound = 0.5 * sum(math.sqrt(px * (1 - px) / N) for px in p.values()) + math.sqrt(math.log(1e6) / (2 * N))
+    assert tv < bound, (tv, bound)
+    assert 0 < accepted < 3 * N  # drafts were both kept and rejected
+    if draft_kind == "model":  # the draft alone is far from the model: keeping its tokens unchecked would fail
+        q = exact_joint(other, prompt, params, 3)
+        assert 0.5 * sum(abs(p[x] - q[x]) for x in p) > 2 * bound
