@@ -13,7 +13,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     extra = {"dtype": args.dtype} if args.dtype else {}
     if args.dtype and args.format != "gguf":
-        raise TinyLMError("--dtype applies to --format gguf only; Hugging Face export writes float32")
+        raise TinyLMError("--quant/--dtype applies to --format gguf only; Hugging Face export writes float32")
     path = export_run(args.run, args.out, args.format, checkpoint=args.checkpoint, overwrite=args.force, **extra)
     print(f"exported {args.run} ({args.checkpoint} checkpoint) as {args.format}: {path}")
     return 0
@@ -38,7 +38,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--format", required=True, choices=["hf", "gguf"], help="hf or gguf")
     p.add_argument("--out", required=True, help="output folder (hf) or .gguf file")
     p.add_argument("--checkpoint", choices=["best", "latest"], default="best", help="which checkpoint (default: best)")
-    p.add_argument("--dtype", choices=["f32", "f16"], help="gguf tensor type (default: f32)")
+    # one option under two names: --dtype came first, --quant is what llama.cpp users look for
+    p.add_argument("--quant", "--dtype", dest="dtype", choices=["f32", "f16", "q8_0"],
+                   help="gguf matrix type: f32 (default, exact), f16 or q8_0 (8-bit blocks of 32); vectors stay f32")
     p.add_argument("--force", action="store_true", help="overwrite --out if it exists")
     p.set_defaults(func=cmd_export, parser=p)
 

@@ -11,6 +11,12 @@ Usage::
 
     export_gguf(run.model, run.tokenizer, "model.gguf")            # float32
     export_gguf(run.model, run.tokenizer, "model-f16.gguf", dtype="f16")
+    export_gguf(run.model, run.tokenizer, "model-q8_0.gguf", dtype="q8_0")   # 8-bit blocks, ~1/4 the size
+
+The matrices take the file type; which tensors stay float32 (vectors, learned positions) and the
+float16 fallback for a q8_0 matrix whose rows are not whole 32-value blocks follow llama.cpp's own
+converter (`convert_hf_to_gguf.py`), and the blocks are made by the `gguf` package's quantizer, the
+same arithmetic as ggml's.
 """
 
 from __future__ import annotations
@@ -32,7 +38,8 @@ from tinylm.tokenizers.base import Tokenizer
 from tinylm.export.gguf_vocab import LLAMA_CPP_PRE, _require_gguf, check_tokenizer, tokenizer_metadata, write_tokenizer
 
 
-GGUFDtype = Literal["f32", "f16"]
+GGUFDtype = Literal["f32", "f16", "q8_0"]
+GGUF_DTYPES: tuple[str, ...] = ("f32", "f16", "q8_0")
 
 # llama.cpp's graph for each architecture, where the name differs (its converter writes Mistral as Llama)
 LLAMA_CPP_ARCH: dict[str, str] = {"mistral": "llama"}
@@ -138,7 +145,8 @@ def export_gguf(
 ) -> Path:
     """Write ``model`` and its byte-level BPE ``tokenizer`` as a GGUF file for llama.cpp; returns the path.
 
-    ``dtype`` "f32" (exact) or "f16" (matrices in half precision, vectors float32); ``name`` goes in
+    ``dtype`` "f32" (exact), "f16" (matrices in half precision) or "q8_0" (matrices in blocks of 32
+    int8 values with a float16 scale; see the module docstring for what stays float32); ``name`` goes in
     general.name; ``pre_tokenizer`` overrides the llama.cpp pre-tokenizer name chosen from the
     tokenizer's split pattern (see the module docstring).
     """
@@ -151,8 +159,8 @@ def export_gguf(
     if tokenizer.vocab_size > config.vocab_size:
         raise TinyLMError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only {config.vocab_size} "
                           "rows of embeddings: they are not a pair")
-    if dtype not in ("f32", "f16"):
-        raise TinyLMError(f"unknown GGUF dtype {dtype!r}; expected f32 or f16")
+    if dtype not in GGUF_DTYPES:
+        raise TinyLMError(f"unknown GGUF dtype {dtype!r}; expected one of {', '.join(GGUF_DTYPES)}")
     check_tokenizer(tokenizer, pre_tokenizer)  # before anything is written
     path = Path(path)
     if path.is_dir():
@@ -164,7 +172,9 @@ def export_gguf(
     with atomic_path(path) as tmp:
         writer = g.GGUFWriter(tmp, arch)
         writer.add_name(name)
-        writer.add_file_type(int(g.LlamaFileType.ALL_F32 if dtype == "f32" else g.LlamaFileType.MOSTLY_F16))
+        file_type = {"f32": g.LlamaFileType.ALL_F32, "f16": g.LlamaFileType.MOSTLY_F16,
+                     "q8_0": g.LlamaFileType.MOSTLY_Q8_0}[dtype]
+        writer.add_file_type(int(file_type))
         writer.add_quantization_version(g.GGML_QUANT_VERSION)
         # the hyperparameters llama.cpp reads as "<arch>.<key>"
         writer.add_vocab_size(config.vocab_size)
@@ -189,7 +199,8 @@ def export_gguf(
         if config.rope_scaling == "llama3":  # a vector: float32 in every file type
             writer.add_tensor(_name("ROPE_FREQS"), rope_freqs(config))
         for tensor_name, t in tensors.items():
-            writer.add_tensor(tensor_name, _to_numpy(t, dtype))
+            data, qtype = _encode(tensor_name, t, dtype)
+            writer.add_tensor(tensor_name, data, raw_dtype=qtype)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
@@ -197,11 +208,20 @@ def export_gguf(
     return path
 
 
-def _to_numpy(t: torch.Tensor, dtype: GGUFDtype) -> np.ndarray:
-    # vectors (norms, biases) stay float32 in every file type, as llama.cpp's own converter keeps them
-    target = np.float16 if dtype == "f16" and t.dim() >= 2 else np.float32
-    return t.detach().to(torch.float32).cpu().numpy().astype(target)
+def _encode(tensor_name: str, t: torch.Tensor, dtype: GGUFDtype):
+    """The bytes of one tensor in the file type ``dtype`` and the GGML type they are in, as llama.cpp's converter picks it."""
+    g = _require_gguf()
+    types = g.GGMLQuantizationType
+    x = t.detach().to(torch.float32).cpu().numpy()
+    qtype = {"f32": types.F32, "f16": types.F16, "q8_0": types.Q8_0}[dtype]
+    # vectors (norms, biases) and learned positions stay float32 in every file type, as the converter keeps them
+    if x.ndim < 2 or tensor_name == _name("POS_EMBD"):
+        qtype = types.F32
+    try:
+        return g.quants.quantize(x, qtype), qtype
+    except g.quants.QuantError:  # rows that are not whole blocks (q8_0: 32 values): float16, the converter's fallback
+        return g.quants.quantize(x, types.F16), types.F16
 
 
-__all__ = ["LLAMA_CPP_PRE", "LLAMA_CPP_ARCH", "llama_cpp_arch", "gguf_problems", "rope_freqs", "gguf_rules",
+__all__ = ["GGUF_DTYPES", "LLAMA_CPP_PRE", "LLAMA_CPP_ARCH", "llama_cpp_arch", "gguf_problems", "rope_freqs", "gguf_rules",
            "tokenizer_metadata", "export_gguf"]
