@@ -2,20 +2,27 @@
 
 from __future__ import annotations
 
+import argparse
+import io
 import itertools
 import math
+import re
 import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+import tinylm.run
 from tinylm.errors import TinyLMError
 from tinylm.generate.cache import KVCache
+from tinylm.generate.commands import cmd_sample
 from tinylm.generate.engine import Engine
 from tinylm.generate.sampling import SamplingParams, sampling_distribution
 from tinylm.generate.speculative import ModelDraft, PromptLookupDraft, speculative_generate
+from tinylm.tokenizers import BPETokenizer
 
-from toys import tiny_gpt
+from toys import ScriptedLM, tiny_gpt
 
 GREEDY = SamplingParams(max_new_tokens=60, temperature=0)
 REPETITIVE = [3, 14, 15, 92, 65, 35, 89] * 4
@@ -150,3 +157,58 @@ def test_sampled_tokens_follow_the_models_distribution_with_a_disagreeing_draft(
     if draft_kind == "model":  # the draft alone is far from the model: keeping its tokens unchecked would fail
         q = exact_joint(other, prompt, params, 3)
         assert 0.5 * sum(abs(p[x] - q[x]) for x in p) > 2 * bound
+
+
+# ----- tinylm sample --draft -----------------------------------------------------------------------
+
+
+@pytest.fixture
+def runs(byte_tokenizer, monkeypatch):
+    """`load_run` replaced: runs/x says " to be\\n\\nor not" after "<eos>To be, or not"; runs/draft is a random
+    GPT on the same tokenizer; runs/other has another tokenizer."""
+    tok = byte_tokenizer
+    start = [tok.eos_id]
+    script = start + tok.encode("To be, or not") + tok.encode(" to be\n\nor not") + [tok.eos_id]
+    found = {"runs/x": SimpleNamespace(model=ScriptedLM(script, tok.vocab_size), tokenizer=tok, start_ids=start),
+             "runs/draft": SimpleNamespace(model=tiny_gpt(vocab_size=tok.vocab_size), tokenizer=tok, start_ids=start),
+             "runs/other": SimpleNamespace(model=tiny_gpt(), tokenizer=BPETokenizer([], pattern="gpt4"),
+                                           start_ids=start)}
+    monkeypatch.setattr(tinylm.run, "load_run", lambda path, *a, **k: found[str(path)])
+    return found
+
+
+def sample_args(**changes) -> argparse.Namespace:
+    args = dict(run="runs/x", prompt=["To be, or not"], prompt_file=None, num_samples=1, max_new_tokens=50,
+                temperature=0.0, top_k=None, top_p=None, min_p=None, seed=None, stop=None, stream=False, num_beams=1,
+                draft="prompt", draft_k=4)
+    args.update(changes)
+    return argparse.Namespace(**args)
+
+
+@pytest.mark.parametrize("draft", ["prompt", "runs/draft"])
+def test_sample_with_a_draft_prints_the_models_text_and_the_counters(runs, draft, capsys):
+    out = io.StringIO()
+    assert cmd_sample(sample_args(draft=draft), out=out) == 0
+    assert out.getvalue() == "To be, or not to be\n\nor not\n"  # the model's text, drafted or not
+    assert re.fullmatch(r"speculative decoding: \d+ of \d+ drafted tokens kept \(\d+%\), 15 tokens in \d+ model "
+                        r"passes\n", capsys.readouterr().err)
+
+
+@pytest.mark.parametrize(("changes", "message"), [
+    ({"num_beams": 2}, "not beam search"),
+    ({"prompt": ["a", "b"]}, "one sample of one prompt"),
+    ({"num_samples": 2, "temperature": 1.0}, "one sample of one prompt"),
+    ({"stream": True}, "does not stream"),
+    ({"draft": "runs/other"}, "another tokenizer"),
+])
+def test_sample_refuses_what_the_draft_does_not_do_in_one_line(runs, changes, message):
+    with pytest.raises(TinyLMError, match=message) as e:
+        cmd_sample(sample_args(**changes), out=io.StringIO())
+    assert "\n" not in str(e.value)
+
+
+def test_sample_parses_draft_and_draft_k():
+    from tinylm.cli import build_parser
+
+    args = build_parser().parse_args(["sample", "--run", "r", "--draft", "prompt", "--draft-k", "6"])
+    assert (args.draft, args.draft_k) == ("prompt", 6)

@@ -15,9 +15,10 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from tinylm.errors import TinyLMError
-from tinylm.generate.engine import Completion, generate, stream
+from tinylm.generate.engine import Completion, encode_prompts, generate, stream
 from tinylm.generate.inspect import format_candidates, left_out, next_token_candidates, temperature_table
 from tinylm.generate.sampling import SamplingParams
+from tinylm.generate.speculative import SpeculativeStats, load_draft, speculative_generate
 
 
 def unescape(text: str) -> str:
@@ -95,7 +96,17 @@ def cmd_sample(args: Any, out: TextIO | None = None) -> int:
     out = sys.stdout if out is None else out
     params = sampling_params(args)
     prompts = read_prompts(args.prompt, args.prompt_file)
+    if getattr(args, "draft", None):  # --draft where parsed
+        check_draft_request(args, prompts)
     run = load_run(args.run, checkpoint=getattr(args, "checkpoint", "best"))  # --checkpoint where parsed
+    if getattr(args, "draft", None):
+        draft = load_draft(args.draft, run.tokenizer)
+        ids = encode_prompts(run.tokenizer, prompts, run.start_ids)[0]
+        completion, stats = speculative_generate(run.model, ids, params, draft, k=args.draft_k,
+                                                 tokenizer=run.tokenizer)
+        out.write(format_completions(prompts, [completion], 1))
+        print(format_stats(stats), file=sys.stderr)
+        return 0
     if args.stream:
         if len(prompts) != 1:
             raise TinyLMError("--stream shows one sample as it is written: give one prompt")
@@ -108,6 +119,22 @@ def cmd_sample(args: Any, out: TextIO | None = None) -> int:
     completions = generate(run.model, run.tokenizer, prompts, params, start_ids=run.start_ids)
     out.write(format_completions(prompts, completions, params.num_samples))
     return 0
+
+
+def check_draft_request(args: Any, prompts: Sequence[str]) -> None:
+    """Refuse, in one line, what speculative decoding does not do (it decodes one sample of one prompt)."""
+    if args.num_beams > 1:
+        raise TinyLMError("--draft speeds up sampling and greedy decoding, not beam search: drop --num-beams or --draft")
+    if len(prompts) != 1 or args.num_samples != 1:
+        raise TinyLMError("--draft decodes one sample of one prompt: give one --prompt and --num-samples 1")
+    if args.stream:
+        raise TinyLMError("--draft does not stream yet: drop --stream or --draft")
+
+
+def format_stats(stats: SpeculativeStats) -> str:
+    """One line on what the draft achieved (printed to stderr, so the text on stdout stays clean)."""
+    return (f"speculative decoding: {stats.accepted} of {stats.proposed} drafted tokens kept "
+            f"({100 * stats.acceptance_rate:.0f}%), {stats.tokens} tokens in {stats.forward_passes} model passes")
 
 
 def cmd_next_token(args: Any, out: TextIO | None = None) -> int:

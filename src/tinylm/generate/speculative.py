@@ -46,6 +46,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+import tinylm.run
 from tinylm.errors import TinyLMError
 from tinylm.generate.cache import KVCache, cache_for
 from tinylm.generate.sampling import SamplingParams, excluded_mask, make_generators, sampling_distribution, token_logprobs
@@ -138,6 +139,20 @@ class ModelDraft:
             qs.append(q)
             prefix.append(token)
         return tokens, (torch.stack(qs) if qs else None)
+
+
+def load_draft(spec: str, tokenizer: Tokenizer, checkpoint: str = "best") -> PromptLookupDraft | ModelDraft:
+    """The draft `tinylm sample --draft` names: "prompt" (the prompt lookup) or a run folder whose model drafts.
+
+    A draft run must share the model's tokenizer (the same fingerprint): its ids must mean the same text.
+    """
+    if spec == "prompt":
+        return PromptLookupDraft()
+    run = tinylm.run.load_run(spec, checkpoint=checkpoint)
+    if run.tokenizer.fingerprint() != tokenizer.fingerprint():
+        raise TinyLMError(f"the draft run {spec} has another tokenizer than the model's: a draft must "
+                          "share the model's tokenizer (train it on the same tokenizer.json)")
+    return ModelDraft.of(run.model)
 
 
 def _fit(logits: Tensor, V: int) -> Tensor:
