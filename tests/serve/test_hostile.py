@@ -292,6 +292,9 @@ FIELDS = {  # endpoint: (the fields every body has, the optional ones)
                                      "add_special_tokens": (st.booleans(), ints)}),
     "/detokenize": ({"model": MODEL, "tokens": (st.lists(ids, max_size=6), st.lists(ints, max_size=6))}, {}),
     "/next_token": ({"model": MODEL}, {"prompt": (texts, ints), "top": (st.integers(1, 200), ints)}),
+    "/explain/tokens": ({"text": (texts, ints)}, {"model": MODEL}),
+    "/explain/attention": ({"text": (texts, ints)}, {"model": MODEL, "layer": (st.integers(0, 3), ints),
+                                                      "head": (st.integers(0, 3), ints)}),
 }
 
 
