@@ -59,7 +59,7 @@ def llama_family_problems(config: GPTConfig) -> dict[LlamaShaped, list[str]]:
     problems: dict[LlamaShaped, list[str]] = {}
     for arch in LLAMA_SHAPED:
         name = NAMES[arch]
-        issues = _shape_problems(config, name)
+        issues = shape_problems(config, name)
         if config.qk_norm and arch != "qwen3":
             issues.append(f"qk_norm = true ({name} does not normalize q and k; Qwen3 does)")
         if not config.qk_norm and arch == "qwen3":
@@ -77,18 +77,21 @@ def llama_family_problems(config: GPTConfig) -> dict[LlamaShaped, list[str]]:
     return problems
 
 
-def _shape_problems(config: GPTConfig, name: str) -> list[str]:
-    """What keeps ``config`` from Llama's shape (RoPE, RMSNorm, SwiGLU, pre-norm), which all four share."""
-    problems = []
-    if config.norm_position != "pre":
-        problems.append(f"norm_position = {config.norm_position!r} ({name} normalizes each sublayer's input: 'pre')")
-    if config.positions != "rope":
-        problems.append(f"positions = {config.positions!r} ({name} rotates q and k: 'rope')")
-    if config.norm != "rmsnorm":
-        problems.append(f"norm = {config.norm!r} ({name} uses 'rmsnorm')")
-    if config.mlp != "swiglu":
-        problems.append(f"mlp = {config.mlp!r} ({name}'s MLP is 'swiglu')")
-    return problems
+# (setting, the value an architecture needs, what the message says after its name)
+Shape = tuple[tuple[str, Any, str], ...]
+LLAMA_SHAPE: Shape = (("norm_position", "pre", " normalizes each sublayer's input: 'pre'"),
+                      ("positions", "rope", " rotates q and k: 'rope'"), ("norm", "rmsnorm", " uses 'rmsnorm'"),
+                      ("mlp", "swiglu", "'s MLP is 'swiglu'"))
+GPT2_SHAPE: Shape = (("norm_position", "pre", " normalizes each sublayer's input: 'pre'"),
+                     ("positions", "learned", " learns a position table: 'learned'"),
+                     ("norm", "layernorm", " uses 'layernorm'"), ("mlp", "gelu", "'s MLP is 'gelu'"))
+
+
+def shape_problems(config: GPTConfig, name: str, shape: Shape = LLAMA_SHAPE) -> list[str]:
+    """The settings of ``config`` that differ from an architecture's ``shape`` (Llama's, which all four Llama-shaped
+    ones share, or `GPT2_SHAPE`), each as "setting = value (NAME needs ...)"."""
+    return [f"{setting} = {getattr(config, setting)!r} ({name}{why})"
+            for setting, value, why in shape if getattr(config, setting) != value]
 
 
 # ----- config.json -> GPTConfig ----------------------------------------------------------------------

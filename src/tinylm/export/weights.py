@@ -24,22 +24,15 @@ from torch import Tensor
 
 from tinylm.config import FAMILY_NAMES, GPTConfig
 from tinylm.errors import TinyLMError
-from tinylm.export.hf_families import HF_CLASSES, NAMES, Architecture, llama_family_problems, llama_shaped
+from tinylm.export.hf_families import (GPT2_SHAPE, HF_CLASSES, NAMES, Architecture, llama_family_problems,
+                                      llama_shaped, shape_problems)
 
 # ----- which architecture ---------------------------------------------------------------------------
 
 
 def architecture_problems(config: GPTConfig) -> dict[Architecture, list[str]]:
     """For each architecture, the settings of ``config`` it cannot express (empty: it fits exactly)."""
-    gpt2: list[str] = []
-    if config.norm_position != "pre":
-        gpt2.append(f"norm_position = {config.norm_position!r} (GPT-2 normalizes each sublayer's input: 'pre')")
-    if config.positions != "learned":
-        gpt2.append(f"positions = {config.positions!r} (GPT-2 learns a position table: 'learned')")
-    if config.norm != "layernorm":
-        gpt2.append(f"norm = {config.norm!r} (GPT-2 uses 'layernorm')")
-    if config.mlp != "gelu":
-        gpt2.append(f"mlp = {config.mlp!r} (GPT-2's MLP is 'gelu')")
+    gpt2 = shape_problems(config, "GPT-2", GPT2_SHAPE)
     if config.kv_heads != config.n_head:
         gpt2.append(f"n_kv_head = {config.kv_heads} (GPT-2 has no grouped-query attention: n_kv_head = n_head)")
     if config.head_dim * config.n_head != config.d_model:
