@@ -23,7 +23,7 @@ from servekit import ThreadServer
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
-VALID = (COMPLETIONS, '{"prompt": "To be", "max_tokens": 2}')
+VALID = (COMPLETIONS, '{"prompt": "To be", "max_tokens": 2, "seed": 0}')  # seeded: an unseeded draw may end at EOS
 S = "\\ud800"  # a lone surrogate as JSON escapes it, inside the raw JSON text of a body
 HI = '[{"role": "user", "content": "Hi"}]'
 
