@@ -192,6 +192,12 @@ def test_what_does_not_map_is_one_clear_line(folders, tmp_path):
     (tmp_path / "tokenizer.json").write_text(json.dumps(data))
     with pytest.raises(TinyLMError, match="lacks 1 of the 256 single bytes"):
         import_tokenizer(tmp_path / "tokenizer.json")
+    # a vocab entry outside GPT-2's byte-level characters is not byte-level BPE
+    data = json.loads((folders["gpt2"] / "tokenizer.json").read_text())
+    data["model"]["vocab"]["中"] = len(data["model"]["vocab"]) + 10
+    (tmp_path / "tokenizer.json").write_text(json.dumps(data))
+    with pytest.raises(TinyLMError, match="vocab entry '中' .* not GPT-2 byte-level characters.*\\(id \\d+\\)"):
+        import_tokenizer(tmp_path / "tokenizer.json")
     # no eos named and none of the usual names: say how to name it
     data = json.loads((folders["llama3"] / "tokenizer.json").read_text())
     for t in data["added_tokens"]:

@@ -32,7 +32,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     # tinylm export / import
     p = sub.add_parser("export", help="write a trained run for transformers (hf) or llama.cpp (gguf)",
                        description="Export a trained run: a Hugging Face folder (config.json, model.safetensors, "
-                       "tokenizer.json) in the GPT-2, Llama or Qwen3 layout, or a GGUF file for llama.cpp. A "
+                       "tokenizer.json) in the GPT-2, Llama, Qwen2, Qwen3 or Mistral layout, or a GGUF file for llama.cpp. A "
                        "configuration no architecture can express is refused with what does not map.")
     p.add_argument("--run", required=True, help="the run folder")
     p.add_argument("--format", required=True, choices=["hf", "gguf"], help="hf or gguf")

@@ -67,15 +67,19 @@ def _padded(tokens: list[str], types: list[int], vocab_size: int, unused: int) -
         types.append(unused)
 
 
-def check_tokenizer(tokenizer: Tokenizer, pre_tokenizer: str | None = None) -> None:
-    """Refuse, in one line, a tokenizer llama.cpp cannot read or split as we do (before a file is written)."""
-    if isinstance(tokenizer, SentencePieceBPETokenizer):
-        return
-    if not isinstance(tokenizer, (BPETokenizer, ByteLevelBPETokenizer)):
+def _require_readable(tokenizer: Tokenizer) -> None:
+    """Refuse, in one line, a tokenizer kind llama.cpp has no model for."""
+    if not isinstance(tokenizer, (BPETokenizer, ByteLevelBPETokenizer, SentencePieceBPETokenizer)):
         raise TinyLMError(f"a {tokenizer.kind} tokenizer cannot go into a GGUF file: llama.cpp reads byte-level BPE "
                           "(tokenizer.ggml.model 'gpt2') and SentencePiece ('llama'); train the model with a BPE "
                           "tokenizer")
-    pre_tokenizer_name(tokenizer, pre_tokenizer)
+
+
+def check_tokenizer(tokenizer: Tokenizer, pre_tokenizer: str | None = None) -> None:
+    """Refuse, in one line, a tokenizer llama.cpp cannot read or split as we do (before a file is written)."""
+    _require_readable(tokenizer)
+    if not isinstance(tokenizer, SentencePieceBPETokenizer):
+        pre_tokenizer_name(tokenizer, pre_tokenizer)
 
 
 def tokenizer_metadata(tokenizer: Tokenizer, vocab_size: int) -> dict[str, Any]:
@@ -84,7 +88,7 @@ def tokenizer_metadata(tokenizer: Tokenizer, vocab_size: int) -> dict[str, Any]:
     types_of = g.TokenType
     if isinstance(tokenizer, SentencePieceBPETokenizer):
         return _sentencepiece(tokenizer, vocab_size, types_of)
-    check_tokenizer(tokenizer, pre_tokenizer="given")
+    _require_readable(tokenizer)
     added = getattr(tokenizer, "added_words", {})
     tokens: list[str] = []
     types: list[int] = []
@@ -125,6 +129,7 @@ def _merges(tokenizer: BPETokenizer | ByteLevelBPETokenizer) -> list[str]:
 
 
 def _sentencepiece(tok: SentencePieceBPETokenizer, vocab_size: int, types_of: Any) -> dict[str, Any]:
+    byte_tokens = set(tok._byte_token)  # the ids of the 256 <0xNN> pieces
     made_by = {}
     for r, (a, b) in enumerate(tok.merges):
         made_by.setdefault(tok._merge[a, b][1], r)
@@ -148,8 +153,7 @@ def _sentencepiece(tok: SentencePieceBPETokenizer, vocab_size: int, types_of: An
             types.append(int(types_of.USER_DEFINED))
         else:
             tokens.append(piece)
-            types.append(int(types_of.BYTE if tok._bytes_of[i] is not None and piece.startswith("<0x")
-                              and len(piece) == 6 else types_of.NORMAL))
+            types.append(int(types_of.BYTE if i in byte_tokens else types_of.NORMAL))
         scores.append(-float(made_by[i]) if i in made_by else (0.0 if len(piece or "") <= 1 else last))
     _padded(tokens, types, vocab_size, int(types_of.UNUSED))
     scores += [last] * (len(tokens) - len(scores))

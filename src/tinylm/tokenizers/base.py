@@ -200,13 +200,19 @@ class Tokenizer(ABC):
         if not allowed:
             return encode_ordinary(text)
         ids: list[int] = []
-        pattern = "(" + "|".join(regex.escape(name) for name in sorted(allowed, key=len, reverse=True)) + ")"
-        for i, piece in enumerate(regex.split(pattern, text)):
-            if i % 2:  # the split pattern is one capture group, so odd pieces are the specials
+        for i, piece in enumerate(self._split_specials(text, allowed)):
+            if i % 2:
                 ids.append(self.special_tokens[piece])
             elif piece:
                 ids.extend(encode_ordinary(piece))
         return ids
+
+    @staticmethod
+    def _split_specials(text: str, allowed: set[str]) -> list[str]:
+        """``text`` cut around the allowed special tokens' names: even pieces are text, odd ones the specials
+        (the split pattern is one capture group; the longest name is tried first)."""
+        pattern = "(" + "|".join(regex.escape(name) for name in sorted(allowed, key=len, reverse=True)) + ")"
+        return regex.split(pattern, text)
 
     def _allowed(self, allowed_special: AllowedSpecial) -> set[str]:
         if allowed_special == "all":

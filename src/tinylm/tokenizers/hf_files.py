@@ -38,9 +38,8 @@ from tinylm.tokenizers.base import Tokenizer
 from tinylm.tokenizers.bpe import pattern_name
 from tinylm.tokenizers.chat_template import turn_end_ids
 from tinylm.tokenizers.formats import (
-    BYTE_TO_UNICODE,
-    UNICODE_TO_BYTE,
     byte_level_pre_tokenizer,
+    byte_level_to_bytes,
     bytes_to_byte_level,
     oniguruma_pattern,
     tokenizer_from_hf_json,
@@ -246,11 +245,12 @@ def _byte_level(vocab: dict[str, int], merges: list[list[str]], pattern: str, sp
     for text, i in vocab.items():
         if text in outside and outside[text] == i:
             continue
-        if set(text) - UNICODE_TO_BYTE.keys():
-            raise fail(f"vocab entry {text!r} (id {i}) is not spelled in GPT-2's byte-level characters")
         if tokens[i] is not None:
             raise fail(f"id {i} appears twice in the vocab")
-        tokens[i] = text.translate(_FROM_STAND_IN).encode("latin-1")
+        try:
+            tokens[i] = byte_level_to_bytes(text)
+        except TinyLMError as e:
+            raise fail(f"{e} (id {i})") from None
     for text, i in words.items():
         tokens[i] = text.encode("utf-8")
     pairs = []
@@ -266,9 +266,6 @@ def _byte_level(vocab: dict[str, int], merges: list[list[str]], pattern: str, sp
                                      stop_ids=_stop_ids(side, specials, names, size))
     except ValueError as e:
         raise fail(str(e)) from None
-
-
-_FROM_STAND_IN = {ord(ch): b for b, ch in enumerate(BYTE_TO_UNICODE)}
 
 
 def _from_vocab_and_merges(vocab_path: Path, merges_path: Path, side: dict[str, Any],

@@ -72,8 +72,7 @@ class ImportedTokenizer(Tokenizer):
         if not allowed:
             return self._encode_text(text, first=True)
         ids: list[int] = []
-        cut = "(" + "|".join(regex.escape(name) for name in sorted(allowed, key=len, reverse=True)) + ")"
-        for i, piece in enumerate(regex.split(cut, text)):
+        for i, piece in enumerate(self._split_specials(text, allowed)):
             if i % 2:
                 ids.append(self.special_tokens[piece])
             elif piece:
@@ -91,9 +90,6 @@ class ImportedTokenizer(Tokenizer):
             elif piece:
                 ids.extend(self._encode_piece(piece, first and i == 0))
         return ids
-
-    def encode_batch(self, texts: Sequence[str], *, allowed_special: AllowedSpecial = ()) -> list[list[int]]:
-        return [self.encode(t, allowed_special=allowed_special) for t in texts]
 
     def _encode_piece(self, text: str, first: bool) -> list[int]:
         raise NotImplementedError
@@ -196,7 +192,7 @@ class ByteLevelBPETokenizer(ImportedTokenizer, TiktokenPath):
     def _base_token_bytes(self, token_id: int) -> bytes:
         return self.tokens[token_id] or b""
 
-    @property
+    @functools.cached_property
     def _id_bytes(self) -> Sequence[bytes]:
         return [b or b"" for b in self.tokens]
 
