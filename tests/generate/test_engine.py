@@ -90,7 +90,7 @@ def test_the_comparison_catches_a_cache_that_gets_positions_wrong(positions, mon
     original = Engine._step
 
     def wrong_positions(self, tokens):
-        self.next_position = torch.zeros_like(self.next_position)
+        self.decoder.next_position = torch.zeros_like(self.decoder.next_position)
         return original(self, tokens)
 
     monkeypatch.setattr(Engine, "_step", wrong_positions)

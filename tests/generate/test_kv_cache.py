@@ -7,7 +7,7 @@ import torch
 
 from tinylm.errors import TinyLMError
 from tinylm.generate.cache import KVCache, StaticKVCacheLayer
-from tinylm.generate.engine import decode_one_token, prefill
+from tinylm.generate.steps import decode_one_token, prefill
 
 from toys import tiny_gpt
 

@@ -9,7 +9,8 @@ import torch
 
 from tinylm.config import GPTConfig
 from tinylm.errors import TinyLMError
-from tinylm.generate.engine import Engine, decode_one_token, prefill
+from tinylm.generate.engine import Engine
+from tinylm.generate.steps import decode_one_token, prefill
 from tinylm.generate.reference import reference_generate
 from tinylm.generate.sampling import SamplingParams
 from tinylm.model import IGNORE_INDEX, RecurrentLM, RecurrentState, build_model

@@ -1,13 +1,16 @@
 """The generation engine: prefill, then one cached step per new token, for a batch of prompts.
 
-Generating is a loop of three small functions (the shape of gpt-fast's generate.py; the model calls
-live in `tinylm.generate.steps`, shared with beam search, the reference generator and the server):
+Generating is a loop of three small functions (the shape of gpt-fast's generate.py):
 
-- `prefill`: run the model once over the prompts; the KV cache stores every layer's keys and
-  values; the logits of the last position give the first new token.
+- prefill (``decoder.start``): run the model once over the prompts; the KV cache stores every
+  layer's keys and values; the logits of the last position give the first new token.
 - `sample` (`tinylm.generate.sampling`): logits -> token, greedy or a draw after the filters.
-- `decode_one_token`: run the model on the new tokens only (B, 1); each layer appends their keys
-  and values to the cache and attends over everything stored.
+- one step (``decoder.step``): run the model on the new tokens only (B, 1); each layer appends
+  their keys and values to the cache and attends over everything stored.
+
+The decoder is `tinylm.generate.fast.StaticDecoder` for a GPT (its weights laid out for
+one-token steps, a static cache, optionally a compiled step) and
+`tinylm.generate.steps.CachedDecoder` (the model's own forward and cache) for other families.
 
 **Batches of different lengths.** Prompts are padded on the *left*, so that every row's last
 token sits in the same column and the next tokens are appended in the same column for all rows:
@@ -48,16 +51,15 @@ from torch import Tensor, nn
 
 from tinylm.errors import TinyLMError
 from tinylm.generate.beam import beam_search_completions
-from tinylm.generate.cache import KVCache, cache_for
+from tinylm.generate.fast import StaticDecoder, make_decoder
 from tinylm.generate.sampling import SamplingParams, excluded_mask, prompt_generators, sample, token_logprobs
 from tinylm.generate.steps import (
     Completion,
     FinishReason,
     accept_token,
     context_start,
-    decode_one_token,
+    CachedDecoder,
     left_pad,
-    prefill,
     warn_window,
     window_keep,
 )
@@ -112,11 +114,13 @@ class Engine:
     with block_size, n_layer, kv_heads and head_dim). ``tokenizer`` is needed for text and stop
     strings; without it, completions carry token ids only and ``text`` is "". ``vocab_size``
     limits sampling to ids below it (default: the tokenizer's vocabulary, when the model's
-    output layer is larger, as with a vocabulary padded to a multiple of 64).
+    output layer is larger, as with a vocabulary padded to a multiple of 64). A GPT decodes through
+    `tinylm.generate.fast.StaticDecoder` (its weights laid out for one-token steps), other
+    families through their own forward; ``compile`` compiles the GPT's one-token step.
     """
 
     def __init__(self, model: nn.Module, params: SamplingParams, tokenizer: Tokenizer | None = None,
-                 vocab_size: int | None = None) -> None:
+                 vocab_size: int | None = None, compile: bool = False) -> None:
         if params.num_beams != 1:
             raise TinyLMError("the sampling engine decodes one path per sample; "
                               "use tinylm.generate.beam for num_beams > 1")
@@ -132,7 +136,8 @@ class Engine:
         self.device = next(model.parameters()).device
         # (V,) or None: ids past vocab_size, and the tokenizer's padding, BOS, reserved ids and <unk>
         self.excluded = excluded_mask(tokenizer, model.config.vocab_size, self.stop_ids, self.device, self.vocab_size)
-        self.cache: KVCache | None = None
+        self.compile = compile
+        self.decoder: StaticDecoder | CachedDecoder | None = None
         self.warned = False
 
     # -- public --------------------------------------------------------------------------------
@@ -191,7 +196,7 @@ class Engine:
                     return
                 for row, token in zip(rows, new_tokens):
                     row.seq.append(token)
-                if self.length + 1 > self.cache.max_len:
+                if self.decoder.length + 1 > self.decoder.max_len:
                     logits = self._start_window(rows)  # the window overflowed: cut and recompute
                 else:
                     logits = self._step(tokens)
@@ -225,25 +230,12 @@ class Engine:
         if first:
             # the longest window plus every new token, but never more than the model's context
             capacity = min(self.block_size, T + self.params.max_new_tokens)
-            self.cache = cache_for(self.model, B, capacity)
-            self.mask = torch.zeros(B, capacity, dtype=torch.bool, device=self.device)
-        self.cache.reset()
-        self.padded = not bool(mask.all())
-        self.mask[:, :T] = mask
-        self.length = T
-        # each row's positions count its real tokens from 0; padding sits at position 0 (it is masked)
-        position_ids = (mask.long().cumsum(dim=1) - 1).clamp(min=0)  # (B, T)
-        self.next_position = position_ids[:, -1:] + 1  # (B, 1): where each row's next token goes
-        return prefill(self.model, idx, self.cache, self.mask[:, :T] if self.padded else None, position_ids)
+            self.decoder = make_decoder(self.model, B, capacity, self.compile)
+        return self.decoder.start(idx, mask)
 
     def _step(self, tokens: Tensor) -> Tensor:
         """Feed the sampled tokens (B,); logits (B, V) for the token after them."""
-        self.mask[:, self.length] = True
-        self.length += 1
-        attention_mask = self.mask[:, :self.length] if self.padded else None  # no padding: no mask needed
-        logits = decode_one_token(self.model, tokens, self.cache, attention_mask, self.next_position)
-        self.next_position += 1
-        return logits
+        return self.decoder.step(tokens)
 
     def _completion(self, r: int, row: _Row) -> Completion:
         n = self.params.num_samples

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from tinylm.errors import TinyLMError
-from tinylm.generate.cache import KVCache
+from tinylm.generate.cache import KVCache, cache_for
 from tinylm.generate.sampling import SamplingParams
 from tinylm.generate.stream import TextStream
 
@@ -62,6 +62,50 @@ def decode_one_token(model: nn.Module, tokens: Tensor, cache: KVCache, attention
     """One step: the new tokens (B,) in, their keys and values appended to the cache, next logits (B, V) out."""
     logits, _ = model(tokens[:, None], attention_mask=attention_mask, position_ids=position_ids, kv_cache=cache)
     return logits[:, -1]  # (B, V)
+
+
+def real_positions(mask: Tensor) -> Tensor:
+    """Each token's position from a left-padded mask (B, T): real tokens count from 0; padding sits at 0 (it is masked)."""
+    return (mask.long().cumsum(dim=1) - 1).clamp(min=0)  # (B, T)
+
+
+class CachedDecoder:
+    """Prefill then one token per call, through the model's own forward and cache (`cache_for`): every family.
+
+    `tinylm.generate.fast.StaticDecoder` has the same two calls for a GPT, faster.
+    ``start(idx, mask)`` reads left-padded windows (B, T) and returns the last position's logits
+    (B, V); ``step(tokens)`` appends one token (B,) per row and returns the next logits (B, V).
+    """
+
+    def __init__(self, model: nn.Module, batch: int, capacity: int) -> None:
+        self.model = model
+        self.cache = cache_for(model, batch, capacity)
+        self.mask = torch.zeros(batch, capacity, dtype=torch.bool, device=next(model.parameters()).device)
+        self.length = 0
+        self.padded = False
+        self.next_position: Tensor | None = None
+
+    @property
+    def max_len(self) -> int:
+        return self.cache.max_len
+
+    def start(self, idx: Tensor, mask: Tensor) -> Tensor:
+        self.cache.reset()
+        T = idx.size(1)
+        self.padded = not bool(mask.all())
+        self.mask[:, :T] = mask
+        self.length = T
+        position_ids = real_positions(mask)  # (B, T)
+        self.next_position = position_ids[:, -1:] + 1  # (B, 1): where each row's next token goes
+        return prefill(self.model, idx, self.cache, self.mask[:, :T] if self.padded else None, position_ids)
+
+    def step(self, tokens: Tensor) -> Tensor:
+        self.mask[:, self.length] = True
+        self.length += 1
+        attention_mask = self.mask[:, :self.length] if self.padded else None  # no padding: no mask needed
+        logits = decode_one_token(self.model, tokens, self.cache, attention_mask, self.next_position)
+        self.next_position = self.next_position + 1
+        return logits
 
 
 def context_start(n: int, block_size: int, keep: int) -> int:

@@ -1,0 +1,302 @@
+"""The decoding step of a GPT laid out for speed: the same numbers, read the way a CPU reads them fastest.
+
+Generating one token reads every weight matrix once to multiply it by one vector. For a small
+model the time goes less to arithmetic than to how the matrices are read and how many small
+operations run around them. `DecodeWeights` keeps a copy of a `tinylm.model.GPT`'s matrices for
+decoding (the model, its checkpoints and its export are untouched):
+
+- stored (in, out), the transpose of nn.Linear's (out, in): MKL's product of one row vector with
+  such a matrix streams it about twice as fast as ``F.linear`` with the (out, in) one on this
+  kind of CPU (`benchmarks/generate.py` measures it);
+- W_q, W_k and W_v side by side as one matrix, and SwiGLU's W_1 and W_3 likewise, so a layer
+  makes four products instead of seven;
+- RoPE's cos and sin tabulated once for every position of the context.
+
+`StaticDecoder` is the cache that goes with it, static as in gpt-fast: keys and values for
+every slot of the window, allocated once, and a mask of the slots that hold real tokens. A
+step writes its tokens' keys and values into their slots and attends over the whole buffer
+with the mask (key j is seen by the query in slot i when j <= i, j holds a real token and, with
+a sliding window, i - j < W), so every step has the same shapes. That makes the step a fixed
+graph `torch.compile` can turn into fused C++ (``compile=True``), and it makes rolling back
+free: slots past the current length are never visible to a query, so forgetting them is
+setting the length (speculative decoding does that after a rejected draft).
+
+What the step computes is `GPT.forward` with a KV cache, term for term; the products are summed
+in another order, so logits agree to float rounding (the tests pin them to the model's), and
+the engine's greedy tokens stay the model's.
+
+Models this layout does not cover (a bigram-hash table, whose pairs cross the cache; other
+families) decode through the model itself (`supports` says which).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import weakref
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from tinylm.errors import TinyLMError
+from tinylm.generate.steps import CachedDecoder, real_positions
+from tinylm.model import GPT
+
+
+def supports(model: nn.Module) -> bool:
+    """Whether `DecodeWeights` can lay out ``model``: a GPT without a bigram-hash table."""
+    return isinstance(model, GPT) and not model.config.bigram_hash
+
+
+def _in_out(*linears: nn.Linear) -> tuple[Tensor, Tensor | None]:
+    """The linears' weights side by side as one (in, sum of outs) matrix, and their biases as one vector."""
+    weight = torch.cat([lin.weight.detach() for lin in linears]).T.contiguous()  # (in, out)
+    biases = [lin.bias for lin in linears]
+    if all(b is None for b in biases):
+        return weight, None
+    bias = torch.cat([b.detach() if b is not None else lin.weight.new_zeros(lin.out_features)
+                      for b, lin in zip(biases, linears)])
+    return weight, bias
+
+
+def _linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    y = x @ weight  # (B, T, out)
+    return y + bias if bias is not None else y
+
+
+class DecodeWeights(nn.Module):
+    """A GPT's weights for decoding (module docstring) and the step over a static cache."""
+
+    def __init__(self, model: GPT) -> None:
+        super().__init__()
+        if not supports(model):
+            raise TinyLMError("the fast decoding layout covers GPT models without a bigram-hash table")
+        cfg = model.config
+        self.config = cfg
+        self.n_head, self.n_kv, self.hs = cfg.n_head, cfg.kv_heads, cfg.head_dim
+        self.pre_norm = cfg.norm_position == "pre"
+        self.mlp_kind = cfg.mlp
+        self.window = cfg.sliding_window
+        self.softcap = cfg.logit_softcap
+        self.E = model.E  # shared: an embedding lookup reads rows, which nn.Embedding stores already
+        self.V_emb = model.V_emb
+        self.pos_emb = model.pos_emb
+        self.norm_f = model.norm_f
+        self.norm_1 = nn.ModuleList(block.norm_1 for block in model.blocks)
+        self.norm_2 = nn.ModuleList(block.norm_2 for block in model.blocks)
+        with torch.no_grad():
+            layers = []
+            for block in model.blocks:
+                attn, mlp = block.attn, block.mlp
+                up = (mlp.W_1, mlp.W_3) if cfg.mlp == "swiglu" else (mlp.W_1,)
+                layers.append({
+                    "qkv": _in_out(attn.W_q, attn.W_k, attn.W_v), "o": _in_out(attn.W_o),
+                    "up": _in_out(*up), "down": _in_out(mlp.W_2),
+                    "q_norm": attn.q_norm.weight.detach() if attn.q_norm is not None else None,
+                    "k_norm": attn.k_norm.weight.detach() if attn.k_norm is not None else None,
+                    "ve": attn.ve_weight.detach() if attn.ve_weight is not None else None,
+                })
+            self.layers = layers
+            self.head = model.lm_head.weight.detach().T.contiguous()  # (d, V)
+            self.rope: tuple[Tensor, Tensor] | None = None
+            if model.rope is not None:
+                cos, sin = model.rope(torch.arange(cfg.block_size, device=self.head.device)[None])  # 2 x (1, 1, S, hs)
+                self.rope = (cos[0, 0].to(self.head.dtype), sin[0, 0].to(self.head.dtype))  # 2 x (S, hs)
+        self.eps = cfg.norm_eps
+        self._compiled: dict[tuple, Callable] = {}
+
+    # -- the step ----------------------------------------------------------------------------
+
+    def hidden(self, tokens: Tensor, slots: Tensor, positions: Tensor, key_mask: Tensor,
+               k_cache: Tensor, v_cache: Tensor, written_out: bool = False) -> Tensor:
+        """The final hidden states (B, T, d) of ``tokens`` (B, T) written into cache ``slots`` (T,).
+
+        ``positions`` (B, T) are the tokens' positions (rows count their real tokens from 0);
+        ``key_mask`` (B, S) marks the slots holding real tokens; ``k_cache`` and ``v_cache`` are
+        (n_layer, B, n_kv, S, hs), updated in place. ``written_out`` computes attention as the
+        plain formula instead of the fused kernel (faster once compiled).
+        """
+        B, T = tokens.shape
+        nh, n_kv, hs = self.n_head, self.n_kv, self.hs
+        S = k_cache.size(3)
+        h = self.E(tokens)  # (B, T, d)
+        ve = self.V_emb(tokens) if self.V_emb is not None else None  # (B, T, n_kv * hs)
+        if self.pos_emb is not None:
+            h = h + self.pos_emb(positions)
+        rope = None
+        if self.rope is not None:
+            rope = (self.rope[0][positions][:, None], self.rope[1][positions][:, None])  # 2 x (B, 1, T, hs)
+        # which slots each query sees: the past (its own slot included), real tokens only, within the window
+        j = torch.arange(S, device=tokens.device)
+        visible = (j[None, :] <= slots[:, None])  # (T, S)
+        if self.window is not None:
+            visible = visible & (j[None, :] > slots[:, None] - self.window)
+        own = j[None, :] == slots[:, None]  # (T, S): a padding query sees itself, so its row stays finite
+        mask = (visible[None] & key_mask[:, None, :]) | own[None]  # (B, T, S)
+        mask = mask[:, None]  # (B, 1, T, S)
+        for i, layer in enumerate(self.layers):
+            x = self.norm_1[i](h) if self.pre_norm else h
+            qkv = _linear(x, *layer["qkv"])  # (B, T, (nh + 2 n_kv) hs)
+            q, k, v = qkv.split((nh * hs, n_kv * hs, n_kv * hs), dim=-1)
+            if ve is not None:
+                v = v + layer["ve"] * ve
+            q = q.view(B, T, nh, hs).transpose(1, 2)  # (B, nh, T, hs)
+            k = k.view(B, T, n_kv, hs).transpose(1, 2)  # (B, n_kv, T, hs)
+            v = v.view(B, T, n_kv, hs).transpose(1, 2)
+            if layer["q_norm"] is not None:
+                q = F.rms_norm(q, (hs,), layer["q_norm"], self.eps)
+                k = F.rms_norm(k, (hs,), layer["k_norm"], self.eps)
+            if rope is not None:
+                q, k = _rotate(q, *rope), _rotate(k, *rope)
+            k_cache[i].index_copy_(2, slots, k)
+            v_cache[i].index_copy_(2, slots, v)
+            if written_out:  # compiled: plain products and a softmax, which inductor fuses
+                kk, vv = k_cache[i], v_cache[i]  # (B, n_kv, S, hs)
+                if n_kv != nh:
+                    kk, vv = kk.repeat_interleave(nh // n_kv, dim=1), vv.repeat_interleave(nh // n_kv, dim=1)
+                scores = (q @ kk.transpose(-2, -1)) * (1.0 / math.sqrt(hs))  # (B, nh, T, S)
+                y = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1) @ vv  # (B, nh, T, hs)
+            else:
+                y = F.scaled_dot_product_attention(q, k_cache[i], v_cache[i], attn_mask=mask,
+                                                   enable_gqa=n_kv != nh)  # (B, nh, T, hs)
+            a = _linear(y.transpose(1, 2).reshape(B, T, nh * hs), *layer["o"])  # (B, T, d)
+            h = h + a if self.pre_norm else self.norm_1[i](h + a)
+            x = self.norm_2[i](h) if self.pre_norm else h
+            m = _linear(self._activation(_linear(x, *layer["up"])), *layer["down"])
+            h = h + m if self.pre_norm else self.norm_2[i](h + m)
+        return self.norm_f(h)
+
+    def _activation(self, up: Tensor) -> Tensor:
+        if self.mlp_kind == "swiglu":
+            gate, value = up.chunk(2, dim=-1)
+            return F.silu(gate) * value
+        if self.mlp_kind == "relu2":
+            return F.relu(up).square()
+        return F.gelu(up, approximate="tanh")
+
+    def logits(self, h: Tensor) -> Tensor:
+        """Logits (..., V) for hidden states (..., d)."""
+        logits = h @ self.head
+        if self.softcap is not None:
+            logits = self.softcap * torch.tanh(logits / self.softcap)
+        return logits
+
+    def step(self, tokens: Tensor, slots: Tensor, positions: Tensor, key_mask: Tensor,
+             k_cache: Tensor, v_cache: Tensor, written_out: bool = False) -> Tensor:
+        """`hidden` then `logits`: (B, T, V)."""
+        return self.logits(self.hidden(tokens, slots, positions, key_mask, k_cache, v_cache, written_out))
+
+    def compiled_step(self, shape: tuple[int, ...]) -> Callable:
+        """`step` compiled by `torch.compile` for one (B, T, S) (one graph per shape, made on first use)."""
+        if shape not in self._compiled:
+            self._compiled[shape] = torch.compile(functools.partial(self.step, written_out=True),
+                                                  dynamic=False, fullgraph=True)
+        return self._compiled[shape]
+
+
+def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """RoPE in the rotate-half layout (`tinylm.model.positions.apply_rope`)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+# the laid-out weights of each model, rebuilt when its parameters change (training steps, loading)
+_LAYOUTS: weakref.WeakKeyDictionary[nn.Module, tuple[tuple, DecodeWeights]] = weakref.WeakKeyDictionary()
+
+
+def _fingerprint(model: nn.Module) -> tuple:
+    return tuple((p.data_ptr(), p._version, p.dtype, p.device) for p in model.parameters())
+
+
+def decode_weights(model: GPT) -> DecodeWeights:
+    """The model's `DecodeWeights`, made once and kept while its parameters are unchanged."""
+    key = _fingerprint(model)
+    kept = _LAYOUTS.get(model)
+    if kept is not None and kept[0] == key:
+        return kept[1]
+    weights = DecodeWeights(model)
+    _LAYOUTS[model] = (key, weights)
+    return weights
+
+
+class StaticDecoder:
+    """The static cache and its step (module docstring): slots 0..S-1 for a batch of B rows.
+
+    ``extra`` slots past ``capacity`` let a fixed-size step (a compiled speculative round) write
+    padding past the end of the window; they are never seen by a real token.
+    """
+
+    def __init__(self, model: GPT, batch: int, capacity: int, compile: bool = False, extra: int = 0) -> None:
+        cfg = model.config
+        if capacity > cfg.block_size:
+            raise TinyLMError(f"a cache of {capacity} positions exceeds the model's context "
+                              f"(block_size = {cfg.block_size})")
+        self.weights = decode_weights(model)
+        self.capacity = capacity
+        self.compile = compile
+        dtype, device = self.weights.head.dtype, self.weights.head.device
+        size = (cfg.n_layer, batch, cfg.kv_heads, capacity + extra, cfg.head_dim)
+        self.k = torch.zeros(size, dtype=dtype, device=device)
+        self.v = torch.zeros(size, dtype=dtype, device=device)
+        self.key_mask = torch.zeros(batch, capacity + extra, dtype=torch.bool, device=device)
+        self.length = 0
+        self.device = device
+        self.next_position: Tensor | None = None
+
+    @property
+    def max_len(self) -> int:
+        return self.capacity
+
+    def reset(self) -> None:
+        self.length = 0
+        self.key_mask.zero_()
+
+    def truncate(self, length: int) -> None:
+        """Forget the slots from ``length`` on (nothing is erased: no query sees a slot past its own)."""
+        if not 0 <= length <= self.length:
+            raise TinyLMError(f"cannot truncate a cache of {self.length} positions to {length}")
+        self.length = length
+
+    def start(self, idx: Tensor, mask: Tensor) -> Tensor:
+        """Read left-padded windows idx (B, T) (mask False at padding) from slot 0; the last logits (B, V)."""
+        self.reset()
+        positions = real_positions(mask)  # (B, T)
+        self.next_position = positions[:, -1:] + 1  # (B, 1)
+        return self.run(idx, positions, mask)[:, -1]
+
+    def step(self, tokens: Tensor) -> Tensor:
+        """One new token per row (B,) after the last; the next logits (B, V)."""
+        logits = self.run(tokens[:, None], self.next_position, compiled=self.compile)[:, -1]
+        self.next_position = self.next_position + 1
+        return logits
+
+    def run(self, tokens: Tensor, positions: Tensor, real: Tensor | None = None, compiled: bool = False) -> Tensor:
+        """Write ``tokens`` (B, T) at positions (B, T) into the next T slots; logits (B, T, V).
+
+        ``real`` (B, T) marks the real tokens (False: padding, never attended to); default all real.
+        """
+        T = tokens.size(1)
+        start, end = self.length, self.length + T
+        if end > self.k.size(3):
+            raise TinyLMError(f"the cache holds {self.k.size(3)} slots; {end} do not fit")
+        self.key_mask[:, start:end] = True if real is None else real
+        slots = torch.arange(start, end, device=self.device)
+        step = self.weights.compiled_step((*tokens.shape, self.k.size(3))) if compiled else self.weights.step
+        logits = step(tokens, slots, positions, self.key_mask, self.k, self.v)
+        self.length = end
+        return logits
+
+
+def make_decoder(model: nn.Module, batch: int, capacity: int, compile: bool = False) -> StaticDecoder | CachedDecoder:
+    """The fastest decoder for ``model``: a `StaticDecoder` where `supports` says so, else the model's own.
+
+    ``compile`` compiles the one-token step (`torch.compile`); the cache then spans the whole context
+    (``block_size`` slots), so that every generation reuses the same compiled graph.
+    """
+    if not supports(model):
+        return CachedDecoder(model, batch, capacity)
+    if compile:
+        capacity = model.config.block_size
+    return StaticDecoder(model, batch, capacity, compile=compile)

@@ -1,0 +1,129 @@
+"""The decoding layout (`tinylm.generate.fast`): the model's numbers, for every option a GPT has.
+
+The model's own full forward pass, without a cache, is the oracle: the static decoder's prefill
+and one-token steps must give its logits at every position, for left-padded batches too, and
+the engine's greedy tokens must be the reference generator's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tinylm.generate.engine import Engine
+from tinylm.generate.fast import DecodeWeights, StaticDecoder, decode_weights, make_decoder, supports
+from tinylm.generate.reference import reference_generate
+from tinylm.generate.sampling import SamplingParams
+from tinylm.generate.steps import CachedDecoder
+
+from toys import BigramLM, tiny_gpt
+
+VARIANTS = {
+    "rope, rmsnorm, swiglu": {},
+    "learned, layernorm, gelu, biases (GPT-2)": dict(positions="learned", norm="layernorm", mlp="gelu", bias=True,
+                                                    tie_embeddings=True),
+    "sinusoidal, relu2": dict(positions="sinusoidal", mlp="relu2"),
+    "no positions, post-norm": dict(positions="none", norm_position="post"),
+    "GQA, qk-norm, qkv bias (Qwen)": dict(n_kv_head=2, qk_norm=True, qkv_bias=True),
+    "MQA, head size of its own": dict(n_kv_head=1, d_head=16),
+    "sliding window 5": dict(sliding_window=5),
+    "value embeddings, softcap": dict(value_embed=True, logit_softcap=3.0),
+    "llama3 rope scaling": dict(rope_scaling="llama3", rope_factor=8.0, rope_low_freq_factor=1.0,
+                                rope_high_freq_factor=4.0, rope_original_context=16),
+}
+GREEDY = SamplingParams(max_new_tokens=30, temperature=0, stop_ids=[])
+
+
+def full_logits(model, rows: list[list[int]]) -> list[torch.Tensor]:
+    """Each row's logits (T, V), from the model alone on that row: no cache, no padding."""
+    with torch.no_grad():
+        return [model(torch.tensor([row]))[0][0] for row in rows]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_prefill_and_steps_give_the_models_logits(variant):
+    model = tiny_gpt(**VARIANTS[variant])
+    rows = [[3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26], [27, 18, 28, 18, 28]]
+    prompt_len = [6, 2]  # row 1 is left-padded by 4 in the prefill
+    oracle = full_logits(model, rows)
+    decoder = StaticDecoder(model, batch=2, capacity=model.config.block_size)
+    width = max(prompt_len)
+    idx = torch.zeros(2, width, dtype=torch.long)
+    mask = torch.zeros(2, width, dtype=torch.bool)
+    for b, (row, n) in enumerate(zip(rows, prompt_len)):
+        idx[b, width - n:] = torch.tensor(row[:n])
+        mask[b, width - n:] = True
+    with torch.inference_mode():
+        last = decoder.start(idx, mask)  # (2, V)
+        for b, n in enumerate(prompt_len):
+            torch.testing.assert_close(last[b], oracle[b][n - 1], atol=1e-4, rtol=1e-4)
+        for t in range(3):  # three steps: each row gets its own next token
+            tokens = torch.tensor([rows[b][prompt_len[b] + t] for b in range(2)])
+            last = decoder.step(tokens)
+            for b in range(2):
+                torch.testing.assert_close(last[b], oracle[b][prompt_len[b] + t], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_the_engines_greedy_tokens_are_the_reference_generators(variant):
+    model = tiny_gpt(**VARIANTS[variant])
+    prompts = [[5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9]]
+    expected = [c.token_ids for c in reference_generate(model, prompts, GREEDY)]
+    assert [c.token_ids for c in Engine(model, GREEDY).generate(prompts)] == expected
+
+
+def test_a_window_longer_than_the_context_is_cut_and_recomputed_as_the_reference_does():
+    model = tiny_gpt(block_size=16)
+    params = SamplingParams(max_new_tokens=40, temperature=0, stop_ids=[], window_keep=6)
+    with pytest.warns(UserWarning, match="exceed the model's context"):
+        got = Engine(model, params).generate([[4, 5, 6]])[0].token_ids
+    with pytest.warns(UserWarning):
+        assert got == reference_generate(model, [[4, 5, 6]], params)[0].token_ids
+
+
+def test_run_then_truncate_forgets_the_slots_past_the_cut():
+    """Rolling back is setting the length: what the forgotten slots held never reaches a later query."""
+    model = tiny_gpt()
+    seq = [3, 14, 15, 92, 65, 35]
+    oracle = full_logits(model, [seq + [7]])[0][-1]
+    decoder = StaticDecoder(model, batch=1, capacity=32)
+    with torch.inference_mode():
+        decoder.run(torch.tensor([seq]), torch.arange(6)[None])
+        decoder.run(torch.tensor([[50, 51, 52]]), torch.arange(6, 9)[None])  # a draft that gets rejected
+        decoder.truncate(6)
+        got = decoder.run(torch.tensor([[7]]), torch.tensor([[6]]))[0, -1]
+    torch.testing.assert_close(got, oracle, atol=1e-4, rtol=1e-4)
+    with pytest.raises(Exception, match="cannot truncate"):
+        decoder.truncate(9)
+
+
+def test_the_compiled_step_gives_the_eager_steps_logits_and_tokens():
+    """One compile (seconds): the graph torch.compile makes computes what the eager step does."""
+    model = tiny_gpt(n_kv_head=2, qk_norm=True)
+    prompts = [[5, 6, 7, 8]]
+    params = SamplingParams(max_new_tokens=24, temperature=0, stop_ids=[])
+    eager = Engine(model, params).generate(prompts)[0]
+    compiled = Engine(model, params, compile=True).generate(prompts)[0]
+    assert compiled.token_ids == eager.token_ids
+    assert compiled.logprobs == pytest.approx(eager.logprobs, abs=1e-4)
+
+
+def test_the_layout_is_rebuilt_when_the_weights_change():
+    model = tiny_gpt()
+    first = decode_weights(model)
+    assert decode_weights(model) is first  # kept while nothing changes
+    with torch.no_grad():
+        model.blocks[0].attn.W_q.weight.mul_(2.0)  # a training step changes weights in place
+    second = decode_weights(model)
+    assert second is not first
+    torch.testing.assert_close(second.layers[0]["qkv"][0][:, :32], model.blocks[0].attn.W_q.weight.T)
+
+
+def test_models_the_layout_does_not_cover_decode_through_their_own_forward():
+    bigram = tiny_gpt(bigram_hash=64)
+    assert not supports(bigram)
+    assert isinstance(make_decoder(bigram, 1, 16), CachedDecoder)
+    assert isinstance(make_decoder(BigramLM(torch.full((5, 5), 0.2)), 1, 16), CachedDecoder)
+    assert isinstance(make_decoder(tiny_gpt(), 1, 16), StaticDecoder)
+    with pytest.raises(Exception, match="bigram-hash"):
+        DecodeWeights(bigram)
