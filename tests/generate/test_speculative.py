@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import io
 import itertools
 import math
@@ -10,6 +11,7 @@ import re
 import warnings
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -19,7 +21,16 @@ from tinylm.generate.cache import KVCache
 from tinylm.generate.commands import cmd_sample
 from tinylm.generate.engine import Engine
 from tinylm.generate.sampling import SamplingParams, sampling_distribution
-from tinylm.generate.speculative import ModelDraft, PromptLookupDraft, speculative_generate
+from tinylm.generate.speculative import (
+    NGRAM_DRAFT_FILE,
+    ModelDraft,
+    NGramDraft,
+    PromptLookupDraft,
+    load_draft,
+    ngram_draft,
+    speculative_generate,
+)
+from tinylm.model import NGramLM, NGramModel
 from tinylm.tokenizers import BPETokenizer
 
 from toys import ScriptedLM, tiny_gpt
@@ -130,7 +141,13 @@ def exact_joint(model, prompt, params, n) -> dict[tuple[int, ...], float]:
     return out
 
 
-@pytest.mark.parametrize("draft_kind", ["model", "lookup"])
+def disagreeing_ngram() -> NGramDraft:
+    """A bigram counted on a made-up stream over ids 0..2 (3 is EOS, 4 BOS): it proposes what the model rarely would."""
+    stream = [1, 2, 1, 2, 0, 1, 2, 2, 1, 3, 2, 2, 1, 0, 0, 1, 2, 3]
+    return NGramDraft(NGramModel.fit(stream, 2, vocab_size=5, bos_id=4, eos_id=3))
+
+
+@pytest.mark.parametrize("draft_kind", ["model", "lookup", "ngram"])
 @torch.inference_mode()
 def test_sampled_tokens_follow_the_models_distribution_with_a_disagreeing_draft(draft_kind):
     # vocabulary 4, the first 3 tokens: 64 outcomes, all checked in one round of k = 2 drafts plus the bonus
@@ -138,7 +155,7 @@ def test_sampled_tokens_follow_the_models_distribution_with_a_disagreeing_draft(
     prompt = [0, 1, 2, 3, 0, 1]  # the lookup proposes 2, 3 after the tail (0, 1)
     params = SamplingParams(max_new_tokens=3, temperature=0.9, top_k=3)
     p = exact_joint(model, prompt, params, 3)
-    draft = ModelDraft.of(other) if draft_kind == "model" else PromptLookupDraft()
+    draft = {"model": lambda: ModelDraft.of(other), "lookup": PromptLookupDraft, "ngram": disagreeing_ngram}[draft_kind]()
     N = 2000
     counts = dict.fromkeys(p, 0)
     accepted = 0
@@ -198,13 +215,90 @@ def test_sample_with_a_draft_prints_the_models_text_and_the_counters(runs, draft
     ({"num_beams": 2}, "not beam search"),
     ({"prompt": ["a", "b"]}, "one sample of one prompt"),
     ({"num_samples": 2, "temperature": 1.0}, "one sample of one prompt"),
-    ({"stream": True}, "does not stream"),
     ({"draft": "runs/other"}, "another tokenizer"),
 ])
 def test_sample_refuses_what_the_draft_does_not_do_in_one_line(runs, changes, message):
     with pytest.raises(TinyLMError, match=message) as e:
         cmd_sample(sample_args(**changes), out=io.StringIO())
     assert "\n" not in str(e.value)
+
+
+def test_sample_streams_with_a_draft_the_text_it_prints_without_streaming(runs, capsys):
+    out = io.StringIO()
+    assert cmd_sample(sample_args(stream=True), out=out) == 0
+    assert out.getvalue() == "To be, or not to be\n\nor not\n"
+    assert "speculative decoding:" in capsys.readouterr().err
+
+
+# ----- the run's own n-gram draft ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def shard_run(tmp_path_factory):
+    """A run folder whose run.json points at real prepared shards (a random GPT, a BPE tokenizer on the same text)."""
+    from serve.servekit import make_run
+
+    from tinylm.data.corpora import load_corpus
+    from tinylm.data.shards import prepare
+    from tinylm.run import data_info, write_run_info
+
+    root = tmp_path_factory.mktemp("ngram-draft")
+    text = root / "text.txt"
+    text.write_text("\n\n".join(f"To be, or not to be: that is question {i}. Whether 'tis nobler in the mind."
+                                  for i in range(40)), encoding="utf-8")
+    run_dir = make_run(root / "run", block_size=128)
+    run = tinylm.run.load_run(run_dir)
+    shards = prepare(load_corpus(str(text)), run.tokenizer, root / "shards", workers=1)
+    write_run_info(run_dir, {"status": "complete", "data": data_info(shards)})
+    return run_dir, shards
+
+
+def test_the_ngram_draft_is_counted_from_the_runs_shards_once_and_kept_in_the_run_folder(shard_run):
+    run_dir, shards = shard_run
+    run = tinylm.run.load_run(run_dir)
+    lines = []
+    counted = ngram_draft(run_dir, run.tokenizer, log=lines.append)
+    assert (run_dir / NGRAM_DRAFT_FILE).is_file() and "counted a 3-gram draft" in lines[0]
+    again = ngram_draft(run_dir, run.tokenizer, log=lines.append)
+    assert len(lines) == 1  # loaded, not counted again
+    oracle = NGramModel.fit_shards(shards, 3, smoothing="kn")  # the same counts of the training split
+    for context in ([], run.tokenizer.encode("To be, or")[-2:], [5, 9]):
+        np.testing.assert_allclose(again.next_token_distribution(context), oracle.next_token_distribution(context))
+        np.testing.assert_allclose(counted.next_token_distribution(context), oracle.next_token_distribution(context))
+
+
+def test_greedy_with_the_ngram_draft_equals_the_engine_on_a_run(shard_run):
+    run_dir, _ = shard_run
+    run = tinylm.run.load_run(run_dir)
+    draft = load_draft("ngram", run)
+    ids = run.start_ids + run.tokenizer.encode("To be, or not")
+    params = SamplingParams(max_new_tokens=40, temperature=0, stop_ids=[])
+    spec, stats = speculative_generate(run.model, ids, params, draft, k=4, tokenizer=run.tokenizer)
+    assert_same(spec, Engine(run.model, params, run.tokenizer).generate([ids])[0])
+    assert stats.proposed > 0
+
+
+def test_the_ngram_draft_without_shards_is_refused_in_one_line(tmp_path):
+    from serve.servekit import make_run
+
+    run = tinylm.run.load_run(make_run(tmp_path / "run"))
+    with pytest.raises(TinyLMError, match="no n-gram draft .* records no training shards") as e:
+        load_draft("ngram", run)
+    assert "\n" not in str(e.value)
+
+
+def test_an_ngram_run_drafts_with_its_counts(shard_run, tmp_path):
+    run_dir, shards = shard_run
+    run = tinylm.run.load_run(run_dir)
+    ngram_run = SimpleNamespace(tokenizer=run.tokenizer,
+                                model=NGramLM(NGramModel.fit_shards(shards, 2), dataclasses.replace(run.model.config)))
+    original = tinylm.run.load_run
+    try:
+        tinylm.run.load_run = lambda path, *a, **k: ngram_run
+        draft = load_draft("runs/ngram", run)
+    finally:
+        tinylm.run.load_run = original
+    assert isinstance(draft, NGramDraft) and draft.ngram.order == 2
 
 
 def test_sample_parses_draft_and_draft_k():

@@ -60,12 +60,17 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--stream", action="store_true", help="print the text as it is generated (one prompt, one sample)")
     p.add_argument("--num-beams", type=positive_int, default=1, metavar="N",
                    help="beam search with this many beams instead of sampling (default: 1, no beam search)")
-    p.add_argument("--draft", metavar="prompt|DIR",
+    p.add_argument("--draft", metavar="ngram|prompt|DIR",
                    help="speculative decoding: a draft proposes tokens the model checks several at a time, with "
-                   "the same output distribution; 'prompt' looks the text's last words up earlier in the text, "
-                   "a run folder (same tokenizer) drafts with its model; one prompt, one sample (default: off)")
+                   "the same output distribution; 'ngram' drafts with an n-gram counted on the run's training "
+                   "tokens (counted on first use, kept in the run folder), 'prompt' looks the text's last words "
+                   "up earlier in the text, a run folder (same tokenizer) drafts with its model; one prompt, "
+                   "one sample (default: off)")
     p.add_argument("--draft-k", type=positive_int, default=4, metavar="N",
                    help="the most tokens drafted per model pass, adapted to how many get kept (default: 4)")
+    p.add_argument("--compile", action="store_true",
+                   help="compile the model's one-token step with torch.compile: seconds to start, then faster "
+                   "decoding of a GPT (worth it for long or many samples; default: off)")
     p.set_defaults(func=cmd_sample, parser=p)
 
     p = sub.add_parser("next-token", help="show the most likely next tokens after a prompt",

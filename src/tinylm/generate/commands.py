@@ -18,7 +18,7 @@ from tinylm.errors import TinyLMError
 from tinylm.generate.engine import Completion, encode_prompts, generate, stream
 from tinylm.generate.inspect import format_candidates, left_out, next_token_candidates, temperature_table
 from tinylm.generate.sampling import SamplingParams
-from tinylm.generate.speculative import SpeculativeStats, load_draft, speculative_generate
+from tinylm.generate.speculative import SpeculativeStats, load_draft, speculative_events, speculative_generate
 
 
 def unescape(text: str) -> str:
@@ -62,6 +62,11 @@ def read_prompts(prompt: Sequence[str] | str | None, prompt_file: str | None, st
     return [""]
 
 
+def compile_flag(args: Any) -> bool:
+    """Whether `tinylm sample --compile` asked for a compiled step (absent from other commands' flags)."""
+    return bool(getattr(args, "compile", False))
+
+
 def sampling_params(args: Any) -> SamplingParams:
     """The `SamplingParams` for parsed `tinylm sample` flags."""
     return SamplingParams(
@@ -100,23 +105,34 @@ def cmd_sample(args: Any, out: TextIO | None = None) -> int:
         check_draft_request(args, prompts)
     run = load_run(args.run, checkpoint=getattr(args, "checkpoint", "best"))  # --checkpoint where parsed
     if getattr(args, "draft", None):
-        draft = load_draft(args.draft, run.tokenizer)
+        draft = load_draft(args.draft, run, log=lambda line: print(line, file=sys.stderr))
         ids = encode_prompts(run.tokenizer, prompts, run.start_ids)[0]
-        completion, stats = speculative_generate(run.model, ids, params, draft, k=args.draft_k,
-                                                 tokenizer=run.tokenizer)
-        out.write(format_completions(prompts, [completion], 1))
+        if args.stream:
+            stats = SpeculativeStats()
+            out.write(prompts[0])
+            for event in speculative_events(run.model, ids, params, draft, k=args.draft_k, tokenizer=run.tokenizer,
+                                            stats=stats, compile=compile_flag(args)):
+                out.write(event.text)
+                out.flush()
+            out.write("\n")
+        else:
+            completion, stats = speculative_generate(run.model, ids, params, draft, k=args.draft_k,
+                                                     tokenizer=run.tokenizer, compile=compile_flag(args))
+            out.write(format_completions(prompts, [completion], 1))
         print(format_stats(stats), file=sys.stderr)
         return 0
     if args.stream:
         if len(prompts) != 1:
             raise TinyLMError("--stream shows one sample as it is written: give one prompt")
         out.write(prompts[0])
-        for piece in stream(run.model, run.tokenizer, prompts[0], params, start_ids=run.start_ids):
+        for piece in stream(run.model, run.tokenizer, prompts[0], params, start_ids=run.start_ids,
+                            compile=compile_flag(args)):
             out.write(piece)
             out.flush()
         out.write("\n")
         return 0
-    completions = generate(run.model, run.tokenizer, prompts, params, start_ids=run.start_ids)
+    completions = generate(run.model, run.tokenizer, prompts, params, start_ids=run.start_ids,
+                           compile=compile_flag(args))
     out.write(format_completions(prompts, completions, params.num_samples))
     return 0
 
@@ -127,8 +143,6 @@ def check_draft_request(args: Any, prompts: Sequence[str]) -> None:
         raise TinyLMError("--draft speeds up sampling and greedy decoding, not beam search: drop --num-beams or --draft")
     if len(prompts) != 1 or args.num_samples != 1:
         raise TinyLMError("--draft decodes one sample of one prompt: give one --prompt and --num-samples 1")
-    if args.stream:
-        raise TinyLMError("--draft does not stream yet: drop --stream or --draft")
 
 
 def format_stats(stats: SpeculativeStats) -> str:

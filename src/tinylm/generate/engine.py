@@ -251,13 +251,15 @@ def generate(
     params: SamplingParams | None = None,
     *,
     start_ids: Sequence[int] = (),
+    compile: bool = False,
 ) -> list[Completion]:
     """Complete each prompt ``params.num_samples`` times: the one call behind `tinylm sample`.
 
     Returns the completions prompt by prompt (prompt i's sample j at i * num_samples + j).
     ``start_ids`` go before every prompt (pass a run's `start_ids`: the token documents began
     after in training); an empty prompt then samples a document from the start. Sampling, beam
-    search (``params.num_beams > 1``), stopping and the context window follow ``params``.
+    search (``params.num_beams > 1``), stopping and the context window follow ``params``;
+    ``compile`` compiles a GPT's one-token step (`Engine`; beam search does not use it).
 
         run = load_run("runs/tiny")
         out = generate(run.model, run.tokenizer, "ROMEO:", SamplingParams(temperature=0.8, seed=1),
@@ -271,7 +273,7 @@ def generate(
     if params.num_beams > 1:
         return [c for i, p in enumerate(ids)
                 for c in beam_search_completions(model, tokenizer, p, params, prompt_index=i)]
-    return Engine(model, params, tokenizer).generate(ids)
+    return Engine(model, params, tokenizer, compile=compile).generate(ids)
 
 
 def stream(
@@ -281,6 +283,7 @@ def stream(
     params: SamplingParams,
     *,
     start_ids: Sequence[int] = (),
+    compile: bool = False,
 ) -> Iterator[str]:
     """Yield the text of one completion of ``prompt`` in pieces, as the tokens are generated.
 
@@ -289,7 +292,7 @@ def stream(
     """
     if params.num_samples != 1 or params.num_beams != 1:
         raise TinyLMError("streaming shows one sample as it is written: use num_samples = 1 and num_beams = 1")
-    engine = Engine(model, params, tokenizer=tokenizer)
+    engine = Engine(model, params, tokenizer=tokenizer, compile=compile)
     for event in engine.events(encode_prompts(tokenizer, [prompt], start_ids)):
         if event.text:
             yield event.text

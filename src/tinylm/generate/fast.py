@@ -207,7 +207,8 @@ _LAYOUTS: weakref.WeakKeyDictionary[nn.Module, tuple[tuple, DecodeWeights]] = we
 
 
 def _fingerprint(model: nn.Module) -> tuple:
-    return tuple((p.data_ptr(), p._version, p.dtype, p.device) for p in model.parameters())
+    # (inference tensors, made under torch.inference_mode, keep no version counter)
+    return tuple((p.data_ptr(), -1 if p.is_inference() else p._version, p.dtype, p.device) for p in model.parameters())
 
 
 def decode_weights(model: GPT) -> DecodeWeights:
@@ -253,8 +254,9 @@ class StaticDecoder:
         self.length = 0
         self.key_mask.zero_()
 
-    def truncate(self, length: int) -> None:
-        """Forget the slots from ``length`` on (nothing is erased: no query sees a slot past its own)."""
+    def truncate(self, length: int, last_token: int | None = None) -> None:
+        """Forget the slots from ``length`` on (nothing is erased: no query sees a slot past its own).
+        ``last_token`` is not needed here (no bigram-hash table)."""
         if not 0 <= length <= self.length:
             raise TinyLMError(f"cannot truncate a cache of {self.length} positions to {length}")
         self.length = length
@@ -271,6 +273,25 @@ class StaticDecoder:
         logits = self.run(tokens[:, None], self.next_position, compiled=self.compile)[:, -1]
         self.next_position = self.next_position + 1
         return logits
+
+    def extend(self, tokens: Tensor, pad_to: int | None = None) -> Tensor:
+        """One unpadded row: append ``tokens`` (1, T) after the cached ones; their logits (1, T, V).
+
+        With ``pad_to`` (a compiled decoder's speculative round) the step always reads ``pad_to``
+        tokens, so that one compiled graph serves every round: the padding repeats the last token in
+        the slots after these (``extra`` of them), and the length counts the real ones only.
+        """
+        T = tokens.size(1)
+        start = self.length
+        positions = torch.arange(start, start + T, device=self.device)[None]
+        if pad_to is None or not self.compile or T == 1:
+            return self.run(tokens, positions, compiled=self.compile and T == 1)
+        pad = pad_to - T
+        tokens = torch.cat([tokens, tokens[:, -1:].expand(1, pad)], dim=1)
+        positions = torch.arange(start, start + pad_to, device=self.device).clamp(max=self.weights.config.block_size - 1)
+        logits = self.run(tokens, positions[None], compiled=True)
+        self.length = start + T
+        return logits[:, :T]
 
     def run(self, tokens: Tensor, positions: Tensor, real: Tensor | None = None, compiled: bool = False) -> Tensor:
         """Write ``tokens`` (B, T) at positions (B, T) into the next T slots; logits (B, T, V).

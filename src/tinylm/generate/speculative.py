@@ -39,19 +39,27 @@ accepted drafts, and the model's forward passes.
 
 from __future__ import annotations
 
+import os
+import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
 
 import torch
 from torch import Tensor, nn
 
 import tinylm.run
+from tinylm.data.shards import ShardSet
 from tinylm.errors import TinyLMError
-from tinylm.generate.cache import KVCache, cache_for
-from tinylm.generate.sampling import SamplingParams, excluded_mask, make_generators, sampling_distribution, token_logprobs
-from tinylm.generate.steps import Completion, accept_token, context_start, warn_window, window_keep
+from tinylm.generate.cache import KVCache
+from tinylm.generate.fast import StaticDecoder, make_decoder
+from tinylm.generate.sampling import SamplingParams, excluded_mask, make_generators, sampling_distribution
+from tinylm.generate.steps import Completion, FinishReason, accept_token, context_start, warn_window, window_keep
 from tinylm.generate.stream import TextStream
+from tinylm.model import NGramLM, NGramModel
 from tinylm.tokenizers.base import Tokenizer, default_stop_ids
 
 # rounds of recent history the acceptance rate is measured over, and how many plain steps a pause lasts
@@ -141,18 +149,101 @@ class ModelDraft:
         return tokens, (torch.stack(qs) if qs else None)
 
 
-def load_draft(spec: str, tokenizer: Tokenizer, checkpoint: str = "best") -> PromptLookupDraft | ModelDraft:
-    """The draft `tinylm sample --draft` names: "prompt" (the prompt lookup) or a run folder whose model drafts.
+class NGramDraft:
+    """Propose with an n-gram model counted on the model's own training tokens (`ngram_draft`).
 
-    A draft run must share the model's tokenizer (the same fingerprint): its ids must mean the same text.
+    Greedy decoding drafts the n-gram's most likely token at each step (q one-hot); sampling draws
+    from its distribution after the request's temperature and filters (q), which the acceptance
+    rule compares with the model's. A lookup costs well under a millisecond (numpy over the
+    counts), far less than a pass of the model.
+    """
+
+    def __init__(self, ngram: NGramModel) -> None:
+        self.ngram = ngram
+        self.context = ngram.order - 1
+
+    def propose(self, seq: Sequence[int], k: int, excluded: Tensor | None, params: SamplingParams,
+                generator: torch.Generator | None) -> tuple[list[int], Tensor | None]:
+        context = list(seq[len(seq) - self.context:]) if self.context else []
+        V = excluded.numel() if excluded is not None else self.ngram.vocab_size
+        tokens, qs = [], []
+        with np.errstate(divide="ignore"):
+            for _ in range(k):
+                probs = self.ngram.next_token_distribution(context[len(context) - self.context:] if self.context else [])
+                logits = _fit(torch.from_numpy(np.log(probs)).float(), V)  # (V,)
+                if excluded is not None:
+                    logits = logits.masked_fill(excluded.cpu(), float("-inf"))
+                if generator is None:
+                    token = int(logits.argmax())
+                else:
+                    q = sampling_distribution(logits[None], params)[0]  # (V,)
+                    token = _draw(q, generator)
+                    qs.append(q)
+                tokens.append(token)
+                context.append(token)
+        q = torch.stack(qs).to(excluded.device) if qs and excluded is not None else (torch.stack(qs) if qs else None)
+        return tokens, q
+
+
+Draft = PromptLookupDraft | ModelDraft | NGramDraft
+
+# the n-gram draft a run keeps in its folder, counted on first use from the run's training shards
+NGRAM_DRAFT_FILE = "draft-ngram.npz"
+NGRAM_DRAFT_ORDER = 3  # of 3, 4, 5 on the default run, the one whose top token agrees most with the model's
+
+
+def ngram_draft(run_dir: str | os.PathLike, tokenizer: Tokenizer, order: int = NGRAM_DRAFT_ORDER,
+                log: Callable[[str], None] | None = None) -> NGramModel:
+    """The run's n-gram draft: ``draft-ngram.npz`` in the run folder, or counted now from its training shards and kept there.
+
+    Counting reads the shards run.json records (the tokens the model was trained on), with
+    Kneser-Ney smoothing, in a second or two for Shakespeare. An n-gram run's own model
+    (``tinylm train --model ngram``) can be the draft instead: pass its folder as the draft.
+    """
+    path = Path(run_dir) / NGRAM_DRAFT_FILE
+    if path.is_file():
+        ngram = NGramModel.load(path)
+        if ngram.vocab_size != tokenizer.vocab_size:
+            raise TinyLMError(f"{path} counts another vocabulary ({ngram.vocab_size} ids, the tokenizer has "
+                              f"{tokenizer.vocab_size}): delete it and it is counted again")
+        return ngram
+    data = tinylm.run.read_run_info(run_dir).get("data") or {}
+    shards_dir = data.get("dir")
+    if not shards_dir or not Path(shards_dir).is_dir():
+        where = f"its training shards ({shards_dir}) are gone" if shards_dir else "it records no training shards"
+        raise TinyLMError(f"no n-gram draft for {run_dir}: {where}. Prepare them again with `tinylm prepare` and "
+                          f"count one with `tinylm train --model ngram`, then pass that run folder as --draft")
+    shards = ShardSet.open(shards_dir)
+    if shards.meta["tokenizer"]["fingerprint"] != tokenizer.fingerprint():
+        raise TinyLMError(f"the shards in {shards_dir} were made with another tokenizer than the run's: "
+                          "the n-gram draft must count the model's own tokens")
+    started = time.perf_counter()
+    ngram = NGramModel.fit_shards(shards, order, smoothing="kn")
+    ngram.save(path)
+    if log is not None:
+        log(f"counted a {order}-gram draft from {shards_dir} in {time.perf_counter() - started:.1f} s; kept in {path}")
+    return ngram
+
+
+def load_draft(spec: str, run: tinylm.run.Run, checkpoint: str = "best",
+               log: Callable[[str], None] | None = None) -> Draft:
+    """The draft `tinylm sample --draft` names for ``run``'s model.
+
+    "ngram": the run's own n-gram (`ngram_draft`); "prompt": the prompt lookup; a run folder: its
+    model drafts (an n-gram run's counts directly, a Transformer through its forward). A draft run
+    must share the model's tokenizer (the same fingerprint): its ids must mean the same text.
     """
     if spec == "prompt":
         return PromptLookupDraft()
-    run = tinylm.run.load_run(spec, checkpoint=checkpoint)
-    if run.tokenizer.fingerprint() != tokenizer.fingerprint():
+    if spec == "ngram":
+        return NGramDraft(ngram_draft(run.path, run.tokenizer, log=log))
+    other = tinylm.run.load_run(spec, checkpoint=checkpoint)
+    if other.tokenizer.fingerprint() != run.tokenizer.fingerprint():
         raise TinyLMError(f"the draft run {spec} has another tokenizer than the model's: a draft must "
                           "share the model's tokenizer (train it on the same tokenizer.json)")
-    return ModelDraft.of(run.model)
+    if isinstance(other.model, NGramLM):
+        return NGramDraft(other.model.ngram)
+    return ModelDraft.of(other.model)
 
 
 def _fit(logits: Tensor, V: int) -> Tensor:
@@ -172,18 +263,64 @@ def _draw(probs: Tensor, generator: torch.Generator | None) -> int:
 # ----- the loop ------------------------------------------------------------------------------------
 
 
-@torch.inference_mode()
+@dataclass
+class SpeculativeEvent:
+    """One new token as speculative decoding produces it (what a stream shows)."""
+
+    token: int
+    logprob: float
+    text: str  # the text this token made certain ("" while held back)
+    finish_reason: FinishReason | None = None  # set on the last token
+
+
 def speculative_generate(
     model: nn.Module,
     prompt_ids: Sequence[int],
     params: SamplingParams,
-    draft: PromptLookupDraft | ModelDraft,
+    draft: Draft,
     k: int = 4,
     *,
     tokenizer: Tokenizer | None = None,
     min_acceptance: float = 0.1,
+    compile: bool = False,
 ) -> tuple[Completion, SpeculativeStats]:
     """One completion of ``prompt_ids``, distributed exactly as the engine's, checking up to ``k`` drafts a pass."""
+    stats = SpeculativeStats()
+    stream = TextStream(tokenizer, params.stop) if tokenizer is not None else None
+    tokens, logprobs, finish, stop = [], [], None, None
+    for event in speculative_events(model, prompt_ids, params, draft, k, tokenizer=tokenizer,
+                                    min_acceptance=min_acceptance, compile=compile, stats=stats, stream=stream):
+        tokens.append(event.token)
+        logprobs.append(event.logprob)
+        finish = event.finish_reason
+    if stream is not None and stream.stopped_by is not None:
+        stop = stream.stopped_by
+    elif finish == "stop" and tokens:
+        stop = tokens[-1]
+    completion = Completion(text=stream.text if stream else "", token_ids=tokens, logprobs=logprobs,
+                            finish_reason=finish or "length", stop=stop)
+    return completion, stats
+
+
+def speculative_events(
+    model: nn.Module,
+    prompt_ids: Sequence[int],
+    params: SamplingParams,
+    draft: Draft,
+    k: int = 4,
+    *,
+    tokenizer: Tokenizer | None = None,
+    min_acceptance: float = 0.1,
+    compile: bool = False,
+    stats: SpeculativeStats | None = None,
+    stream: TextStream | None = None,
+) -> Iterator[SpeculativeEvent]:
+    """`speculative_generate` one token at a time, as the rounds keep them (for streaming).
+
+    ``stats`` (if given) is updated as the rounds go; ``stream`` turns tokens into text (default: a
+    new one over ``tokenizer``, when there is one). ``compile`` compiles the model's step (a
+    `StaticDecoder`): one graph for a round of ``k`` drafts (padded) and one for a single token.
+    """
     if params.num_beams != 1 or params.num_samples != 1:
         raise TinyLMError("speculative decoding makes one sample of one prompt: use num_beams = 1 and num_samples = 1")
     if not isinstance(k, int) or k < 1:
@@ -194,48 +331,57 @@ def speculative_generate(
     V = model.config.vocab_size
     if not seq or any(not 0 <= t < V for t in seq):
         raise TinyLMError(f"the prompt must be 1 or more ids in the model's vocabulary 0..{V - 1}")
+    stats = stats if stats is not None else SpeculativeStats()
+    if stream is None and tokenizer is not None:
+        stream = TextStream(tokenizer, params.stop)
+    return _rounds(model, seq, params, draft, k, tokenizer, min_acceptance, compile, stats, stream)
+
+
+@torch.inference_mode()
+def _rounds(model: nn.Module, seq: list[int], params: SamplingParams, draft: Draft, k: int,
+            tokenizer: Tokenizer | None, min_acceptance: float, compile: bool, stats: SpeculativeStats,
+            stream: TextStream | None) -> Iterator[SpeculativeEvent]:
     block_size = model.config.block_size
     keep = window_keep(params, block_size)
     device = next(model.parameters()).device
+    V = model.config.vocab_size
     stop_ids = set(params.stop_ids) if params.stop_ids is not None else default_stop_ids(tokenizer)
     excluded = excluded_mask(tokenizer, V, stop_ids, device)
     if excluded is None:
         excluded = torch.zeros(V, dtype=torch.bool, device=device)
     generator = None if params.greedy else make_generators(params.seed, 1, device)[0]
     capacity = min(block_size, len(seq) + params.max_new_tokens)
-    cache = cache_for(model, 1, capacity)
-    if not isinstance(cache, KVCache):
+    decoder = make_decoder(model, 1, capacity, compile)
+    if isinstance(decoder, StaticDecoder):
+        decoder = StaticDecoder(model, 1, decoder.capacity, compile=compile, extra=k)  # room for a padded round
+    elif not isinstance(decoder.cache, KVCache):
         raise TinyLMError("speculative decoding rolls the model's KV cache back; this model family keeps "
                           "another kind of state: use it as the draft, or decode without one")
-
-    stats = SpeculativeStats()
-    stream = TextStream(tokenizer, params.stop) if tokenizer is not None else None
-    tokens: list[int] = []
-    logprobs: list[float] = []
-    finish, stop = None, None
+    capacity = decoder.max_len
+    n_new = 0
     start, warned = -1, False  # where the cache's window begins in seq; -1: no window yet
     k_now, recent, paused = k, deque(maxlen=ACCEPTANCE_WINDOW), 0
     was_training = model.training
     model.eval()
     try:
-        while finish is None and len(tokens) < params.max_new_tokens:
+        while n_new < params.max_new_tokens:
             # the window: cut and recompute when the pending token no longer fits (or at the start)
             if start < 0 or len(seq) - start > capacity:
                 start = context_start(len(seq), block_size, keep)
                 if start > 0 and not warned:
                     warn_window(block_size, keep)
                     warned = True
-                cache.reset()
+                decoder.reset()
                 if len(seq) - 1 > start:  # everything but the pending token
-                    model(torch.tensor([seq[start:-1]], device=device), kv_cache=cache)
+                    decoder.extend(torch.tensor([seq[start:-1]], device=device))
                     stats.forward_passes += 1
             room = capacity - (len(seq) - start)  # drafts that fit in the window after the pending token
-            n_draft = min(k_now, room, params.max_new_tokens - len(tokens) - 1) if paused == 0 else 0
+            n_draft = min(k_now, room, params.max_new_tokens - n_new - 1) if paused == 0 else 0
             drafts, q = draft.propose(seq, n_draft, excluded, params, generator) if n_draft > 0 else ([], None)
             drafts = drafts[:max(n_draft, 0)]
             # ONE pass: the pending token and the drafts; row i gives p after seq + drafts[:i]
             fed = torch.tensor([[seq[-1], *drafts]], device=device)  # (1, 1 + n)
-            logits, _ = model(fed, kv_cache=cache)
+            logits = decoder.extend(fed, pad_to=k + 1) if isinstance(decoder, StaticDecoder) else decoder.extend(fed)
             stats.forward_passes += 1
             logits = logits[0].float().masked_fill(excluded, float("-inf"))  # (1 + n, V)
             p = sampling_distribution(logits, params)  # (1 + n, V)
@@ -253,20 +399,18 @@ def speculative_generate(
             elif paused:
                 paused -= 1
             # roll the cache back to the pending token and the drafts kept
-            cache.truncate(len(seq) - start + kept, last_tokens=torch.tensor([([seq[-1]] + drafts)[kept]], device=device))
+            decoder.truncate(len(seq) - start + kept, last_token=([seq[-1]] + drafts)[kept])
+            logprob_rows = torch.log_softmax(logits[:len(new)], dim=-1)  # (n new, V)
             for i, token in enumerate(new):
-                tokens.append(token)
-                logprobs.append(float(token_logprobs(logits[i:i + 1], torch.tensor([token], device=device))))
+                n_new += 1
+                stats.tokens += 1
                 seq.append(token)
-                piece, finish, stop = accept_token(stream, token, stop_ids, len(tokens) == params.max_new_tokens)
+                piece, finish, _ = accept_token(stream, token, stop_ids, n_new == params.max_new_tokens)
+                yield SpeculativeEvent(token, float(logprob_rows[i, token]), piece, finish)
                 if finish is not None:
-                    break
+                    return
     finally:
         model.train(was_training)
-    stats.tokens = len(tokens)
-    completion = Completion(text=stream.text if stream else "", token_ids=tokens, logprobs=logprobs,
-                            finish_reason=finish or "length", stop=stop)
-    return completion, stats
 
 
 def _accept(p: Tensor, drafts: list[int], q: Tensor | None,

@@ -99,6 +99,24 @@ class CachedDecoder:
         self.next_position = position_ids[:, -1:] + 1  # (B, 1): where each row's next token goes
         return prefill(self.model, idx, self.cache, self.mask[:, :T] if self.padded else None, position_ids)
 
+    def extend(self, tokens: Tensor) -> Tensor:
+        """One unpadded row: append ``tokens`` (1, T) after what is cached; their logits (1, T, V)."""
+        logits, _ = self.model(tokens, kv_cache=self.cache)
+        self.length += tokens.size(1)
+        return logits
+
+    def truncate(self, length: int, last_token: int | None = None) -> None:
+        """Forget the positions from ``length`` on (a rejected draft); ``last_token`` is the token now last."""
+        if not isinstance(self.cache, KVCache):
+            raise TinyLMError("this model keeps a state that cannot be rolled back (not a KV cache)")
+        last = torch.tensor([last_token], device=self.mask.device) if last_token is not None else None
+        self.cache.truncate(length, last_tokens=last)
+        self.length = length
+
+    def reset(self) -> None:
+        self.cache.reset()
+        self.length = 0
+
     def step(self, tokens: Tensor) -> Tensor:
         self.mask[:, self.length] = True
         self.length += 1
