@@ -22,9 +22,12 @@ from tinylm.generate.commands import cmd_sample
 from tinylm.generate.engine import Engine
 from tinylm.generate.sampling import SamplingParams, sampling_distribution
 from tinylm.generate.speculative import (
+    FIRST_PAUSE,
     NGRAM_DRAFT_FILE,
+    ROUNDS_PER_CHECK,
     ModelDraft,
     NGramDraft,
+    Pacer,
     PromptLookupDraft,
     load_draft,
     ngram_draft,
@@ -62,7 +65,7 @@ def test_greedy_prompt_lookup_equals_the_engine_and_keeps_drafts_on_a_repetitive
     if "bigram_hash" in options:
         with torch.no_grad():
             model.bigram.weight.normal_(0, 1.0)  # the cache's last token matters after a rollback
-    spec, stats = speculative_generate(model, REPETITIVE, GREEDY, PromptLookupDraft(), k=4)
+    spec, stats = speculative_generate(model, REPETITIVE, GREEDY, PromptLookupDraft(), k=4, adaptive=False)
     assert_same(spec, Engine(model, GREEDY).generate([REPETITIVE])[0])
     assert stats.tokens == 60 and stats.proposed > stats.accepted  # drafts were rejected and rolled back
     assert stats.forward_passes == 1 + stats.tokens - stats.accepted  # the prefill, then kept + 1 tokens a pass
@@ -72,14 +75,14 @@ def test_greedy_prompt_lookup_equals_the_engine_and_keeps_drafts_on_a_repetitive
 
 def test_greedy_with_a_different_random_draft_model_equals_the_engine_though_most_drafts_are_rejected():
     model, other = tiny_gpt(seed=0), tiny_gpt(seed=1)
-    spec, stats = speculative_generate(model, REPETITIVE, GREEDY, ModelDraft.of(other), k=3, min_acceptance=0)
+    spec, stats = speculative_generate(model, REPETITIVE, GREEDY, ModelDraft.of(other), k=3, adaptive=False)
     assert_same(spec, Engine(model, GREEDY).generate([REPETITIVE])[0])
     assert stats.proposed >= 50 and stats.acceptance_rate < 0.2
 
 
 def test_the_model_as_its_own_draft_keeps_every_draft():
     model = tiny_gpt()
-    spec, stats = speculative_generate(model, REPETITIVE, GREEDY, ModelDraft.of(model), k=4)
+    spec, stats = speculative_generate(model, REPETITIVE, GREEDY, ModelDraft.of(model), k=4, adaptive=False)
     assert_same(spec, Engine(model, GREEDY).generate([REPETITIVE])[0])
     assert stats.accepted == stats.proposed > 40
     assert stats.forward_passes <= 1 + math.ceil(60 / 5)  # the prefill, then k + 1 tokens a pass
@@ -91,7 +94,7 @@ def test_greedy_speculation_past_the_context_window_equals_the_engine():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # both warn that the window was cut
         engine = Engine(model, params).generate([REPETITIVE])[0]
-        spec, _ = speculative_generate(model, REPETITIVE, params, PromptLookupDraft(), k=5)
+        spec, _ = speculative_generate(model, REPETITIVE, params, PromptLookupDraft(), k=5, adaptive=False)
     assert_same(spec, engine)
 
 
@@ -100,7 +103,7 @@ def test_a_stop_id_among_the_kept_drafts_ends_the_sample_there():
     engine = Engine(model, GREEDY).generate([REPETITIVE])[0]
     stop = engine.token_ids[20]
     params = SamplingParams(max_new_tokens=60, temperature=0, stop_ids=[stop])
-    spec, _ = speculative_generate(model, REPETITIVE, params, ModelDraft.of(model), k=4)
+    spec, _ = speculative_generate(model, REPETITIVE, params, ModelDraft.of(model), k=4, adaptive=False)
     assert_same(spec, Engine(model, params).generate([REPETITIVE])[0])
     assert spec.finish_reason == "stop" and spec.token_ids[-1] == stop
 
@@ -115,6 +118,37 @@ def test_kv_cache_truncate_keeps_the_first_positions_and_refuses_to_grow():
     assert k.shape[2] == 4 and float(k[0, 0, 3, 0]) == 2.0 and float(k[0, 0, 2, 0]) == 1.0
     with pytest.raises(TinyLMError, match="cannot truncate"):
         cache.truncate(9)
+
+
+def test_the_pacer_pauses_drafting_that_is_slower_than_plain_steps_and_tries_again():
+    pacer = Pacer(k=4)
+    for _ in range(3):  # the first plain step is not timed (a compile may happen there)
+        assert pacer.drafts() == 0
+        pacer.record(0, 0, 0.010)
+    pacer.record(4, 4, 9.0)  # the first drafted round is not timed either
+    # rounds of 5 drafts keeping 1 (2 tokens) in 30 ms: 67 tokens/s against 100 plain
+    for _ in range(ROUNDS_PER_CHECK):
+        assert pacer.drafts() >= 1
+        pacer.record(pacer.drafts(), 1, 0.030)
+    assert pacer.drafts() == 0 and pacer.pause == FIRST_PAUSE
+    for _ in range(FIRST_PAUSE):
+        assert pacer.drafts() == 0
+        pacer.record(0, 0, 0.010)
+    assert pacer.drafts() >= 1  # tries again
+    for _ in range(ROUNDS_PER_CHECK):  # still slower: a pause twice as long
+        pacer.record(pacer.drafts(), 0, 0.030)
+    assert pacer.pause == 2 * FIRST_PAUSE
+    for _ in range(2 * FIRST_PAUSE):
+        pacer.record(0, 0, 0.010)
+    for _ in range(ROUNDS_PER_CHECK):  # now drafts pay: 4 tokens in 15 ms, 267 tokens/s
+        pacer.record(3, 3, 0.015)
+    assert pacer.drafts() >= 1 and pacer.pause == 0 and pacer.next_pause == FIRST_PAUSE
+
+
+def test_greedy_output_is_the_engines_whatever_the_pacer_decides():
+    model = tiny_gpt()
+    spec, _ = speculative_generate(model, REPETITIVE, GREEDY, ModelDraft.of(tiny_gpt(seed=3)), k=4)
+    assert_same(spec, Engine(model, GREEDY).generate([REPETITIVE])[0])
 
 
 def test_bad_requests_are_refused_in_one_line():
@@ -161,7 +195,7 @@ def test_sampled_tokens_follow_the_models_distribution_with_a_disagreeing_draft(
     accepted = 0
     for seed in range(N):
         params.seed = seed
-        c, stats = speculative_generate(model, prompt, params, draft, k=2, min_acceptance=0)
+        c, stats = speculative_generate(model, prompt, params, draft, k=2, adaptive=False)
         counts[tuple(c.token_ids)] += 1
         accepted += stats.accepted
     tv = 0.5 * sum(abs(counts[x] / N - p[x]) for x in p)
@@ -273,7 +307,7 @@ def test_greedy_with_the_ngram_draft_equals_the_engine_on_a_run(shard_run):
     draft = load_draft("ngram", run)
     ids = run.start_ids + run.tokenizer.encode("To be, or not")
     params = SamplingParams(max_new_tokens=40, temperature=0, stop_ids=[])
-    spec, stats = speculative_generate(run.model, ids, params, draft, k=4, tokenizer=run.tokenizer)
+    spec, stats = speculative_generate(run.model, ids, params, draft, k=4, tokenizer=run.tokenizer, adaptive=False)
     assert_same(spec, Engine(run.model, params, run.tokenizer).generate([ids])[0])
     assert stats.proposed > 0
 

@@ -50,9 +50,10 @@ def supports(model: nn.Module) -> bool:
     return isinstance(model, GPT) and not model.config.bigram_hash
 
 
-def _in_out(*linears: nn.Linear) -> tuple[Tensor, Tensor | None]:
-    """The linears' weights side by side as one (in, sum of outs) matrix, and their biases as one vector."""
-    weight = torch.cat([lin.weight.detach() for lin in linears]).T.contiguous()  # (in, out)
+def _fused(linears: tuple[nn.Linear, ...], in_out: bool) -> tuple[Tensor, Tensor | None]:
+    """The linears' weights as one matrix, (in, sum of outs) or (sum of outs, in), and their biases as one vector."""
+    weight = torch.cat([lin.weight.detach() for lin in linears])  # (outs, in)
+    weight = weight.T.contiguous() if in_out else weight.contiguous()
     biases = [lin.bias for lin in linears]
     if all(b is None for b in biases):
         return weight, None
@@ -61,15 +62,35 @@ def _in_out(*linears: nn.Linear) -> tuple[Tensor, Tensor | None]:
     return weight, bias
 
 
-def _linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    y = x @ weight  # (B, T, out)
+def _product_in_out(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """x (..., in) times W stored (in, out): MKL's fastest one-row product."""
+    y = x @ weight
+    return y + bias if bias is not None else y
+
+
+def _product_out_in(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """x (..., in) times W stored (out, in) (nn.Linear's layout)."""
+    return F.linear(x, weight, bias)
+
+
+def _product_reduced(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """x (..., in) times W stored (out, in), written as a sum for the compiler: out[o, m] = sum_i W[o, i] x[m, i].
+
+    Inductor turns this into one loop over W's rows that dots each row with every token's vector
+    while the row is in the L1 cache, so a step over a few tokens reads W once. MKL's product of a
+    small batch of rows reads it once per row (on this machine 4 rows took 5x one;
+    `benchmarks/generate.py` has the numbers).
+    """
+    rows = x.reshape(-1, x.size(-1))  # (M, in)
+    y = (weight[:, None, :] * rows[None, :, :]).sum(-1).T  # (M, out)
+    y = y.reshape(*x.shape[:-1], weight.size(0))
     return y + bias if bias is not None else y
 
 
 class DecodeWeights(nn.Module):
     """A GPT's weights for decoding (module docstring) and the step over a static cache."""
 
-    def __init__(self, model: GPT) -> None:
+    def __init__(self, model: GPT, compiled: bool = False) -> None:
         super().__init__()
         if not supports(model):
             raise TinyLMError("the fast decoding layout covers GPT models without a bigram-hash table")
@@ -86,20 +107,24 @@ class DecodeWeights(nn.Module):
         self.norm_f = model.norm_f
         self.norm_1 = nn.ModuleList(block.norm_1 for block in model.blocks)
         self.norm_2 = nn.ModuleList(block.norm_2 for block in model.blocks)
+        # eager: (in, out) matrices for MKL; compiled: (out, in) for the written-out product
+        self.compiled = compiled
+        in_out = not compiled
+        self.product = _product_in_out if in_out else _product_out_in
         with torch.no_grad():
             layers = []
             for block in model.blocks:
                 attn, mlp = block.attn, block.mlp
                 up = (mlp.W_1, mlp.W_3) if cfg.mlp == "swiglu" else (mlp.W_1,)
                 layers.append({
-                    "qkv": _in_out(attn.W_q, attn.W_k, attn.W_v), "o": _in_out(attn.W_o),
-                    "up": _in_out(*up), "down": _in_out(mlp.W_2),
+                    "qkv": _fused((attn.W_q, attn.W_k, attn.W_v), in_out), "o": _fused((attn.W_o,), in_out),
+                    "up": _fused(up, in_out), "down": _fused((mlp.W_2,), in_out),
                     "q_norm": attn.q_norm.weight.detach() if attn.q_norm is not None else None,
                     "k_norm": attn.k_norm.weight.detach() if attn.k_norm is not None else None,
                     "ve": attn.ve_weight.detach() if attn.ve_weight is not None else None,
                 })
             self.layers = layers
-            self.head = model.lm_head.weight.detach().T.contiguous()  # (d, V)
+            self.head = _fused((model.lm_head,), in_out)[0]  # (d, V) or (V, d)
             self.rope: tuple[Tensor, Tensor] | None = None
             if model.rope is not None:
                 cos, sin = model.rope(torch.arange(cfg.block_size, device=self.head.device)[None])  # 2 x (1, 1, S, hs)
@@ -121,6 +146,9 @@ class DecodeWeights(nn.Module):
         B, T = tokens.shape
         nh, n_kv, hs = self.n_head, self.n_kv, self.hs
         S = k_cache.size(3)
+        # the written-out product only for one token: over several, inductor fuses each product into the
+        # next and recomputes it per output row (a round of 6 tokens took 20x a single one)
+        product = _product_reduced if written_out and B * T == 1 else self.product
         h = self.E(tokens)  # (B, T, d)
         ve = self.V_emb(tokens) if self.V_emb is not None else None  # (B, T, n_kv * hs)
         if self.pos_emb is not None:
@@ -138,7 +166,7 @@ class DecodeWeights(nn.Module):
         mask = mask[:, None]  # (B, 1, T, S)
         for i, layer in enumerate(self.layers):
             x = self.norm_1[i](h) if self.pre_norm else h
-            qkv = _linear(x, *layer["qkv"])  # (B, T, (nh + 2 n_kv) hs)
+            qkv = product(x, *layer["qkv"])  # (B, T, (nh + 2 n_kv) hs)
             q, k, v = qkv.split((nh * hs, n_kv * hs, n_kv * hs), dim=-1)
             if ve is not None:
                 v = v + layer["ve"] * ve
@@ -161,10 +189,10 @@ class DecodeWeights(nn.Module):
             else:
                 y = F.scaled_dot_product_attention(q, k_cache[i], v_cache[i], attn_mask=mask,
                                                    enable_gqa=n_kv != nh)  # (B, nh, T, hs)
-            a = _linear(y.transpose(1, 2).reshape(B, T, nh * hs), *layer["o"])  # (B, T, d)
+            a = product(y.transpose(1, 2).reshape(B, T, nh * hs), *layer["o"])  # (B, T, d)
             h = h + a if self.pre_norm else self.norm_1[i](h + a)
             x = self.norm_2[i](h) if self.pre_norm else h
-            m = _linear(self._activation(_linear(x, *layer["up"])), *layer["down"])
+            m = product(self._activation(product(x, *layer["up"])), *layer["down"])
             h = h + m if self.pre_norm else self.norm_2[i](h + m)
         return self.norm_f(h)
 
@@ -176,9 +204,10 @@ class DecodeWeights(nn.Module):
             return F.relu(up).square()
         return F.gelu(up, approximate="tanh")
 
-    def logits(self, h: Tensor) -> Tensor:
+    def logits(self, h: Tensor, written_out: bool = False) -> Tensor:
         """Logits (..., V) for hidden states (..., d)."""
-        logits = h @ self.head
+        one = h.numel() == h.size(-1)
+        logits = (_product_reduced if written_out and one else self.product)(h, self.head, None)
         if self.softcap is not None:
             logits = self.softcap * torch.tanh(logits / self.softcap)
         return logits
@@ -186,7 +215,7 @@ class DecodeWeights(nn.Module):
     def step(self, tokens: Tensor, slots: Tensor, positions: Tensor, key_mask: Tensor,
              k_cache: Tensor, v_cache: Tensor, written_out: bool = False) -> Tensor:
         """`hidden` then `logits`: (B, T, V)."""
-        return self.logits(self.hidden(tokens, slots, positions, key_mask, k_cache, v_cache, written_out))
+        return self.logits(self.hidden(tokens, slots, positions, key_mask, k_cache, v_cache, written_out), written_out)
 
     def compiled_step(self, shape: tuple[int, ...]) -> Callable:
         """`step` compiled by `torch.compile` for one (B, T, S) (one graph per shape, made on first use)."""
@@ -203,7 +232,7 @@ def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 # the laid-out weights of each model, rebuilt when its parameters change (training steps, loading)
-_LAYOUTS: weakref.WeakKeyDictionary[nn.Module, tuple[tuple, DecodeWeights]] = weakref.WeakKeyDictionary()
+_LAYOUTS: weakref.WeakKeyDictionary[nn.Module, dict[bool, tuple[tuple, DecodeWeights]]] = weakref.WeakKeyDictionary()
 
 
 def _fingerprint(model: nn.Module) -> tuple:
@@ -211,14 +240,14 @@ def _fingerprint(model: nn.Module) -> tuple:
     return tuple((p.data_ptr(), -1 if p.is_inference() else p._version, p.dtype, p.device) for p in model.parameters())
 
 
-def decode_weights(model: GPT) -> DecodeWeights:
-    """The model's `DecodeWeights`, made once and kept while its parameters are unchanged."""
-    key = _fingerprint(model)
-    kept = _LAYOUTS.get(model)
+def decode_weights(model: GPT, compiled: bool = False) -> DecodeWeights:
+    """The model's `DecodeWeights` (for eager or compiled steps), made once and kept while its parameters are unchanged."""
+    key = (_fingerprint(model), compiled)
+    kept = _LAYOUTS.setdefault(model, {}).get(compiled)
     if kept is not None and kept[0] == key:
         return kept[1]
-    weights = DecodeWeights(model)
-    _LAYOUTS[model] = (key, weights)
+    weights = DecodeWeights(model, compiled)
+    _LAYOUTS[model][compiled] = (key, weights)
     return weights
 
 
@@ -234,7 +263,7 @@ class StaticDecoder:
         if capacity > cfg.block_size:
             raise TinyLMError(f"a cache of {capacity} positions exceeds the model's context "
                               f"(block_size = {cfg.block_size})")
-        self.weights = decode_weights(model)
+        self.weights = decode_weights(model, compile)
         self.capacity = capacity
         self.compile = compile
         dtype, device = self.weights.head.dtype, self.weights.head.device

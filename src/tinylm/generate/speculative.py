@@ -29,8 +29,16 @@ RNN's state or an n-gram's history cannot, so those are refused as the model (an
 be a draft).
 
 k adapts: one more after a round where all drafts were kept (up to ``k``), back to one more
-than the drafts kept after a rejection, and drafting pauses for a while when the recent
-acceptance rate falls below ``min_acceptance``. `SpeculativeStats` counts rounds, proposed and
+than the drafts kept after a rejection. Whether drafting pays depends on the draft and on the
+machine: a pass over k + 1 tokens costs about one token's pass where reading the weights is
+the bottleneck (big models), but up to k + 1 times as much where the arithmetic is (small
+models on a CPU whose BLAS multiplies a few rows slowly). So `Pacer` measures it: it times the
+plain steps and the drafted rounds, and after every 8 drafted rounds compares the tokens per
+second of both; when drafting was slower it decodes plainly for a while (16 steps, doubling
+each time it is still slower, up to 256) and then tries again. Greedy output does not depend on
+these choices; sampled output follows the model's distribution either way, though with a seed
+the text can differ from run to run, since the choices depend on measured time.
+`SpeculativeStats` counts rounds, proposed and
 accepted drafts, and the model's forward passes.
 
     completion, stats = speculative_generate(run.model, ids, SamplingParams(temperature=0), PromptLookupDraft(),
@@ -40,6 +48,7 @@ accepted drafts, and the model's forward passes.
 from __future__ import annotations
 
 import os
+import statistics
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -62,9 +71,10 @@ from tinylm.generate.stream import TextStream
 from tinylm.model import NGramLM, NGramModel
 from tinylm.tokenizers.base import Tokenizer, default_stop_ids
 
-# rounds of recent history the acceptance rate is measured over, and how many plain steps a pause lasts
-ACCEPTANCE_WINDOW = 8
-PAUSE_STEPS = 16
+# drafted rounds per comparison with plain steps; plain steps a pause lasts, first and at most
+ROUNDS_PER_CHECK = 8
+FIRST_PAUSE, LONGEST_PAUSE = 16, 256
+PLAIN_STEPS_TIMED = 16  # the recent plain steps whose median time is the one to beat
 
 
 @dataclass
@@ -260,6 +270,53 @@ def _draw(probs: Tensor, generator: torch.Generator | None) -> int:
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
+class Pacer:
+    """How many drafts to propose next (0: a plain step), from the acceptance and the measured speed (module docstring).
+
+    ``adaptive=False`` always drafts (up to ``k``, adapted to the acceptance): the tests use it to
+    check the acceptance rule on every round.
+    """
+
+    def __init__(self, k: int, adaptive: bool = True) -> None:
+        self.k, self.k_now, self.adaptive = k, k, adaptive
+        self.plain_seconds: deque[float] = deque(maxlen=PLAIN_STEPS_TIMED)
+        self.rounds: list[tuple[int, float]] = []  # (tokens, seconds) of the drafted rounds since the last check
+        self.pause = 0  # plain steps left before drafting again
+        self.next_pause = FIRST_PAUSE
+        self.untimed = {"plain", "drafted"}  # the first of each is not timed (a compiled graph is made then)
+
+    def drafts(self) -> int:
+        if not self.adaptive:
+            return self.k_now
+        if self.pause > 0 or len(self.plain_seconds) < 2:  # two plain steps timed before the first draft
+            return 0
+        return self.k_now
+
+    def record(self, drafted: int, kept: int, seconds: float) -> None:
+        """A plain step (``drafted`` 0) or a round that kept ``kept`` of ``drafted`` drafts took ``seconds``."""
+        kind = "drafted" if drafted else "plain"
+        timed = kind not in self.untimed
+        self.untimed.discard(kind)
+        if not drafted:
+            if timed:
+                self.plain_seconds.append(seconds)
+            self.pause = max(0, self.pause - 1)
+            return
+        self.k_now = min(self.k, self.k_now + 1) if kept == drafted else max(1, kept + 1)
+        if not (self.adaptive and timed):
+            return
+        self.rounds.append((kept + 1, seconds))
+        if len(self.rounds) < ROUNDS_PER_CHECK:
+            return
+        tokens, spent = map(sum, zip(*self.rounds))
+        self.rounds.clear()
+        if tokens / spent < 1 / statistics.median(self.plain_seconds):  # drafting was slower: pause it
+            self.pause = self.next_pause
+            self.next_pause = min(2 * self.next_pause, LONGEST_PAUSE)
+        else:
+            self.next_pause = FIRST_PAUSE
+
+
 # ----- the loop ------------------------------------------------------------------------------------
 
 
@@ -281,7 +338,7 @@ def speculative_generate(
     k: int = 4,
     *,
     tokenizer: Tokenizer | None = None,
-    min_acceptance: float = 0.1,
+    adaptive: bool = True,
     compile: bool = False,
 ) -> tuple[Completion, SpeculativeStats]:
     """One completion of ``prompt_ids``, distributed exactly as the engine's, checking up to ``k`` drafts a pass."""
@@ -289,7 +346,7 @@ def speculative_generate(
     stream = TextStream(tokenizer, params.stop) if tokenizer is not None else None
     tokens, logprobs, finish, stop = [], [], None, None
     for event in speculative_events(model, prompt_ids, params, draft, k, tokenizer=tokenizer,
-                                    min_acceptance=min_acceptance, compile=compile, stats=stats, stream=stream):
+                                    adaptive=adaptive, compile=compile, stats=stats, stream=stream):
         tokens.append(event.token)
         logprobs.append(event.logprob)
         finish = event.finish_reason
@@ -310,7 +367,7 @@ def speculative_events(
     k: int = 4,
     *,
     tokenizer: Tokenizer | None = None,
-    min_acceptance: float = 0.1,
+    adaptive: bool = True,
     compile: bool = False,
     stats: SpeculativeStats | None = None,
     stream: TextStream | None = None,
@@ -334,12 +391,12 @@ def speculative_events(
     stats = stats if stats is not None else SpeculativeStats()
     if stream is None and tokenizer is not None:
         stream = TextStream(tokenizer, params.stop)
-    return _rounds(model, seq, params, draft, k, tokenizer, min_acceptance, compile, stats, stream)
+    return _rounds(model, seq, params, draft, k, tokenizer, adaptive, compile, stats, stream)
 
 
 @torch.inference_mode()
 def _rounds(model: nn.Module, seq: list[int], params: SamplingParams, draft: Draft, k: int,
-            tokenizer: Tokenizer | None, min_acceptance: float, compile: bool, stats: SpeculativeStats,
+            tokenizer: Tokenizer | None, adaptive: bool, compile: bool, stats: SpeculativeStats,
             stream: TextStream | None) -> Iterator[SpeculativeEvent]:
     block_size = model.config.block_size
     keep = window_keep(params, block_size)
@@ -360,7 +417,7 @@ def _rounds(model: nn.Module, seq: list[int], params: SamplingParams, draft: Dra
     capacity = decoder.max_len
     n_new = 0
     start, warned = -1, False  # where the cache's window begins in seq; -1: no window yet
-    k_now, recent, paused = k, deque(maxlen=ACCEPTANCE_WINDOW), 0
+    pacer = Pacer(k, adaptive)
     was_training = model.training
     model.eval()
     try:
@@ -376,7 +433,8 @@ def _rounds(model: nn.Module, seq: list[int], params: SamplingParams, draft: Dra
                     decoder.extend(torch.tensor([seq[start:-1]], device=device))
                     stats.forward_passes += 1
             room = capacity - (len(seq) - start)  # drafts that fit in the window after the pending token
-            n_draft = min(k_now, room, params.max_new_tokens - n_new - 1) if paused == 0 else 0
+            started = time.perf_counter()
+            n_draft = min(pacer.drafts(), room, params.max_new_tokens - n_new - 1)
             drafts, q = draft.propose(seq, n_draft, excluded, params, generator) if n_draft > 0 else ([], None)
             drafts = drafts[:max(n_draft, 0)]
             # ONE pass: the pending token and the drafts; row i gives p after seq + drafts[:i]
@@ -390,14 +448,7 @@ def _rounds(model: nn.Module, seq: list[int], params: SamplingParams, draft: Dra
                 stats.rounds += 1
                 stats.proposed += len(drafts)
                 stats.accepted += kept
-                recent.append((kept, len(drafts)))
-                k_now = min(k, k_now + 1) if kept == len(drafts) else max(1, kept + 1)
-                got, tried = map(sum, zip(*recent))
-                if len(recent) == ACCEPTANCE_WINDOW and got < min_acceptance * tried:
-                    paused, k_now = PAUSE_STEPS, 1  # then probe again with one draft
-                    recent.clear()
-            elif paused:
-                paused -= 1
+            pacer.record(len(drafts), kept, time.perf_counter() - started)
             # roll the cache back to the pending token and the drafts kept
             decoder.truncate(len(seq) - start + kept, last_token=([seq[-1]] + drafts)[kept])
             logprob_rows = torch.log_softmax(logits[:len(new)], dim=-1)  # (n new, V)
