@@ -46,6 +46,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -204,6 +205,128 @@ def bench_shape(name: str, config: GPTConfig, args: argparse.Namespace) -> list[
     return rows
 
 
+# ----- a trained run: tinylm's decoders, speculative decoding, transformers and llama.cpp side by side -----
+
+
+def held_out_prompts(run, count: int, length: int) -> list[list[int]]:
+    """``count`` prompts of ``length`` tokens from the run's validation split (text it did not train on)."""
+    from tinylm.data.shards import ShardSet
+
+    val = ShardSet.open(run.info["data"]["dir"]).tokens("val")
+    step = len(val) // (count + 1)
+    return [[int(t) for t in val[(i + 1) * step:(i + 1) * step + length]] for i in range(count)]
+
+
+def bench_run(args: argparse.Namespace) -> None:
+    """The table for ``--run``: every contender generates ``--new-tokens`` greedy tokens after each held-out prompt."""
+    import tempfile
+
+    from transformers import AutoModelForCausalLM
+
+    import tinylm.generate.engine as engine_module
+    from tinylm.export import export_run
+    from tinylm.generate.speculative import load_draft, speculative_generate
+    from tinylm.generate.steps import CachedDecoder
+    from tinylm.run import load_run
+
+    run = load_run(args.run)
+    n = args.new_tokens
+    prompts = held_out_prompts(run, args.prompts, args.prompt_tokens)
+    greedy = SamplingParams(max_new_tokens=n, temperature=0, stop_ids=[])
+    folder = Path(tempfile.mkdtemp(prefix="tinylm-bench-"))
+    export_run(args.run, folder / "hf", "hf")
+    theirs = AutoModelForCausalLM.from_pretrained(folder / "hf", dtype=torch.float32).eval()
+    ggufs = {}
+    for quant in ("f32", "q8_0"):
+        ggufs[quant] = export_run(args.run, folder / f"m-{quant}.gguf", "gguf", dtype=quant)
+
+    def engine(compile: bool = False, model_forward: bool = False):
+        def go():
+            original = engine_module.make_decoder
+            if model_forward:  # the engine as it was: the model's own forward and KVCache
+                engine_module.make_decoder = lambda model, batch, capacity, compile=False: CachedDecoder(model, batch, capacity)
+            try:
+                return [Engine(run.model, greedy, compile=compile).generate([p])[0].token_ids for p in prompts]
+            finally:
+                engine_module.make_decoder = original
+        return go
+
+    stats = {}
+
+    def speculative(kind: str, compile: bool = False):
+        draft = load_draft(kind, run, log=print)
+
+        def go():
+            outs, totals = [], [0, 0, 0]
+            for p in prompts:
+                c, st = speculative_generate(run.model, p, greedy, draft, k=args.k, compile=compile)
+                outs.append(c.token_ids)
+                totals = [totals[0] + st.accepted, totals[1] + st.proposed, totals[2] + st.forward_passes]
+            stats[(kind, compile)] = totals
+            return outs
+        return go
+
+    def transformers_generate():
+        outs = []
+        with torch.inference_mode():
+            for p in prompts:
+                ids = torch.tensor([p])
+                out = theirs.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                                      do_sample=False, pad_token_id=0)
+                outs.append(out[0, len(p):].tolist())
+        return outs
+
+    def llama_cpp(quant: str):
+        from llama_cpp import Llama
+
+        llm = Llama(model_path=str(ggufs[quant]), n_ctx=run.model.config.block_size, n_batch=run.model.config.block_size,
+                    n_threads=torch.get_num_threads(), type_k=0, type_v=0, verbose=False)
+
+        def go():
+            outs = []
+            for p in prompts:
+                out = []
+                for token in llm.generate(p, top_k=1, temp=0.0, reset=True):
+                    out.append(int(token))
+                    if len(out) == n:
+                        break
+                outs.append(out)
+            return outs
+        return go
+
+    contenders = {
+        "tinylm, model forward + KV cache (before)": engine(model_forward=True),
+        "tinylm engine": engine(),
+        "tinylm engine, --compile": engine(compile=True),
+        "tinylm --draft ngram": speculative("ngram"),
+        "tinylm --draft ngram --compile": speculative("ngram", compile=True),
+        "tinylm --draft prompt": speculative("prompt"),
+        "tinylm --draft prompt --compile": speculative("prompt", compile=True),
+        "transformers generate": transformers_generate,
+        "llama.cpp f32": llama_cpp("f32"),
+        "llama.cpp q8_0": llama_cpp("q8_0"),
+    }
+    for fn in contenders.values():
+        fn()  # warm up: compile, fill caches, count the n-gram draft
+    timed = alternating(contenders, args.repeats)
+    reference = timed["tinylm engine"][1]
+    base = {name: timed[name][0] for name in ("transformers generate", "llama.cpp f32",
+                                               "tinylm, model forward + KV cache (before)")}
+    total = n * len(prompts)
+    print(f"{args.run}: {len(prompts)} held-out prompts of {args.prompt_tokens} tokens, {n} new tokens each, greedy, "
+          f"batch 1, {torch.get_num_threads()} thread(s), median of {args.repeats} interleaved runs")
+    print()
+    print("| decoder | tokens/s | vs before | vs transformers | vs llama.cpp f32 | same greedy tokens | drafts kept |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for name, (seconds, outs) in timed.items():
+        same = sum(a == b for out, ref in zip(outs, reference) for a, b in zip(out, ref))
+        kept = next((f"{a} of {b} ({100 * a / max(b, 1):.0f}%), {c} passes" for (kind, comp), (a, b, c) in stats.items()
+                     if name == f"tinylm --draft {kind}" + (" --compile" if comp else "")), "-")
+        print(f"| {name} | {total / seconds:.0f} | {base['tinylm, model forward + KV cache (before)'] / seconds:.2f}x "
+              f"| {base['transformers generate'] / seconds:.2f}x | {base['llama.cpp f32'] / seconds:.2f}x "
+              f"| {same}/{total} | {kept} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", default="gpt2-124m,tiny", help="comma-separated: " + ", ".join(SHAPES))
@@ -213,10 +336,18 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--skip-no-cache", action="store_true", help="skip the slow recompute-everything runs")
+    parser.add_argument("--run", metavar="DIR", help="a trained run: compare decoders on it instead of random shapes")
+    parser.add_argument("--prompts", type=int, default=3, help="with --run: held-out prompts (default 3)")
+    parser.add_argument("--k", type=int, default=4, help="with --run: the most drafts per pass (default 4)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     import transformers
+
+    if args.run:
+        transformers.logging.set_verbosity_error()
+        bench_run(args)
+        return
 
     transformers.logging.set_verbosity_error()  # its config complains about GPT-2's EOS id in a small vocabulary
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.get_num_threads()} threads, "

@@ -14,6 +14,7 @@ from tinylm.generate.engine import Engine
 from tinylm.generate.fast import DecodeWeights, StaticDecoder, decode_weights, make_decoder, supports
 from tinylm.generate.reference import reference_generate
 from tinylm.generate.sampling import SamplingParams
+from tinylm.generate.speculative import PromptLookupDraft, speculative_generate
 from tinylm.generate.steps import CachedDecoder
 
 from toys import BigramLM, tiny_gpt
@@ -97,15 +98,19 @@ def test_run_then_truncate_forgets_the_slots_past_the_cut():
         decoder.truncate(9)
 
 
-def test_the_compiled_step_gives_the_eager_steps_logits_and_tokens():
-    """One compile (seconds): the graph torch.compile makes computes what the eager step does."""
+def test_the_compiled_steps_give_the_eager_steps_tokens_in_the_engine_and_in_speculative_rounds():
+    """Compiles three graphs (tens of seconds): one token (the engine's), and the padded round and one token
+    of speculative decoding; each computes what the eager step does."""
     model = tiny_gpt(n_kv_head=2, qk_norm=True)
-    prompts = [[5, 6, 7, 8]]
+    prompt = [5, 6, 7, 8, 5, 6, 7, 8]
     params = SamplingParams(max_new_tokens=24, temperature=0, stop_ids=[])
-    eager = Engine(model, params).generate(prompts)[0]
-    compiled = Engine(model, params, compile=True).generate(prompts)[0]
+    eager = Engine(model, params).generate([prompt])[0]
+    compiled = Engine(model, params, compile=True).generate([prompt])[0]
     assert compiled.token_ids == eager.token_ids
     assert compiled.logprobs == pytest.approx(eager.logprobs, abs=1e-4)
+    spec, stats = speculative_generate(model, prompt, params, PromptLookupDraft(), k=3, compile=True, adaptive=False)
+    assert spec.token_ids == eager.token_ids and stats.proposed > stats.accepted > 0
+    assert spec.logprobs == pytest.approx(eager.logprobs, abs=1e-4)
 
 
 def test_the_layout_is_rebuilt_when_the_weights_change():

@@ -45,6 +45,9 @@ from tinylm.generate.steps import CachedDecoder, real_positions
 from tinylm.model import GPT
 
 
+ONE_TOKEN_INDUCTOR_OPTIONS = {"realize_reads_threshold": 1, "realize_cpu_opcount_threshold": 1}
+
+
 def supports(model: nn.Module) -> bool:
     """Whether `DecodeWeights` can lay out ``model``: a GPT without a bigram-hash table."""
     return isinstance(model, GPT) and not model.config.bigram_hash
@@ -220,8 +223,11 @@ class DecodeWeights(nn.Module):
     def compiled_step(self, shape: tuple[int, ...]) -> Callable:
         """`step` compiled by `torch.compile` for one (B, T, S) (one graph per shape, made on first use)."""
         if shape not in self._compiled:
+            # one token: keep every intermediate vector in memory rather than recompute it inside the
+            # products that read it (inductor's default for cheap producers), which doubled their time
+            options = ONE_TOKEN_INDUCTOR_OPTIONS if shape[0] * shape[1] == 1 else {}
             self._compiled[shape] = torch.compile(functools.partial(self.step, written_out=True),
-                                                  dynamic=False, fullgraph=True)
+                                                  dynamic=False, fullgraph=True, options=options)
         return self._compiled[shape]
 
 
