@@ -134,6 +134,7 @@ class DecodeWeights(nn.Module):
                 self.rope = (cos[0, 0].to(self.head.dtype), sin[0, 0].to(self.head.dtype))  # 2 x (S, hs)
         self.eps = cfg.norm_eps
         self._compiled: dict[tuple, Callable] = {}
+        self.warm: set[tuple] = set()  # shapes whose compiled step has run once
 
     # -- the step ----------------------------------------------------------------------------
 
@@ -339,8 +340,18 @@ class StaticDecoder:
             raise TinyLMError(f"the cache holds {self.k.size(3)} slots; {end} do not fit")
         self.key_mask[:, start:end] = True if real is None else real
         slots = torch.arange(start, end, device=self.device)
-        step = self.weights.compiled_step((*tokens.shape, self.k.size(3))) if compiled else self.weights.step
-        logits = step(tokens, slots, positions, self.key_mask, self.k, self.v)
+        shape = (*tokens.shape, self.k.size(3))
+        step = self.weights.compiled_step(shape) if compiled else self.weights.step
+        if compiled and shape in self.weights.warm:
+            # Each compiled function serves one shape, and every call passes a decoder's own buffers with
+            # fixed dtypes and sizes, so after the first call (which compiles) dynamo's guards, about a
+            # tenth of a step, cannot fail: skip them.
+            with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+                logits = step(tokens, slots, positions, self.key_mask, self.k, self.v)
+        else:
+            logits = step(tokens, slots, positions, self.key_mask, self.k, self.v)
+            if compiled:
+                self.weights.warm.add(shape)
         self.length = end
         return logits
 
