@@ -339,4 +339,6 @@ def test_sample_parses_draft_and_draft_k():
     from tinylm.cli import build_parser
 
     args = build_parser().parse_args(["sample", "--run", "r", "--draft", "prompt", "--draft-k", "6"])
-    assert (args.draft, args.draft_k) == ("prompt", 6)
+    assert (args.draft, args.draft_k, args.compile) == ("prompt", 6, False)
+    args = build_parser().parse_args(["sample", "--run", "r", "--draft", "ngram", "--compile"])
+    assert (args.draft, args.compile) == ("ngram", True)
