@@ -438,3 +438,53 @@ def test_a_bigram_hash_model_keeps_each_rows_last_token_through_merges(run):
     for i, prompt in enumerate(PROMPTS):
         expected = generate(model, run.tokenizer, prompt, settings(i), start_ids=run.start_ids)
         assert together[i] == [(c.text, c.finish_reason) for c in expected]
+
+
+# ----- speculative decoding of a lone request --------------------------------------------------------
+
+
+def test_a_lone_greedy_request_decoded_with_a_draft_gets_the_engines_text_and_keeps_drafts(run):
+    from tinylm.generate.speculative import PromptLookupDraft
+
+    prompt = "To be, or not to be, to be, or not"
+    params = SamplingParams(max_new_tokens=40, temperature=0, stop_ids=[])
+    expected = generate(run.model, run.tokenizer, prompt, params, start_ids=run.start_ids)[0].text
+    scheduler = Scheduler(run.model, run.tokenizer, draft=PromptLookupDraft(), draft_k=4).start()
+    try:
+        recorder = Recorder()
+        scheduler.submit(Job([run.start_ids + run.tokenizer.encode(prompt)], params, on_event=recorder))
+        assert recorder.result() == [(expected, "length")]
+        stats = scheduler.stats()
+    finally:
+        scheduler.close()
+    assert stats["drafted"] > 0 and stats["kept"] > 0  # rounds ran, and some drafts were kept
+    assert stats["steps"] < 40  # fewer model passes than tokens
+
+
+def test_requests_batched_together_with_a_draft_still_get_their_library_samples(run):
+    from tinylm.generate.speculative import PromptLookupDraft
+
+    scheduler = Scheduler(run.model, run.tokenizer, draft=PromptLookupDraft())
+    recorders = []
+    for i, prompt in enumerate(PROMPTS[:3]):
+        recorders.append(Recorder())
+        scheduler.submit(Job([run.start_ids + run.tokenizer.encode(prompt)], settings(i), on_event=recorders[-1]))
+    scheduler.start()
+    try:
+        for i, (prompt, recorder) in enumerate(zip(PROMPTS[:3], recorders)):
+            params = settings(i)
+            if params.greedy:  # greedy text is the engine's whether a round drafted or not
+                expected = [(c.text, c.finish_reason)
+                            for c in generate(run.model, run.tokenizer, prompt, params, start_ids=run.start_ids)]
+                assert recorder.result() == expected
+            else:
+                assert len(recorder.result()) == params.num_samples
+    finally:
+        scheduler.close()
+
+
+def test_a_draft_for_a_model_without_a_kv_cache_is_refused_in_one_line(run):
+    from tinylm.generate.speculative import PromptLookupDraft
+
+    with pytest.raises(TinyLMError, match="serve it without --draft"):
+        Scheduler(counted_ngram(run.tokenizer), run.tokenizer, draft=PromptLookupDraft())

@@ -143,3 +143,30 @@ def test_two_servers_cannot_share_a_port_even_when_both_reuse_addresses():
             bind_socket("127.0.0.1", port)
     finally:
         first.close()
+
+
+def test_serve_with_a_draft_answers_greedy_requests_with_the_librarys_text(run_dir, run, tmp_path):
+    """`tinylm serve --draft prompt`: the official client gets the text `tinylm sample` gives, and /health counts drafts."""
+    import httpx
+    import openai
+
+    from tinylm.generate import SamplingParams, generate
+
+    served = CommandServer(run_dir, tmp_path, "--draft", "prompt", "--draft-k", "3")
+    try:
+        client = openai.OpenAI(base_url=served.base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        prompt = "To be, or not to be, to be, or not"
+        out = client.completions.create(model=run_dir.name, prompt=prompt, max_tokens=30, temperature=0)
+        expected = generate(run.model, run.tokenizer, prompt, SamplingParams(max_new_tokens=30, temperature=0),
+                            start_ids=run.start_ids)[0]
+        assert out.choices[0].text == expected.text
+        health = httpx.get(served.base_url + "/health").json()
+    finally:
+        served.close()
+    assert health["scheduler"]["drafted"] > 0, health
+
+
+def test_serve_refuses_a_draft_it_cannot_make_in_one_line(run_dir, capsys):
+    assert main(["serve", "--run", str(run_dir), "--port", "0", "--draft", "ngram"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no n-gram draft" in err[0], err

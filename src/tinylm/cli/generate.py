@@ -109,6 +109,11 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--checkpoint", choices=["best", "latest"], default="best", help="which checkpoint (default: best)")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps (default: cpu)")
     p.add_argument("--threads", type=positive_int, metavar="N", help="PyTorch CPU threads (default: PyTorch's choice)")
+    p.add_argument("--draft", metavar="ngram|prompt|DIR",
+                   help="speculative decoding of a lone request (as tinylm sample --draft): the same greedy text, "
+                   "the same sampling distribution, faster where drafts are often kept (default: off)")
+    p.add_argument("--draft-k", type=positive_int, default=4, metavar="N",
+                   help="the most tokens drafted per model pass (default: 4)")
     p.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"], default="info",
                    help="the server's log level; info logs every request (default: info)")
     p.set_defaults(func=cmd_serve, parser=p)

@@ -443,7 +443,7 @@ def _rounds(model: nn.Module, seq: list[int], params: SamplingParams, draft: Dra
             stats.forward_passes += 1
             logits = logits[0].float().masked_fill(excluded, float("-inf"))  # (1 + n, V)
             p = sampling_distribution(logits, params)  # (1 + n, V)
-            new, kept = _accept(p, drafts, q, generator)
+            new, kept = accept_drafts(p, drafts, q, generator)
             if drafts:
                 stats.rounds += 1
                 stats.proposed += len(drafts)
@@ -464,7 +464,7 @@ def _rounds(model: nn.Module, seq: list[int], params: SamplingParams, draft: Dra
         model.train(was_training)
 
 
-def _accept(p: Tensor, drafts: list[int], q: Tensor | None,
+def accept_drafts(p: Tensor, drafts: list[int], q: Tensor | None,
             generator: torch.Generator | None) -> tuple[list[int], int]:
     """The acceptance rule (module docstring): the new tokens (kept drafts + one drawn) and how many drafts were kept."""
     for i, d in enumerate(drafts):

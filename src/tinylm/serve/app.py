@@ -63,6 +63,7 @@ import asyncio
 import base64
 import hmac
 import logging
+import sys
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -81,6 +82,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import tinylm.serve.protocol as protocol
 from tinylm.errors import TinyLMError
 from tinylm.generate.inspect import drawable_logits, top_ids
+from tinylm.generate.speculative import load_draft
 from tinylm.serve.chat import ChatFormat, is_blank_token, reply_text
 from tinylm.serve.inside import router as inside_router
 from tinylm.serve.protocol import (
@@ -138,13 +140,15 @@ def served_context(run: Any) -> int:
 
 def create_app(run: Any, *, model_name: str | None = None, api_key: str | None = None, max_batch_size: int = 32,
                batch_window: float = 0.002, max_body_bytes: int = MAX_BODY_BYTES,
-               allow_origins: Sequence[str] = ()) -> FastAPI:
+               allow_origins: Sequence[str] = (), draft: str | None = None, draft_k: int = 4) -> FastAPI:
     """The app serving ``run`` (a `tinylm.run.Run`, or any object with model, tokenizer, start_ids).
 
     ``model_name`` is the id clients ask for (default: the run folder's name); ``api_key`` makes
     the API require it; ``max_batch_size`` and ``batch_window`` go to the `Scheduler`.
     ``allow_origins``: the web origins (``https://app.example``, or ``*`` for any) whose pages may
     call the API from a browser (CORS); none by default, so another site's page cannot.
+    ``draft`` and ``draft_k``: speculative decoding of a lone request (`tinylm.generate.speculative.load_draft`
+    names the drafts).
     """
     if api_key is not None and not api_key.strip():
         raise TinyLMError("the API key is empty: give the key clients must send, or None for no key")
@@ -154,7 +158,9 @@ def create_app(run: Any, *, model_name: str | None = None, api_key: str | None =
     served = ServedModel(name=model_name or (Path(path).name if path else "tinylm"), model=run.model,
                    tokenizer=run.tokenizer, start_ids=list(run.start_ids), block_size=served_context(run))
     chat = ChatFormat(run.tokenizer, served.start_ids)
-    scheduler = Scheduler(run.model, run.tokenizer, max_batch_size=max_batch_size, batch_window=batch_window)
+    drafter = load_draft(draft, run, log=lambda line: print(f"tinylm: {line}", file=sys.stderr)) if draft else None
+    scheduler = Scheduler(run.model, run.tokenizer, max_batch_size=max_batch_size, batch_window=batch_window,
+                          draft=drafter, draft_k=draft_k)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -58,6 +58,15 @@ enough that its longest prompt plus its largest ``max_new_tokens`` fits the cont
 prefill's logits (rows x longest prompt x vocabulary) stay under `PREFILL_LOGITS`, the bound the
 continuous path keeps by prefilling in groups (one row always starts, whatever its size).
 
+**Speculative decoding.** With a ``draft`` (`tinylm serve --draft`), a batch that holds one row
+(one client at a time, the case where a step leaves most of the machine idle) decodes by
+speculative rounds (`tinylm.generate.speculative`): the draft proposes tokens, one pass of the
+model over the row's KV cache checks them, the acceptance rule keeps the model's distribution,
+and the cache is cut back after a rejection. A `Pacer` times plain steps and rounds and stops
+drafting while it does not pay. Batches of two rows or more decode step by step as above. A
+greedy request gets the same tokens either way; a seeded sampled one follows the same
+distribution but not the same text as without a draft.
+
 **Cancelling.** `cancel` marks a request; its rows leave the batch before the next step, which
 frees their slots for waiting requests. The HTTP layer calls it when a client disconnects, from
 its own thread, at any moment: so the scheduler looks at which rows are leaving (finished,
@@ -91,7 +100,8 @@ from torch import Tensor, nn
 
 from tinylm.errors import TinyLMError
 from tinylm.generate.cache import KVCache, cache_for
-from tinylm.generate.sampling import excluded_mask, prompt_generators, sample, token_logprobs
+from tinylm.generate.sampling import excluded_mask, prompt_generators, sample, sampling_distribution, token_logprobs
+from tinylm.generate.speculative import Draft, Pacer, accept_drafts
 from tinylm.generate.steps import FinishReason, accept_token, decode_one_token, left_pad
 from tinylm.generate.stream import TextStream
 from tinylm.serve.jobs import ChoiceEvent, Job, JobDone, JobFailed, PromptEvent, TokenLogprob, is_crash
@@ -164,7 +174,7 @@ class Scheduler:
     """
 
     def __init__(self, model: nn.Module, tokenizer: Tokenizer, *, max_batch_size: int = 32,
-                 batch_window: float = 0.002) -> None:
+                 batch_window: float = 0.002, draft: Draft | None = None, draft_k: int = 4) -> None:
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise TinyLMError(f"max_batch_size must be an integer >= 1, got {max_batch_size!r}")
         if batch_window < 0:
@@ -180,6 +190,14 @@ class Scheduler:
         self._excluded: dict[frozenset[int], Tensor | None] = {}  # by a job's stop ids: what no row may draw
         # a KV cache can be re-aligned column by column, so rows may join a running batch; other caches cannot
         self.continuous = getattr(model, "new_cache", None) is None
+        if draft is not None and not self.continuous:
+            raise TinyLMError("speculative decoding rolls a Transformer's KV cache back; this model keeps another "
+                              "kind of state: serve it without --draft")
+        if not isinstance(draft_k, int) or draft_k < 1:
+            raise TinyLMError(f"the draft length must be an integer >= 1, got {draft_k!r}")
+        self.draft = draft
+        self.pacer = Pacer(draft_k)
+        self.drafted = self.kept = 0  # draft tokens proposed and kept, for /health and the tests
         self._cond = threading.Condition()
         self._waiting: deque[Job] = deque()  # jobs with rows not yet admitted, in arrival order
         self._batch: _Batch | None = None
@@ -259,7 +277,7 @@ class Scheduler:
             waiting = sum(len(job.pending) for job in self._waiting)
         return {"active_rows": len(batch.rows) if batch else 0, "waiting_rows": waiting,
                 "max_batch_size": self.max_batch_size, "largest_batch": self.largest_batch, "steps": self.steps,
-                "jobs": self.jobs, "cancelled_rows": self.cancelled_rows}
+                "jobs": self.jobs, "cancelled_rows": self.cancelled_rows, "drafted": self.drafted, "kept": self.kept}
 
     # -- the loop (scheduler thread) ---------------------------------------------------------------
 
@@ -417,8 +435,12 @@ class Scheduler:
         return _Batch(rows, cache, full_mask, P, padded)
 
     def _decode(self, batch: _Batch, outbox: dict[Job, list]) -> None:
-        """One step for every row: feed its newest token, draw the next."""
+        """One step for every row: feed its newest token, draw the next (a speculative round for a lone row)."""
         rows = batch.rows
+        lone = self.draft is not None and len(rows) == 1
+        started = time.perf_counter()
+        if lone and self._speculate(batch, outbox):
+            return
         tokens = torch.tensor([r.seq[-1] for r in rows], device=self.device)  # (B,)
         position_ids = torch.tensor([[r.fed] for r in rows], device=self.device)  # (B, 1)
         batch.mask[:, batch.length] = True
@@ -427,6 +449,61 @@ class Scheduler:
         logits = decode_one_token(self.model, tokens, batch.cache, attention_mask, position_ids)  # (B, V)
         self.steps += 1
         self._draw(rows, logits, outbox)
+        if lone:
+            self.pacer.record(0, 0, time.perf_counter() - started)
+
+    def _speculate(self, batch: _Batch, outbox: dict[Job, list]) -> bool:
+        """A speculative round for a batch of one row; False (nothing done) when no draft is proposed."""
+        row = batch.rows[0]
+        params = row.job.params
+        room = min(batch.mask.size(1) - batch.length - 1, row.remaining - 1)  # columns after the pending token
+        n = min(self.pacer.drafts(), room)
+        if n <= 0:
+            return False
+        started = time.perf_counter()
+        width = self.model.config.vocab_size
+        excluded = self._excluded_for(row.job, width)
+        drafts, q = self.draft.propose(row.seq, n, excluded if excluded is not None
+                                       else torch.zeros(width, dtype=torch.bool, device=self.device),
+                                       params, row.generator)
+        drafts = drafts[:n]
+        if not drafts:
+            return False
+        fed = [row.seq[-1], *drafts]
+        end = batch.length + len(fed)
+        batch.mask[:, batch.length:end] = True
+        attention_mask = batch.mask[:, :end] if batch.padded else None
+        positions = torch.arange(row.fed, row.fed + len(fed), device=self.device)[None]  # (1, 1 + n)
+        logits, _ = self.model(torch.tensor([fed], device=self.device), attention_mask=attention_mask,
+                               position_ids=positions, kv_cache=batch.cache)
+        logits = logits[0].float()  # (1 + n, V)
+        if excluded is not None:
+            logits.masked_fill_(excluded, float("-inf"))
+        try:
+            p = sampling_distribution(logits, params)  # (1 + n, V)
+        except Exception:  # settings sampling cannot take: undo the round; the plain step fails the job as usual
+            batch.cache.truncate(batch.length, last_tokens=torch.tensor([row.seq[-2] if len(row.seq) > 1 else fed[0]],
+                                                                         device=self.device))
+            batch.mask[:, batch.length:end] = False
+            return False
+        new, kept = accept_drafts(p, drafts, q, row.generator)
+        # keep the pending token and the drafts kept; the columns after them are free again
+        batch.cache.truncate(batch.length + 1 + kept, last_tokens=torch.tensor([fed[kept]], device=self.device))
+        batch.mask[:, batch.length + 1 + kept:end] = False
+        batch.length += 1 + kept
+        self.steps += 1
+        self.drafted += len(drafts)
+        self.kept += kept
+        logprobs = torch.log_softmax(logits[:len(new)], dim=-1)  # (new, V)
+        tops = self._top_logprobs([row] * len(new), logits[:len(new)])
+        for i, token in enumerate(new):
+            offset = len(row.stream.text) + len(row.stream.pending)
+            info = TokenLogprob(token, float(logprobs[i, token]), offset, tops.get(i, ()))
+            outbox[row.job].append(self._accept(row, info))
+            if row.finish_reason is not None:
+                break
+        self.pacer.record(len(drafts), kept, time.perf_counter() - started)
+        return True
 
     def _stop_ids(self, job: Job) -> set[int]:
         return job.stop_ids if job.stop_ids is not None else self.default_stop_ids

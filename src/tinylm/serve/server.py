@@ -123,8 +123,12 @@ def bind_socket(host: str, port: int) -> socket.socket:
 def serve(run_dir: str | os.PathLike, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
           model_name: str | None = None, max_batch_size: int = 32, batch_window: float = 0.002,
           checkpoint: str = "best", device: str = "cpu", log_level: str = "info",
-          graceful_timeout: float = GRACEFUL_TIMEOUT, allow_origins: Sequence[str] = ()) -> None:
+          graceful_timeout: float = GRACEFUL_TIMEOUT, allow_origins: Sequence[str] = (),
+          draft: str | None = None, draft_k: int = 4) -> None:
     """Serve the run in ``run_dir`` until interrupted (Ctrl+C): the OpenAI API under /v1, the playground at /.
+
+    ``draft`` ("ngram", "prompt" or a run folder) decodes a lone request by speculative rounds of up to
+    ``draft_k`` drafts (`tinylm.serve.scheduler`).
 
     ``port`` 0 takes any free port (the line printed at start says which). ``graceful_timeout``: how long a
     shutdown waits for the requests in flight (see the module docstring).
@@ -143,7 +147,7 @@ def serve(run_dir: str | os.PathLike, *, host: str = "127.0.0.1", port: int = 80
     try:
         run = load_run(run_dir, checkpoint=checkpoint, device=device)
         app = create_app(run, model_name=model_name, api_key=api_key, max_batch_size=max_batch_size,
-                         batch_window=batch_window, allow_origins=allow_origins)
+                         batch_window=batch_window, allow_origins=allow_origins, draft=draft, draft_k=draft_k)
     except BaseException:
         sock.close()
         raise
@@ -199,5 +203,5 @@ def cmd_serve(args: Any) -> int:
     serve(args.run, host=args.host, port=args.port, api_key=api_key, model_name=args.model_name,
           max_batch_size=args.max_batch_size, batch_window=args.batch_window_ms / 1000,
           checkpoint=args.checkpoint, device=args.device, log_level=args.log_level,
-          allow_origins=args.allow_origin or ())
+          allow_origins=args.allow_origin or (), draft=args.draft, draft_k=args.draft_k)
     return 0
