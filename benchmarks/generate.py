@@ -4,13 +4,24 @@ Run from the repository root::
 
     python benchmarks/generate.py                       # GPT-2 124M shape and the tiny shape, float32
     python benchmarks/generate.py --shapes tiny --repeats 5 --threads 1
+    python benchmarks/generate.py --run runs/tiny-shakespeare --threads 1 --repeats 5 --new-tokens 110 --prompt-tokens 16
+
+With ``--run``, a trained run's held-out prompts (its validation split) instead of random shapes:
+tinylm's engine as it was (the model's own forward over a KVCache), its decoding layout, compiled,
+speculative decoding with the n-gram and prompt-lookup drafts (drafts kept, model passes),
+`transformers` `generate` on the run exported to Hugging Face, and llama.cpp (`llama-cpp-python`)
+on the run exported to GGUF f32 and q8_0, all in one process, with how many greedy tokens each
+shares with tinylm's engine.
+
+Random shapes (the default):
 
 What is measured, each as the median of ``--repeats`` runs taken in turns (a, b, c, a, b, c, ...)
 so that a change in machine load hits every contender alike:
 
 - decode tokens/s at batch 1: a 16-token prompt, 128 new tokens, greedy, EOS ignored; new tokens
   divided by the wall time of the whole call (prefill included), for
-  * tinylm with its KV cache (`tinylm.generate.engine.Engine`),
+  * tinylm's engine (`tinylm.generate.engine.Engine`), as it was (the model's forward over a KVCache),
+    with its decoding layout (`tinylm.generate.fast`) and compiled,
   * tinylm without a cache (`tinylm.generate.reference.reference_generate`: every step runs the
     whole sequence again),
   * `transformers` `GPT2LMHeadModel.generate` with ``use_cache=True`` and ``use_cache=False``;
@@ -27,9 +38,6 @@ so that a change in machine load hits every contender alike:
 
 Both models have the same shape and the same weights (tinylm's, converted by `tinylm.export.weights`),
 and the benchmark prints how many of the first 32 greedy tokens they agree on before timing them.
-One more row, "W as (in, out)", runs tinylm on a copy of its model whose weight matrices are
-stored transposed (same values, another memory layout; see `column_major`): it measures what
-that layout, Hugging Face GPT-2's, would give tinylm's decoder.
 The tinylm model uses the GPT-2 choices: learned positions, LayerNorm, GELU (tanh), biases, tied
 embeddings. "tiny" is the tiny preset's dimensions (4 layers, d = 192, 6 heads, block 256,
 |V| = 2048) with those choices.
@@ -40,7 +48,6 @@ This is a measurement, not a test.
 from __future__ import annotations
 
 import argparse
-import copy
 import dataclasses
 import os
 import statistics
@@ -49,7 +56,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from timing import alternating
 
@@ -91,9 +97,21 @@ def build_pair(config: GPTConfig, seed: int = 0):
 # ----- the contenders ----------------------------------------------------------------------------------
 
 
-def tinylm_generate(model: GPT, prompts: torch.Tensor, new_tokens: int) -> list[list[int]]:
+def tinylm_generate(model: GPT, prompts: torch.Tensor, new_tokens: int, compile: bool = False,
+                    model_forward: bool = False) -> list[list[int]]:
+    """The engine's greedy tokens; ``model_forward``: the engine as it was before its decoding layout (the
+    model's own forward over a KVCache, `tinylm.generate.steps.CachedDecoder`)."""
+    import tinylm.generate.engine as engine_module
+    from tinylm.generate.steps import CachedDecoder
+
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0, stop_ids=[])
-    return [c.token_ids for c in Engine(model, params).generate(prompts.tolist())]
+    original = engine_module.make_decoder
+    if model_forward:
+        engine_module.make_decoder = lambda model, batch, capacity, compile=False: CachedDecoder(model, batch, capacity)
+    try:
+        return [c.token_ids for c in Engine(model, params, compile=compile).generate(prompts.tolist())]
+    finally:
+        engine_module.make_decoder = original
 
 
 def tinylm_no_cache(model: GPT, prompts: torch.Tensor, new_tokens: int) -> list[list[int]]:
@@ -138,29 +156,12 @@ def bytes_per_token(model: GPT, prompt_len: int, new_tokens: int) -> float:
     return (weights + cache) * element
 
 
-def column_major(model: GPT) -> GPT:
-    """A copy of ``model`` whose weight matrices are stored (in, out) instead of nn.Linear's (out, in).
-
-    The values are the same (``W.T.contiguous().T``): only the memory layout changes. MKL's
-    matrix-vector product reads the (in, out) layout faster on this kind of CPU, which is the layout
-    Hugging Face's GPT-2 Conv1D uses; this row measures what storing W that way in tinylm would give.
-    """
-    fast = copy.deepcopy(model)
-    with torch.no_grad():
-        for module in fast.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                module.weight.data = module.weight.data.T.contiguous().T
-    fast.lm_head.weight = fast.E.weight  # deepcopy keeps the tie; restate it after touching .data
-    return fast
-
-
 Row = tuple[str, str, float, float | None, float | None]  # shape, decoder, tokens/s, vs transformers, of bound
 
 
 def bench_shape(name: str, config: GPTConfig, args: argparse.Namespace) -> list[Row]:
     """Rows (shape, decoder, tokens/s, ratio to transformers in the same setting, fraction of the bound)."""
     ours, theirs = build_pair(config)
-    ours_inout = column_major(ours)
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, config.vocab_size, (1, args.prompt_tokens), generator=g)
     batch = torch.randint(0, config.vocab_size, (args.batch, args.prompt_tokens), generator=g)
@@ -175,11 +176,13 @@ def bench_shape(name: str, config: GPTConfig, args: argparse.Namespace) -> list[
     # name -> (function, rows per call, the transformers contender it is compared with)
     B = args.batch
     contenders: dict[str, tuple[Callable[[], object], int, str]] = {
-        "tinylm, KV cache": (lambda: tinylm_generate(ours, prompt, n), 1, "transformers, KV cache"),
-        "tinylm, KV cache, W as (in, out)": (lambda: tinylm_generate(ours_inout, prompt, n), 1,
-                                             "transformers, KV cache"),
+        "tinylm, model forward + KV cache (before)": (lambda: tinylm_generate(ours, prompt, n, model_forward=True), 1,
+                                                      "transformers, KV cache"),
+        "tinylm engine": (lambda: tinylm_generate(ours, prompt, n), 1, "transformers, KV cache"),
+        "tinylm engine, --compile": (lambda: tinylm_generate(ours, prompt, n, compile=True), 1,
+                                     "transformers, KV cache"),
         "transformers, KV cache": (lambda: hf_generate(theirs, prompt, n), 1, "transformers, KV cache"),
-        f"tinylm, KV cache, batch {B}": (lambda: tinylm_generate(ours, batch, n), B,
+        f"tinylm engine, batch {B}": (lambda: tinylm_generate(ours, batch, n), B,
                                          f"transformers, KV cache, batch {B}"),
         f"transformers, KV cache, batch {B}": (lambda: hf_generate(theirs, batch, n), B,
                                                f"transformers, KV cache, batch {B}"),
@@ -199,7 +202,7 @@ def bench_shape(name: str, config: GPTConfig, args: argparse.Namespace) -> list[
     for label, (_, rows_per_call, baseline) in contenders.items():
         tps = rows_per_call * n / seconds[label]
         ratio = seconds[baseline] / seconds[label]
-        fraction = tps / bound if rows_per_call == 1 and "KV cache" in label else None
+        fraction = tps / bound if rows_per_call == 1 and "no cache" not in label else None
         rows.append((name, label, tps, ratio, fraction))
     rows.append((name, f"bandwidth bound, batch 1 ({statistics.mean(bandwidths) / 1e9:.1f} GB/s)", bound, None, 1.0))
     return rows
@@ -223,10 +226,8 @@ def bench_run(args: argparse.Namespace) -> None:
 
     from transformers import AutoModelForCausalLM
 
-    import tinylm.generate.engine as engine_module
     from tinylm.export import export_run
     from tinylm.generate.speculative import load_draft, speculative_generate
-    from tinylm.generate.steps import CachedDecoder
     from tinylm.run import load_run
 
     run = load_run(args.run)
@@ -241,15 +242,7 @@ def bench_run(args: argparse.Namespace) -> None:
         ggufs[quant] = export_run(args.run, folder / f"m-{quant}.gguf", "gguf", dtype=quant)
 
     def engine(compile: bool = False, model_forward: bool = False):
-        def go():
-            original = engine_module.make_decoder
-            if model_forward:  # the engine as it was: the model's own forward and KVCache
-                engine_module.make_decoder = lambda model, batch, capacity, compile=False: CachedDecoder(model, batch, capacity)
-            try:
-                return [Engine(run.model, greedy, compile=compile).generate([p])[0].token_ids for p in prompts]
-            finally:
-                engine_module.make_decoder = original
-        return go
+        return lambda: [tinylm_generate(run.model, torch.tensor([p]), n, compile, model_forward)[0] for p in prompts]
 
     stats = {}
 
