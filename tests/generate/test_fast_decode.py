@@ -7,9 +7,12 @@ the engine's greedy tokens must be the reference generator's.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
+import tinylm.generate.fast as fast
 from tinylm.generate.engine import Engine
 from tinylm.generate.fast import DecodeWeights, StaticDecoder, decode_weights, make_decoder, supports
 from tinylm.generate.reference import reference_generate
@@ -98,9 +101,10 @@ def test_run_then_truncate_forgets_the_slots_past_the_cut():
         decoder.truncate(9)
 
 
-def test_the_compiled_steps_give_the_eager_steps_tokens_in_the_engine_and_in_speculative_rounds():
+def test_the_compiled_steps_give_the_eager_steps_tokens_in_the_engine_and_in_speculative_rounds(monkeypatch):
     """Compiles three graphs (tens of seconds): one token (the engine's), and the padded round and one token
-    of speculative decoding; each computes what the eager step does."""
+    of speculative decoding; each computes what the eager step does (used even where it is slower)."""
+    monkeypatch.setattr(fast, "MEASURE_COMPILED", False)
     model = tiny_gpt(n_kv_head=2, qk_norm=True)
     prompt = [5, 6, 7, 8, 5, 6, 7, 8]
     params = SamplingParams(max_new_tokens=24, temperature=0, stop_ids=[])
@@ -111,6 +115,21 @@ def test_the_compiled_steps_give_the_eager_steps_tokens_in_the_engine_and_in_spe
     spec, stats = speculative_generate(model, prompt, params, PromptLookupDraft(), k=3, compile=True, adaptive=False)
     assert spec.token_ids == eager.token_ids and stats.proposed > stats.accepted > 0
     assert spec.logprobs == pytest.approx(eager.logprobs, abs=1e-4)
+    assert all(fast.decode_weights(model, compiled=True).faster.values())  # the compiled graphs did run
+
+
+def test_with_compile_the_faster_of_the_compiled_and_the_eager_step_is_used_after_timing_both(monkeypatch):
+    model = tiny_gpt()
+    weights = fast.decode_weights(model, compiled=True)
+    calls = []
+    # a compiled step that is slow (and marks its calls): the eager one must be chosen, and used
+    slow = lambda *args: (calls.append(1), time.sleep(0.01), weights.step(*args))[2]  # noqa: E731
+    monkeypatch.setattr(weights, "compiled_step", lambda shape: slow)
+    params = SamplingParams(max_new_tokens=12, temperature=0, stop_ids=[])
+    got = Engine(model, params, compile=True).generate([[4, 5, 6]])[0].token_ids
+    assert got == Engine(model, params).generate([[4, 5, 6]])[0].token_ids
+    assert list(weights.faster.values()) == [False]
+    assert len(calls) == 1 + fast.COMPARE_ROUNDS  # compiling and timing; never afterwards
 
 
 def test_the_layout_is_rebuilt_when_the_weights_change():

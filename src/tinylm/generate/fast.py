@@ -12,8 +12,11 @@ decoding (the model, its checkpoints and its export are untouched):
   makes four products instead of seven;
 - RoPE's cos and sin tabulated once for every position of the context.
 
-A compiled step (``compile=True``) keeps the matrices (out, in) instead and writes each product
-as a sum that inductor turns into C++ loops (`_product_reduced`).
+A compiled step (``compile=True``) keeps another copy of the matrices, (out, in), and writes each
+product as a sum that inductor turns into C++ loops (`_product_reduced`). Whether that is faster
+depends on the model and the machine (twice as fast on the default run, a third slower on the
+`small` preset here), so the decoder times both once per shape and keeps the faster
+(`StaticDecoder._compiled_is_faster`).
 
 `StaticDecoder` is the cache that goes with it, static as in gpt-fast: keys and values for
 every slot of the window, allocated once, and a mask of the slots that hold real tokens. A
@@ -36,6 +39,8 @@ from __future__ import annotations
 
 import functools
 import math
+import statistics
+import time
 import weakref
 from collections.abc import Callable
 
@@ -47,6 +52,10 @@ from tinylm.errors import TinyLMError
 from tinylm.generate.steps import CachedDecoder, real_positions
 from tinylm.model import GPT
 
+
+# `StaticDecoder` times a compiled step against the eager one before using it (False: always the compiled one)
+MEASURE_COMPILED = True
+COMPARE_ROUNDS = 7
 
 ONE_TOKEN_INDUCTOR_OPTIONS = {"realize_reads_threshold": 1, "realize_cpu_opcount_threshold": 1}
 
@@ -138,7 +147,7 @@ class DecodeWeights(nn.Module):
                 self.rope = (cos[0, 0].to(self.head.dtype), sin[0, 0].to(self.head.dtype))  # 2 x (S, hs)
         self.eps = cfg.norm_eps
         self._compiled: dict[tuple, Callable] = {}
-        self.warm: set[tuple] = set()  # shapes whose compiled step has run once
+        self.faster: dict[tuple, bool] = {}  # by shape: whether the compiled step beat the eager one
 
     # -- the step ----------------------------------------------------------------------------
 
@@ -274,7 +283,8 @@ class StaticDecoder:
         if capacity > cfg.block_size:
             raise TinyLMError(f"a cache of {capacity} positions exceeds the model's context "
                               f"(block_size = {cfg.block_size})")
-        self.weights = decode_weights(model, compile)
+        self.weights = decode_weights(model)  # eager steps (a prefill, a window of several tokens)
+        self.compiled_weights = decode_weights(model, compiled=True) if compile else None
         self.capacity = capacity
         self.compile = compile
         dtype, device = self.weights.head.dtype, self.weights.head.device
@@ -289,6 +299,34 @@ class StaticDecoder:
     @property
     def max_len(self) -> int:
         return self.capacity
+
+    def _shape(self, tokens: Tensor) -> tuple[int, ...]:
+        return (*tokens.shape, self.k.size(3))
+
+    def _compiled_is_faster(self, args: tuple) -> bool:
+        """Whether the compiled step beats the eager one for this shape: measured once per model and shape.
+
+        The first call compiles; then both run ``COMPARE_ROUNDS`` times in turns on these very inputs
+        (writing a slot twice stores the same keys and values) and the lower median wins. The compiled
+        one-token step doubled the default run's speed but slowed the `small` preset's by a third
+        (`benchmarks/generate.py --run`), so neither is assumed.
+        """
+        shape = self._shape(args[0])
+        chosen = self.compiled_weights.faster
+        if shape not in chosen:
+            step = self.compiled_weights.compiled_step(shape)
+            step(*args)  # compiles (guards evaluated)
+            if not MEASURE_COMPILED:
+                chosen[shape] = True
+                return True
+            times: dict[bool, list[float]] = {True: [], False: []}
+            for _ in range(COMPARE_ROUNDS):
+                for compiled in (True, False):
+                    started = time.perf_counter()
+                    _call_warm(step, args) if compiled else self.weights.step(*args)
+                    times[compiled].append(time.perf_counter() - started)
+            chosen[shape] = statistics.median(times[True]) < statistics.median(times[False])
+        return chosen[shape]
 
     def reset(self) -> None:
         self.length = 0
@@ -344,20 +382,21 @@ class StaticDecoder:
             raise TinyLMError(f"the cache holds {self.k.size(3)} slots; {end} do not fit")
         self.key_mask[:, start:end] = True if real is None else real
         slots = torch.arange(start, end, device=self.device)
-        shape = (*tokens.shape, self.k.size(3))
-        step = self.weights.compiled_step(shape) if compiled else self.weights.step
-        if compiled and shape in self.weights.warm:
-            # Each compiled function serves one shape, and every call passes a decoder's own buffers with
-            # fixed dtypes and sizes, so after the first call (which compiles) dynamo's guards, about a
-            # tenth of a step, cannot fail: skip them.
-            with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
-                logits = step(tokens, slots, positions, self.key_mask, self.k, self.v)
+        args = (tokens, slots, positions, self.key_mask, self.k, self.v)
+        if compiled and self.compiled_weights is not None and self._compiled_is_faster(args):
+            logits = _call_warm(self.compiled_weights.compiled_step(self._shape(tokens)), args)
         else:
-            logits = step(tokens, slots, positions, self.key_mask, self.k, self.v)
-            if compiled:
-                self.weights.warm.add(shape)
+            logits = self.weights.step(*args)
         self.length = end
         return logits
+
+
+def _call_warm(step: Callable, args: tuple) -> Tensor:
+    """Call a compiled step that has run once. Each compiled function serves one shape, and every call passes
+    a decoder's own buffers with fixed dtypes and sizes, so dynamo's guards (about a tenth of a step) cannot
+    fail: they are skipped."""
+    with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+        return step(*args)
 
 
 def make_decoder(model: nn.Module, batch: int, capacity: int, compile: bool = False) -> StaticDecoder | CachedDecoder:
