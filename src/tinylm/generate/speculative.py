@@ -33,9 +33,9 @@ than the drafts kept after a rejection. Whether drafting pays depends on the dra
 machine: a pass over k + 1 tokens costs about one token's pass where reading the weights is
 the bottleneck (big models), but up to k + 1 times as much where the arithmetic is (small
 models on a CPU whose BLAS multiplies a few rows slowly). So `Pacer` measures it: it times the
-plain steps and the drafted rounds, and after every 8 drafted rounds compares the tokens per
-second of both; when drafting was slower it decodes plainly for a while (16 steps, doubling
-each time it is still slower, up to 256) and then tries again. Greedy output does not depend on
+plain steps and the drafted rounds, and after every 4 drafted rounds compares the tokens per
+second of both; when drafting was slower it decodes plainly for a while (32 steps, doubling
+each time it is still slower, up to 512) and then tries again. Greedy output does not depend on
 these choices; sampled output follows the model's distribution either way, though with a seed
 the text can differ from run to run, since the choices depend on measured time.
 `SpeculativeStats` counts rounds, proposed and
@@ -72,8 +72,8 @@ from tinylm.model import NGramLM, NGramModel
 from tinylm.tokenizers.base import Tokenizer, default_stop_ids
 
 # drafted rounds per comparison with plain steps; plain steps a pause lasts, first and at most
-ROUNDS_PER_CHECK = 8
-FIRST_PAUSE, LONGEST_PAUSE = 16, 256
+ROUNDS_PER_CHECK = 4
+FIRST_PAUSE, LONGEST_PAUSE = 32, 512
 PLAIN_STEPS_TIMED = 16  # the recent plain steps whose median time is the one to beat
 
 
