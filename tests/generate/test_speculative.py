@@ -231,7 +231,7 @@ def runs(byte_tokenizer, monkeypatch):
 def sample_args(**changes) -> argparse.Namespace:
     args = dict(run="runs/x", prompt=["To be, or not"], prompt_file=None, num_samples=1, max_new_tokens=50,
                 temperature=0.0, top_k=None, top_p=None, min_p=None, seed=None, stop=None, stream=False, num_beams=1,
-                draft="prompt", draft_k=4)
+                draft="prompt", draft_k=4, compile=False)
     args.update(changes)
     return argparse.Namespace(**args)
 
@@ -250,6 +250,7 @@ def test_sample_with_a_draft_prints_the_models_text_and_the_counters(runs, draft
     ({"prompt": ["a", "b"]}, "one sample of one prompt"),
     ({"num_samples": 2, "temperature": 1.0}, "one sample of one prompt"),
     ({"draft": "runs/other"}, "another tokenizer"),
+    ({"draft": None, "num_beams": 2, "compile": True}, "--compile .* beam search"),
 ])
 def test_sample_refuses_what_the_draft_does_not_do_in_one_line(runs, changes, message):
     with pytest.raises(TinyLMError, match=message) as e:

@@ -103,6 +103,9 @@ def cmd_sample(args: Any, out: TextIO | None = None) -> int:
     prompts = read_prompts(args.prompt, args.prompt_file)
     if getattr(args, "draft", None):  # --draft where parsed
         check_draft_request(args, prompts)
+    if compile_flag(args) and args.num_beams > 1:
+        raise TinyLMError("--compile speeds up sampling and greedy decoding; beam search runs through the model's "
+                          "own forward: drop --compile or --num-beams")
     run = load_run(args.run, checkpoint=getattr(args, "checkpoint", "best"))  # --checkpoint where parsed
     if getattr(args, "draft", None):
         draft = load_draft(args.draft, run, log=lambda line: print(line, file=sys.stderr))
