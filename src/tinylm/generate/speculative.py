@@ -22,11 +22,13 @@ tokens.
 
 The cache holds every token but the last one ("pending"); a round feeds pending + drafts, so a
 round of k drafts writes k + 1 positions, and on rejection the cache is cut back to pending + the
-accepted drafts (`KVCache.truncate`). The context window follows `context_start`, as in the
-engine: drafts are checked only while they fit in the current window, then the window is cut
-and recomputed. Only models whose cache is a `KVCache` (the Transformers) can roll back; an
-RNN's state or an n-gram's history cannot, so those are refused as the model (any of them can
-be a draft).
+accepted drafts (`StaticDecoder.truncate` for a GPT, whose static cache forgets by length;
+`KVCache.truncate` for a GPT with a bigram-hash table). The context window follows
+`context_start`, as in the engine: drafts are checked only while they fit in the current window,
+then the window is cut and recomputed. With ``compile``, every round feeds k + 1 tokens (padded),
+so one compiled graph serves them all. Only models whose cache is a KV cache (the Transformers)
+can roll back; an RNN's state or an n-gram's history cannot, so those are refused as the model
+(any of them can be a draft).
 
 k adapts: one more after a round where all drafts were kept (up to ``k``), back to one more
 than the drafts kept after a rejection. Whether drafting pays depends on the draft and on the
