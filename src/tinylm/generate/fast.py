@@ -53,6 +53,9 @@ from tinylm.generate.steps import CachedDecoder, real_positions
 from tinylm.model import GPT
 
 
+# slots past the context in a compiled decoder's cache: where a padded speculative round of up to 8 drafts writes
+ROUND_SLOTS = 8
+
 # `StaticDecoder` times a compiled step against the eager one before using it (False: always the compiled one)
 MEASURE_COMPILED = True
 COMPARE_ROUNDS = 7
@@ -399,14 +402,16 @@ def _call_warm(step: Callable, args: tuple) -> Tensor:
         return step(*args)
 
 
-def make_decoder(model: nn.Module, batch: int, capacity: int, compile: bool = False) -> StaticDecoder | CachedDecoder:
+def make_decoder(model: nn.Module, batch: int, capacity: int, compile: bool = False,
+                 draft_k: int = 0) -> StaticDecoder | CachedDecoder:
     """The fastest decoder for ``model``: a `StaticDecoder` where `supports` says so, else the model's own.
 
     ``compile`` compiles the one-token step (`torch.compile`); the cache then spans the whole context
-    (``block_size`` slots), so that every generation reuses the same compiled graph.
+    (``block_size`` slots) plus `ROUND_SLOTS` (or ``draft_k``) for a speculative round's padding, so that
+    every generation, speculative or not, reuses the same compiled graphs.
     """
     if not supports(model):
         return CachedDecoder(model, batch, capacity)
     if compile:
-        capacity = model.config.block_size
-    return StaticDecoder(model, batch, capacity, compile=compile)
+        return StaticDecoder(model, batch, model.config.block_size, compile=True, extra=max(ROUND_SLOTS, draft_k))
+    return StaticDecoder(model, batch, capacity, extra=draft_k)

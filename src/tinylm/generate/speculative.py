@@ -410,10 +410,8 @@ def _rounds(model: nn.Module, seq: list[int], params: SamplingParams, draft: Dra
         excluded = torch.zeros(V, dtype=torch.bool, device=device)
     generator = None if params.greedy else make_generators(params.seed, 1, device)[0]
     capacity = min(block_size, len(seq) + params.max_new_tokens)
-    decoder = make_decoder(model, 1, capacity, compile)
-    if isinstance(decoder, StaticDecoder):
-        decoder = StaticDecoder(model, 1, decoder.capacity, compile=compile, extra=k)  # room for a padded round
-    elif not isinstance(decoder.cache, KVCache):
+    decoder = make_decoder(model, 1, capacity, compile, draft_k=k)  # with room for a padded round
+    if not isinstance(decoder, StaticDecoder) and not isinstance(decoder.cache, KVCache):
         raise TinyLMError("speculative decoding rolls the model's KV cache back; this model family keeps "
                           "another kind of state: use it as the draft, or decode without one")
     capacity = decoder.max_len
