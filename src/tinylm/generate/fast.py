@@ -5,9 +5,10 @@ model the time goes less to arithmetic than to how the matrices are read and how
 operations run around them. `DecodeWeights` keeps a copy of a `tinylm.model.GPT`'s matrices for
 decoding (the model, its checkpoints and its export are untouched):
 
-- stored (in, out), the transpose of nn.Linear's (out, in): MKL's product of one row vector with
-  such a matrix streams it about twice as fast as ``F.linear`` with the (out, in) one on this
-  kind of CPU (`benchmarks/generate.py` measures it);
+- stored (in, out), the transpose of nn.Linear's (out, in): MKL multiplies one row vector by
+  such a matrix faster than ``F.linear`` does with the (out, in) one on this kind of CPU (with the
+  fusions below, the engine's "before" and "engine" rows of `benchmarks/generate.py --run`:
+  1.4-1.6x);
 - W_q, W_k and W_v side by side as one matrix, and SwiGLU's W_1 and W_3 likewise, so a layer
   makes four products instead of seven;
 - RoPE's cos and sin tabulated once for every position of the context.
@@ -51,6 +52,9 @@ from torch import Tensor, nn
 from tinylm.errors import TinyLMError
 from tinylm.generate.steps import CachedDecoder, real_positions
 from tinylm.model import GPT
+from tinylm.model.attention import causal_visible
+from tinylm.model.gpt import mlp_activation
+from tinylm.model.positions import apply_rope
 
 
 # slots past the context in a compiled decoder's cache: where a padded speculative round of up to 8 drafts writes
@@ -95,10 +99,10 @@ def _product_reduced(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     """x (..., in) times W stored (out, in), written as a sum for the compiler: out[o, m] = sum_i W[o, i] x[m, i].
 
     The compiled one-token step uses it: inductor writes it as one C++ loop over W's rows, fused
-    with the norm or activation that makes x, instead of a call into MKL (on the default run this
-    took the compiled step from about 600 to 800 tokens/s). Over several tokens inductor fused
-    each product into the next and recomputed it per row (a 6-token round took 20 times one), so
-    those steps call MKL.
+    with the norm or activation that makes x, instead of a call into MKL. Over several tokens
+    inductor fused each product into the next and recomputed it per row (while this was written,
+    a 6-token round took about 20 times one token), so those steps call MKL. Whether the compiled
+    step wins at all is measured at run time (`StaticDecoder._compiled_is_faster`).
     """
     rows = x.reshape(-1, x.size(-1))  # (M, in)
     y = (weight[:, None, :] * rows[None, :, :]).sum(-1).T  # (M, out)
@@ -178,9 +182,7 @@ class DecodeWeights(nn.Module):
             rope = (self.rope[0][positions][:, None], self.rope[1][positions][:, None])  # 2 x (B, 1, T, hs)
         # which slots each query sees: the past (its own slot included), real tokens only, within the window
         j = torch.arange(S, device=tokens.device)
-        visible = (j[None, :] <= slots[:, None])  # (T, S)
-        if self.window is not None:
-            visible = visible & (j[None, :] > slots[:, None] - self.window)
+        visible = causal_visible(slots, j, self.window)  # (T, S)
         own = j[None, :] == slots[:, None]  # (T, S): a padding query sees itself, so its row stays finite
         mask = (visible[None] & key_mask[:, None, :]) | own[None]  # (B, T, S)
         mask = mask[:, None]  # (B, 1, T, S)
@@ -197,7 +199,7 @@ class DecodeWeights(nn.Module):
                 q = F.rms_norm(q, (hs,), layer["q_norm"], self.eps)
                 k = F.rms_norm(k, (hs,), layer["k_norm"], self.eps)
             if rope is not None:
-                q, k = _rotate(q, *rope), _rotate(k, *rope)
+                q, k = apply_rope(q, *rope), apply_rope(k, *rope)
             k_cache[i].index_copy_(2, slots, k)
             v_cache[i].index_copy_(2, slots, v)
             if written_out:  # compiled: plain products and a softmax, which inductor fuses
@@ -212,17 +214,11 @@ class DecodeWeights(nn.Module):
             a = product(y.transpose(1, 2).reshape(B, T, nh * hs), *layer["o"])  # (B, T, d)
             h = h + a if self.pre_norm else self.norm_1[i](h + a)
             x = self.norm_2[i](h) if self.pre_norm else h
-            m = product(self._activation(product(x, *layer["up"])), *layer["down"])
+            up = product(x, *layer["up"])  # (B, T, d_ff), or (B, T, 2 d_ff) for SwiGLU: [x W_1, x W_3]
+            hidden = mlp_activation(self.mlp_kind, *(up.chunk(2, dim=-1) if self.mlp_kind == "swiglu" else (up,)))
+            m = product(hidden, *layer["down"])
             h = h + m if self.pre_norm else self.norm_2[i](h + m)
         return self.norm_f(h)
-
-    def _activation(self, up: Tensor) -> Tensor:
-        if self.mlp_kind == "swiglu":
-            gate, value = up.chunk(2, dim=-1)
-            return F.silu(gate) * value
-        if self.mlp_kind == "relu2":
-            return F.relu(up).square()
-        return F.gelu(up, approximate="tanh")
 
     def logits(self, h: Tensor, written_out: bool = False) -> Tensor:
         """Logits (..., V) for hidden states (..., d)."""
@@ -248,12 +244,6 @@ class DecodeWeights(nn.Module):
         return self._compiled[shape]
 
 
-def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """RoPE in the rotate-half layout (`tinylm.model.positions.apply_rope`)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
-
-
 # the laid-out weights of each model, rebuilt when its parameters change (training steps, loading)
 _LAYOUTS: weakref.WeakKeyDictionary[nn.Module, dict[bool, tuple[tuple, DecodeWeights]]] = weakref.WeakKeyDictionary()
 
@@ -265,7 +255,7 @@ def _fingerprint(model: nn.Module) -> tuple:
 
 def decode_weights(model: GPT, compiled: bool = False) -> DecodeWeights:
     """The model's `DecodeWeights` (for eager or compiled steps), made once and kept while its parameters are unchanged."""
-    key = (_fingerprint(model), compiled)
+    key = _fingerprint(model)
     kept = _LAYOUTS.setdefault(model, {}).get(compiled)
     if kept is not None and kept[0] == key:
         return kept[1]
@@ -396,8 +386,8 @@ class StaticDecoder:
 
 def _call_warm(step: Callable, args: tuple) -> Tensor:
     """Call a compiled step that has run once. Each compiled function serves one shape, and every call passes
-    a decoder's own buffers with fixed dtypes and sizes, so dynamo's guards (about a tenth of a step) cannot
-    fail: they are skipped."""
+    a decoder's own buffers with fixed dtypes and sizes, so dynamo's guards cannot fail: they are skipped
+    (on the default run, about a tenth of a compiled step when this was written)."""
     with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
         return step(*args)
 

@@ -51,13 +51,13 @@ def visible_keys(T_q: int, T_k: int, key_padding_mask: Tensor | None, device: to
     """Which keys each query may attend to: (1 or B, 1, T_q, T_k) bool, the complement of M's -inf entries."""
     q_pos = torch.arange(T_k - T_q, T_k, device=device)  # absolute positions of the queries
     k_pos = torch.arange(T_k, device=device)
-    visible = _causal(q_pos, k_pos, window)  # (T_q, T_k)
+    visible = causal_visible(q_pos, k_pos, window)  # (T_q, T_k)
     if key_padding_mask is None:
         return visible[None, None]  # (1, 1, T_q, T_k)
     return visible[None, None] & key_padding_mask[:, None, None, :]  # (B, 1, T_q, T_k)
 
 
-def _causal(q_pos: Tensor, k_pos: Tensor, window: int | None) -> Tensor:
+def causal_visible(q_pos: Tensor, k_pos: Tensor, window: int | None) -> Tensor:
     """(T_q, T_k) bool: key j is at or before query i, and within its window when there is one."""
     visible = k_pos[None, :] <= q_pos[:, None]  # the lower triangle
     if window is not None:
@@ -233,7 +233,7 @@ def tiled_attention(
     for start in range(0, T_k, tile_size):
         end = min(start + tile_size, T_k)
         k_pos = torch.arange(start, end, device=q.device)
-        visible = _causal(q_pos, k_pos, window)  # (T_q, Tb): the causal (and window) part of M for this block
+        visible = causal_visible(q_pos, k_pos, window)  # (T_q, Tb): the causal (and window) part of M for this block
         if key_padding_mask is not None:
             visible = visible & key_padding_mask[:, None, None, start:end]  # (B, 1, T_q, Tb)
         s = (q @ k[:, :, start:end].transpose(-2, -1)).float() * scale  # (B, nh, T_q, Tb)

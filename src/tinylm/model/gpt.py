@@ -72,21 +72,25 @@ class MLP(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         d, d_ff = config.d_model, config.hidden_dim
+        self.kind = config.mlp
         self.swiglu = config.mlp == "swiglu"
-        self.relu2 = config.mlp == "relu2"
         self.W_1 = nn.Linear(d, d_ff, bias=config.bias)
         if self.swiglu:
             self.W_3 = nn.Linear(d, d_ff, bias=config.bias)
         self.W_2 = nn.Linear(d_ff, d, bias=config.bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.swiglu:
-            hidden = F.silu(self.W_1(x)) * self.W_3(x)  # (B, T, d_ff)
-        elif self.relu2:
-            hidden = F.relu(self.W_1(x)).square()  # (B, T, d_ff)
-        else:
-            hidden = F.gelu(self.W_1(x), approximate="tanh")  # (B, T, d_ff)
+        hidden = mlp_activation(self.kind, self.W_1(x), self.W_3(x) if self.swiglu else None)  # (B, T, d_ff)
         return self.W_2(hidden)  # (B, T, d)
+
+
+def mlp_activation(kind: str, a: Tensor, b: Tensor | None = None) -> Tensor:
+    """The MLP's hidden layer from a = x W_1 (and, for SwiGLU, b = x W_3): SiLU(a) * b, ReLU(a)^2 or GELU(a)."""
+    if kind == "swiglu":
+        return F.silu(a) * b
+    if kind == "relu2":
+        return F.relu(a).square()
+    return F.gelu(a, approximate="tanh")
 
 
 class Block(nn.Module):
