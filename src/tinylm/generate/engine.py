@@ -54,11 +54,11 @@ from tinylm.generate.beam import beam_search_completions
 from tinylm.generate.fast import StaticDecoder, make_decoder
 from tinylm.generate.sampling import SamplingParams, excluded_mask, prompt_generators, sample, token_logprobs
 from tinylm.generate.steps import (
+    CachedDecoder,
     Completion,
     FinishReason,
     accept_token,
     context_start,
-    CachedDecoder,
     left_pad,
     warn_window,
     window_keep,

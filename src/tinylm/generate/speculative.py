@@ -176,12 +176,12 @@ class NGramDraft:
 
     def propose(self, seq: Sequence[int], k: int, excluded: Tensor | None, params: SamplingParams,
                 generator: torch.Generator | None) -> tuple[list[int], Tensor | None]:
-        context = list(seq[len(seq) - self.context:]) if self.context else []
+        context = list(seq[-self.context:]) if self.context else []
         V = excluded.numel() if excluded is not None else self.ngram.vocab_size
         tokens, qs = [], []
         with np.errstate(divide="ignore"):
             for _ in range(k):
-                probs = self.ngram.next_token_distribution(context[len(context) - self.context:] if self.context else [])
+                probs = self.ngram.next_token_distribution(context[-self.context:] if self.context else [])
                 logits = _fit(torch.from_numpy(np.log(probs)).float(), V)  # (V,)
                 if excluded is not None:
                     logits = logits.masked_fill(excluded.cpu(), float("-inf"))
@@ -193,8 +193,10 @@ class NGramDraft:
                     qs.append(q)
                 tokens.append(token)
                 context.append(token)
-        q = torch.stack(qs).to(excluded.device) if qs and excluded is not None else (torch.stack(qs) if qs else None)
-        return tokens, q
+        if not qs:  # greedy: q is one-hot
+            return tokens, None
+        q = torch.stack(qs)  # (k, V), on the CPU where numpy made it
+        return tokens, (q.to(excluded.device) if excluded is not None else q)
 
 
 Draft = PromptLookupDraft | ModelDraft | NGramDraft
@@ -439,11 +441,9 @@ def _rounds(model: nn.Module, seq: list[int], params: SamplingParams, draft: Dra
             drafts = drafts[:max(n_draft, 0)]
             # ONE pass: the pending token and the drafts; row i gives p after seq + drafts[:i]
             fed = torch.tensor([[seq[-1], *drafts]], device=device)  # (1, 1 + n)
-            logits = decoder.extend(fed, pad_to=k + 1) if isinstance(decoder, StaticDecoder) else decoder.extend(fed)
+            logits = decoder.extend(fed, pad_to=k + 1)  # (1, 1 + n, V)
             stats.forward_passes += 1
-            logits = logits[0].float().masked_fill(excluded, float("-inf"))  # (1 + n, V)
-            p = sampling_distribution(logits, params)  # (1 + n, V)
-            new, kept = accept_drafts(p, drafts, q, generator)
+            new, kept, logprob_rows = judge_round(logits[0], excluded, params, drafts, q, generator)
             if drafts:
                 stats.rounds += 1
                 stats.proposed += len(drafts)
@@ -451,7 +451,6 @@ def _rounds(model: nn.Module, seq: list[int], params: SamplingParams, draft: Dra
             pacer.record(len(drafts), kept, time.perf_counter() - started)
             # roll the cache back to the pending token and the drafts kept
             decoder.truncate(len(seq) - start + kept, last_token=([seq[-1]] + drafts)[kept])
-            logprob_rows = torch.log_softmax(logits[:len(new)], dim=-1)  # (n new, V)
             for i, token in enumerate(new):
                 n_new += 1
                 stats.tokens += 1
@@ -464,8 +463,23 @@ def _rounds(model: nn.Module, seq: list[int], params: SamplingParams, draft: Dra
         model.train(was_training)
 
 
+def judge_round(logits: Tensor, excluded: Tensor | None, params: SamplingParams, drafts: list[int],
+                q: Tensor | None, generator: torch.Generator | None) -> tuple[list[int], int, Tensor]:
+    """A round's outcome from the model's logits (1 + n, V) after the pending token and the n drafts.
+
+    Returns the new tokens (the drafts kept, then one drawn), how many drafts were kept, and the
+    log-probabilities (new, V) of the rows that gave them, over the ids a sample may take (``excluded``
+    left out, as the engine reports them). Speculative decoding here and the server's rounds use it.
+    """
+    logits = logits.float()
+    if excluded is not None:
+        logits = logits.masked_fill(excluded, float("-inf"))
+    new, kept = accept_drafts(sampling_distribution(logits, params), drafts, q, generator)
+    return new, kept, torch.log_softmax(logits[:len(new)], dim=-1)
+
+
 def accept_drafts(p: Tensor, drafts: list[int], q: Tensor | None,
-            generator: torch.Generator | None) -> tuple[list[int], int]:
+                  generator: torch.Generator | None) -> tuple[list[int], int]:
     """The acceptance rule (module docstring): the new tokens (kept drafts + one drawn) and how many drafts were kept."""
     for i, d in enumerate(drafts):
         q_d = float(q[i, d]) if q is not None else 1.0

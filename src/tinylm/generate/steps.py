@@ -99,8 +99,9 @@ class CachedDecoder:
         self.next_position = position_ids[:, -1:] + 1  # (B, 1): where each row's next token goes
         return prefill(self.model, idx, self.cache, self.mask[:, :T] if self.padded else None, position_ids)
 
-    def extend(self, tokens: Tensor) -> Tensor:
-        """One unpadded row: append ``tokens`` (1, T) after what is cached; their logits (1, T, V)."""
+    def extend(self, tokens: Tensor, pad_to: int | None = None) -> Tensor:
+        """One unpadded row: append ``tokens`` (1, T) after what is cached; their logits (1, T, V).
+        (``pad_to`` is `StaticDecoder.extend`'s, for a compiled graph; nothing is compiled here.)"""
         logits, _ = self.model(tokens, kv_cache=self.cache)
         self.length += tokens.size(1)
         return logits

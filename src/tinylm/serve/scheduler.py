@@ -100,9 +100,9 @@ from torch import Tensor, nn
 
 from tinylm.errors import TinyLMError
 from tinylm.generate.cache import KVCache, cache_for
-from tinylm.generate.sampling import excluded_mask, prompt_generators, sample, sampling_distribution, token_logprobs
-from tinylm.generate.speculative import Draft, Pacer, accept_drafts
-from tinylm.generate.steps import FinishReason, accept_token, decode_one_token, left_pad
+from tinylm.generate.sampling import excluded_mask, prompt_generators, sample, token_logprobs
+from tinylm.generate.speculative import Draft, Pacer, judge_round
+from tinylm.generate.steps import FinishReason, accept_token, decode_one_token, left_pad, real_positions
 from tinylm.generate.stream import TextStream
 from tinylm.serve.jobs import ChoiceEvent, Job, JobDone, JobFailed, PromptEvent, TokenLogprob, is_crash
 from tinylm.tokenizers.base import Tokenizer, default_stop_ids
@@ -416,7 +416,7 @@ class Scheduler:
         capacity = P if self.continuous else P + max(r.remaining for r in rows)
         cache = cache_for(self.model, Bn, capacity)
         padded = not bool(mask.all())
-        position_ids = (mask.long().cumsum(dim=1) - 1).clamp(min=0)  # (Bn, P): each row counts its own tokens
+        position_ids = real_positions(mask)  # (Bn, P): each row counts its own tokens
         logits, _ = self.model(idx, attention_mask=mask if padded else None, position_ids=position_ids,
                                kv_cache=cache)  # (Bn, P, V)
         for b, row in enumerate(rows):
@@ -476,17 +476,12 @@ class Scheduler:
         positions = torch.arange(row.fed, row.fed + len(fed), device=self.device)[None]  # (1, 1 + n)
         logits, _ = self.model(torch.tensor([fed], device=self.device), attention_mask=attention_mask,
                                position_ids=positions, kv_cache=batch.cache)
-        logits = logits[0].float()  # (1 + n, V)
-        if excluded is not None:
-            logits.masked_fill_(excluded, float("-inf"))
         try:
-            p = sampling_distribution(logits, params)  # (1 + n, V)
+            new, kept, logprobs = judge_round(logits[0], excluded, params, drafts, q, row.generator)
         except Exception:  # settings sampling cannot take: undo the round; the plain step fails the job as usual
-            batch.cache.truncate(batch.length, last_tokens=torch.tensor([row.seq[-2] if len(row.seq) > 1 else fed[0]],
-                                                                         device=self.device))
+            batch.cache.truncate(batch.length, last_tokens=torch.tensor([row.seq[-2]], device=self.device))
             batch.mask[:, batch.length:end] = False
             return False
-        new, kept = accept_drafts(p, drafts, q, row.generator)
         # keep the pending token and the drafts kept; the columns after them are free again
         batch.cache.truncate(batch.length + 1 + kept, last_tokens=torch.tensor([fed[kept]], device=self.device))
         batch.mask[:, batch.length + 1 + kept:end] = False
@@ -494,8 +489,7 @@ class Scheduler:
         self.steps += 1
         self.drafted += len(drafts)
         self.kept += kept
-        logprobs = torch.log_softmax(logits[:len(new)], dim=-1)  # (new, V)
-        tops = self._top_logprobs([row] * len(new), logits[:len(new)])
+        tops = self._top_logprobs([row] * len(new), logprobs)  # (log_softmax of log-probabilities is the same)
         for i, token in enumerate(new):
             offset = len(row.stream.text) + len(row.stream.pending)
             info = TokenLogprob(token, float(logprobs[i, token]), offset, tops.get(i, ()))
