@@ -38,66 +38,19 @@ from __future__ import annotations
 from tinylm.config import GPTConfig
 from tinylm.errors import TinyLMError
 
-# optimizer -> tensors of state it keeps per parameter (AdamW: first and second moments). Muon keeps
-# one (its momentum) for the blocks' matrices and AdamW's two for the rest (`training_memory`).
-OPTIMIZER_STATES = {"adamw": 2, "sgd": 0, "muon": 1}
-
-
-def attention_layer_weights(config: GPTConfig) -> int:
-    """The matrices of one attention layer alone: W_q d (n_h d_h), W_k and W_v d (n_kv d_h) each, W_o (n_h d_h) d."""
-    d, hs, nh, nkv = config.d_model, config.head_dim, config.n_head, config.kv_heads
-    return d * nh * hs + 2 * d * nkv * hs + nh * hs * d
-
-
-def attention_layer_params(config: GPTConfig) -> int:
-    """Parameters of one attention layer: W_q, W_k, W_v (grouped-query sizes) and W_o, with biases if any."""
-    d, hs, nh, nkv = config.d_model, config.head_dim, config.n_head, config.kv_heads
-    weights = attention_layer_weights(config)
-    biases = nh * hs + 2 * nkv * hs + d if config.bias else 0
-    qk_norm = 2 * hs if config.qk_norm else 0  # the q and k gains, shared by the heads
-    value_weight = 1 if config.value_embed else 0  # how much of the value embedding this layer adds
-    return weights + biases + qk_norm + value_weight
-
-
-def mlp_layer_params(config: GPTConfig) -> int:
-    """Parameters of one MLP: two matrices for gelu, three for swiglu, with biases if any."""
-    d, d_ff = config.d_model, config.hidden_dim
-    n_in = 2 if config.mlp == "swiglu" else 1  # W_1 (and W_3) map d -> d_ff; gelu and relu2 have no gate
-    weights = (n_in + 1) * d * d_ff
-    biases = n_in * d_ff + d if config.bias else 0
-    return weights + biases
-
-
-def norm_params(config: GPTConfig) -> int:
-    """Parameters of one norm: a gain per coordinate, and a bias for LayerNorm with ``bias``."""
-    return config.d_model * (2 if config.norm == "layernorm" and config.bias else 1)
-
-
-def param_breakdown(config: GPTConfig) -> dict[str, int]:
-    """Parameters by part of the model; the values sum to `count_params`."""
-    d, V, L = config.d_model, config.vocab_size, config.n_layer
-    final_norms = 1 if config.norm_position == "pre" else 0
-    return {
-        "token_embedding": V * d,
-        "position_embedding": config.block_size * d if config.positions == "learned" else 0,
-        "attention": L * attention_layer_params(config),
-        "mlp": L * mlp_layer_params(config),
-        "norms": (2 * L + final_norms) * norm_params(config),
-        "lm_head": 0 if config.tie_embeddings else V * d,
-        "value_embedding": V * config.kv_heads * config.head_dim if config.value_embed else 0,
-        "bigram_embedding": config.bigram_hash * d,
-    }
-
-
-def count_params(config: GPTConfig) -> int:
-    """The number of parameters of ``GPT(config)`` (or of the recurrent model a lstm/rnn config describes),
-    a tied head counted once."""
-    if config.family in ("rnn", "lstm"):
-        from tinylm.model.rnn import count_recurrent_params
-
-        return count_recurrent_params(config)
-    return sum(param_breakdown(config).values())
-
+# The parameter and memory counts live with the models (`tinylm.model.memory`), because building a model
+# checks with them that it fits before allocating anything; they are this module's names too.
+from tinylm.model.memory import (  # noqa: F401
+    OPTIMIZER_STATES,
+    attention_layer_params,
+    attention_layer_weights,
+    count_params,
+    kv_cache_bytes_per_token,
+    mlp_layer_params,
+    norm_params,
+    param_breakdown,
+    training_memory,
+)
 
 def matmul_params(config: GPTConfig) -> int:
     """N of the FLOP formula: weights used in matrix multiplications per token (no biases, norms or lookups)."""
@@ -130,26 +83,6 @@ def attention_inner_products(config: GPTConfig, seq_len: int | None = None) -> i
     """Inner products q_i k_j^T in one forward pass over one sequence: n_layer n_h T^2."""
     T = _context(config, seq_len)
     return config.n_layer * config.n_head * T * T
-
-
-def training_memory(config: GPTConfig, bytes_per_value: int = 4, optimizer: str = "adamw") -> dict[str, int]:
-    """Bytes for weights, gradients and optimizer state (activations excluded), and their total."""
-    if optimizer not in OPTIMIZER_STATES:
-        raise TinyLMError(f"unknown optimizer {optimizer!r}; expected one of {', '.join(OPTIMIZER_STATES)}")
-    n = count_params(config) * bytes_per_value
-    states = OPTIMIZER_STATES[optimizer] * n
-    if optimizer == "muon":  # one tensor for the blocks' matrices, AdamW's two for everything else
-        matrices = config.n_layer * (attention_layer_params(config) + mlp_layer_params(config)) * bytes_per_value
-        states = matrices + 2 * (n - matrices)
-    memory = {"weights": n, "gradients": n, "optimizer": states}
-    memory["total"] = sum(memory.values())
-    return memory
-
-
-def kv_cache_bytes_per_token(config: GPTConfig, bytes_per_value: int = 4) -> int:
-    """Bytes a KV cache holds per token of context: a key and a value of n_kv d_h numbers in every layer
-    (grouped-query attention shares them between n_h / n_kv query heads, which is what it saves)."""
-    return 2 * config.n_layer * config.kv_heads * config.head_dim * bytes_per_value
 
 
 def kv_cache_bytes(config: GPTConfig, seq_len: int | None = None, bytes_per_value: int = 4) -> dict[str, int]:

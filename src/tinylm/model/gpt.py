@@ -38,6 +38,7 @@ from tinylm.config import GPTConfig
 from tinylm.errors import TinyLMError
 from tinylm.model.attention import CausalSelfAttention, KVCacheLayer
 from tinylm.model.head_loss import IGNORE_INDEX, head_loss
+from tinylm.model.memory import check_fits
 from tinylm.model.positions import LearnedPositions, RopeScaling, RotaryPositions, SinusoidalPositions
 
 
@@ -132,6 +133,7 @@ class GPT(nn.Module):
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
+        check_fits(config)  # a size that cannot fit is refused before the first weight is allocated
         self.config = config
         d = config.d_model
         self.E = nn.Embedding(config.vocab_size, d)  # token embedding: row x is token x's vector

@@ -19,6 +19,7 @@ from tinylm.config import GPTConfig
 from tinylm.errors import TinyLMError
 from tinylm.model.cursor import CacheCursor
 from tinylm.model.gpt import IGNORE_INDEX
+from tinylm.model.memory import check_fits, count_recurrent_params
 
 State = tuple[Tensor, ...]  # (h,) for an RNN, (h, c) for an LSTM; each (n_layer, B, d)
 
@@ -67,6 +68,7 @@ class RecurrentLM(nn.Module):
         super().__init__()
         if config.family not in ("rnn", "lstm"):
             raise TinyLMError(f"RecurrentLM builds family 'rnn' or 'lstm', not {config.family!r}")
+        check_fits(config)  # a size that cannot fit is refused before the first weight is allocated
         self.config = config
         d = config.d_model
         self.lstm = config.family == "lstm"
@@ -207,18 +209,6 @@ class RecurrentLM(nn.Module):
                 outs.append(h)
             x = torch.stack(outs, dim=1)  # (B, T, d): the next layer's input
         return self.lm_head(x)
-
-
-def count_recurrent_params(config: GPTConfig) -> int:
-    """The number of parameters of ``RecurrentLM(config)``, a tied head counted once.
-
-    Per layer: W_ih and W_hh (d x gd each, g = 4 gates for an LSTM, 1 for an RNN) and two biases
-    of gd; plus the embedding |V| d and, untied, the head d |V|.
-    """
-    d, V = config.d_model, config.vocab_size
-    g = 4 if config.family == "lstm" else 1
-    per_layer = 2 * d * g * d + 2 * g * d
-    return V * d * (1 if config.tie_embeddings else 2) + config.n_layer * per_layer
 
 
 def describe(config: GPTConfig) -> str:
