@@ -13,6 +13,7 @@ writes to stderr, and only when stderr is a terminal::
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -26,6 +27,7 @@ from tinylm.device import precision_name
 from tinylm.evaluate import EvalResult
 from tinylm.explain.accounting import summary
 from tinylm.explain.plots import plot_schedule
+from tinylm.model.memory import STEP_BATCH_BYTES_PER_TOKEN, format_bytes, machine_memory
 from tinylm.train.schedule import group_lr, momentum_at
 
 
@@ -120,13 +122,36 @@ def header_lines(config: Config, *, out: Any, resuming_at: int | None, shards: S
 
 
 def out_of_memory_advice(config: Config, device: Any) -> str:
-    """What to lower when a step runs out of memory (the same batch per step in two micro-batches first)."""
+    """What to lower when a step runs out of memory; the advice never asks for more rows per step or more memory.
+
+    A micro-batch's activations grow with batch_size x block_size, so the first lever is a smaller
+    batch_size with as many more micro-batches as keep the rows of a step (``batch_size x grad_accum``)
+    the same. A step's rows are drawn at once, though: when their token ids are what fills the memory
+    (a grad_accum in the millions), it is grad_accum that must come down. With batch_size 1 there is
+    no smaller micro-batch: block_size or the model must shrink.
+    """
     tc, block_size = config.train, config.model.block_size
-    return (
-        f"out of memory on {device} with batch_size {tc.batch_size} x block_size {block_size}: lower batch_size "
-        f"(--batch-size {max(tc.batch_size // 2, 1)} --grad-accum {tc.grad_accum * 2} keeps the same batch per step) "
-        "or block_size, or use a smaller model"
-    )
+    rows = tc.batch_size * tc.grad_accum
+    shape = f"batch_size {tc.batch_size}" + (f" x grad_accum {tc.grad_accum}" if tc.grad_accum > 1 else "")
+    head = f"out of memory on {device} with {shape} x block_size {block_size}"
+    step_ids = rows * block_size * STEP_BATCH_BYTES_PER_TOKEN
+    memory = machine_memory()
+    if tc.grad_accum > 1 and memory is not None and 2 * step_ids > memory:
+        return (f"{head}: a step draws all its {rows:,} rows at once, {format_bytes(step_ids)} of token ids on a "
+                f"machine of {format_bytes(memory)}; lower grad_accum (--grad-accum {max(tc.grad_accum // 2, 1)}), "
+                "or block_size")
+    if tc.batch_size > 1:
+        factor = _smallest_factor(tc.batch_size)
+        return (f"{head}: lower batch_size (--batch-size {tc.batch_size // factor} --grad-accum "
+                f"{tc.grad_accum * factor} keeps the same {rows:,} rows per step) or block_size, or use a smaller "
+                "model")
+    return (f"{head}: batch_size is 1 already, so lower block_size (--block-size {max(block_size // 2, 1)}) or use a "
+            "smaller model")
+
+
+def _smallest_factor(n: int) -> int:
+    """The smallest divisor of ``n`` above 1 (``n`` > 1): batch_size / it and grad_accum x it keep their product."""
+    return next((k for k in range(2, math.isqrt(n) + 1) if n % k == 0), n)
 
 
 def closing_lines(*, step: int, tokens: int, elapsed: float, latest: Any, best: Any, best_step: int | None,

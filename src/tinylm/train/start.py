@@ -33,6 +33,7 @@ from tinylm.device import autocast_for
 from tinylm.errors import TinyLMError
 from tinylm.model import build_model
 from tinylm.model.gpt import GPT
+from tinylm.model.memory import check_fits
 from tinylm.run import (
     CONFIG_FILE,
     RUN_FILE,
@@ -229,6 +230,10 @@ class RunPlan:
 def plan_run(config: Config, out: Path, ckpt: Checkpoint | None, ctx: Distributed, force: bool,
              init_from: str | os.PathLike | None, log: Callable[[str], None]) -> RunPlan:
     """Check everything a run needs and prepare its data, before anything in ``out`` is written or deleted."""
+    # sizes from flags, a TOML file or a checkpoint that cannot fit are refused before any data work; vocab_size
+    # is the configuration's until the tokenizer is known, and checked again with the tokenizer's below
+    sharded_among = ctx.world_size if ctx.active and config.train.parallel == "fsdp" else 1
+    check_fits(config.model, config.train, ctx.device, shards=sharded_among)
     init = checkpoint_to_init_from(init_from, config.train)
     if ckpt is None:
         ctx.main_first(lambda: check_new_run_folder(out, force))
@@ -243,6 +248,7 @@ def plan_run(config: Config, out: Path, ckpt: Checkpoint | None, ctx: Distribute
         # prepare_data checks this first; here only as the last guard before training
         raise TinyLMError("the data folder's tokenizer does not match the checkpoint's")
     config = dataclasses.replace(config, model=dataclasses.replace(config.model, vocab_size=tokenizer.vocab_size))
+    check_fits(config.model, config.train, ctx.device, shards=sharded_among)
     if init is not None:
         check_init_fits(init, config)
     total = total_steps(config)
