@@ -55,6 +55,7 @@ from safetensors import safe_open
 from safetensors.torch import save
 from torch import Tensor
 
+from tinylm.atomic import disk_writes
 from tinylm.config import Config, build_config, dump_toml, load_config_file
 from tinylm.errors import TinyLMError
 from tinylm.model import build_model
@@ -75,6 +76,8 @@ RNG_FILE = "rng.safetensors"
 STATE_FILE = "state.json"  # a folder without it is not a checkpoint
 CHECKSUMS_FILE = "checksums.json"  # written last: every other file's size and SHA-256
 CHECKSUMS_FORMAT = "tinylm.checksums"
+# what a model's weights may be stored as: the float types a model trains or runs in (and float64)
+WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 # ----- writing checkpoints ------------------------------------------------------------------------
@@ -129,9 +132,10 @@ def copy_checkpoint(source: str | os.PathLike, target: str | os.PathLike) -> Pat
     source = verify_checkpoint(source)  # never make a damaged checkpoint the one to fall back on
 
     def write(folder: Path) -> None:
-        folder.rmdir()
-        shutil.copytree(source, folder)
-        for name in os.listdir(folder):
+        # file by file, not copytree: its errors come back bundled in one shutil.Error, and a full disk
+        # must reach `_replace_folder` as the OSError it is
+        for name in sorted(os.listdir(source)):
+            shutil.copy2(source / name, folder / name)
             _fsync(folder / name)
 
     return _replace_folder(Path(target), write)
@@ -182,24 +186,68 @@ def _json_sha256(value: Any) -> str:
 
 
 def _replace_folder(path: Path, write) -> Path:
+    """Write a folder with ``write(folder)`` beside ``path``, then swap it in (see the module docstring).
+
+    A disk that refuses the writes (full, read-only, ...) is one line saying which checkpoint is still
+    intact there, with the half-written folder already gone. A ``path`` that is a symbolic link (a user's
+    ``ln -s``) is replaced by the new folder; the link goes, and the folder it pointed to is left as it was.
+    """
     new = path.with_name(f".{path.name}.new")
     old = path.with_name(f".{path.name}.old")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    shutil.rmtree(new, ignore_errors=True)  # left by a crash while writing: never complete, never used
-    new.mkdir()
-    try:
-        write(new)
-    except BaseException:
-        shutil.rmtree(new, ignore_errors=True)
-        raise
-    if path.exists():
-        # An .old folder still here is from a crash after its replacement was in place: stale.
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(path, old)
-    os.replace(new, path)
-    _fsync_dir(path.parent)
-    shutil.rmtree(old, ignore_errors=True)
+    with disk_writes(f"checkpoint {path}", lambda: _intact(path), retry=_retry(path)):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _remove(new)  # left by a crash while writing: never complete, never used
+        new.mkdir()
+        try:
+            write(new)
+        except BaseException:
+            _remove(new)
+            raise
+        if path.exists() or path.is_symlink():
+            # An .old folder still here is from a crash after its replacement was in place: stale.
+            _remove(old)
+            os.replace(path, old)  # a link is renamed, not followed
+        os.replace(new, path)
+        _fsync_dir(path.parent)
+        _remove(old)
     return path
+
+
+def _remove(path: Path) -> None:
+    """Delete a file, a link (never what it points to) or a folder, if there is one at ``path``."""
+    if path.is_symlink() or path.is_file():
+        path.unlink(missing_ok=True)
+    else:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _intact(path: Path) -> str:
+    """What is still there after a failed write of the checkpoint ``path``: the one it was to replace, if any."""
+    for folder in (path, path.with_name(f".{path.name}.old")):
+        try:
+            step = json.loads((folder / STATE_FILE).read_text(encoding="utf-8")).get("step")
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+            continue
+        where = "there" if folder == path else f"in {folder}"
+        return f"the checkpoint of step {step} is intact {where}" if isinstance(step, int) else \
+            f"the checkpoint there before is intact {where}"
+    return "nothing half-written is left there"
+
+
+def _retry(path: Path) -> str:
+    """How to go on once the disk takes writes again: a run's training continues from its latest checkpoint
+    (an imported run has nothing to continue: it is imported again)."""
+    if path.parent.name != CHECKPOINTS or path.name not in CHECKPOINT_NAMES:
+        return "try again"
+    latest = path.with_name("latest")
+    for folder in (latest, latest.with_name(".latest.old")):
+        try:
+            state = json.loads((folder / STATE_FILE).read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            continue
+        if isinstance(state, dict) and "imported_from" not in state:
+            return "continue with --resume"
+    return "run it again with --force"
 
 
 def _fsync(path: Path) -> None:
@@ -406,6 +454,12 @@ class Checkpoint:
         """
         tensors, metadata = _read_safetensors(self.path / MODEL_FILE)
         for name, t in tensors.items():
+            if t.dtype not in WEIGHT_DTYPES:
+                # copying integers into a float parameter would "work", and give a model that is garbage
+                raise TinyLMError(f"the weights in {self.path / MODEL_FILE} are not a model's: {name} holds "
+                                  f"{str(t.dtype).removeprefix('torch.')} values where a model holds floating-point "
+                                  f"numbers ({', '.join(str(d).removeprefix('torch.') for d in WEIGHT_DTYPES)}); "
+                                  f"{_way_out(self.path)}")
             if t.is_floating_point() and not torch.isfinite(t).all():
                 raise TinyLMError(f"the weights in {self.path / MODEL_FILE} are not finite ({name} holds NaN or "
                                   f"infinite values); {_way_out(self.path)}")

@@ -28,7 +28,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-from tinylm.atomic import atomic_path
+from tinylm.atomic import atomic_path, disk_writes
 from tinylm.config import GPTConfig
 from tinylm.errors import TinyLMError
 from tinylm.export.weights import Architecture, TensorRule, architecture_for, convert_to_theirs
@@ -169,7 +169,9 @@ def export_gguf(
         raise TinyLMError(f"{path} already exists; choose another --out or overwrite it explicitly (--force)")
 
     tensors = convert_to_theirs(model.state_dict(), gguf_rules(config, arch))
-    with atomic_path(path) as tmp:
+    existed = path.exists()
+    intact = f"the {path.name} there before is intact" if existed else "nothing half-written is left"
+    with disk_writes(f"the export to {path}", intact, retry="export again"), atomic_path(path) as tmp:
         writer = g.GGUFWriter(tmp, arch)
         writer.add_name(name)
         file_type = {"f32": g.LlamaFileType.ALL_F32, "f16": g.LlamaFileType.MOSTLY_F16,

@@ -15,13 +15,15 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from tinylm.atomic import atomic_path, atomic_write_text
+from tinylm.atomic import atomic_write_text, disk_writes
 from tinylm.config import GPTConfig
 from tinylm.errors import TinyLMError
 from tinylm.export.hf_families import HF_CLASSES, llama_family_fields
@@ -129,14 +131,13 @@ def _check_tokenizer(tokenizer: Tokenizer | None, config: GPTConfig, what: str) 
     return tokenizer
 
 
-def _prepare_out_dir(out_dir: Path, names: Sequence[str], overwrite: bool) -> None:
+def _check_out_dir(out_dir: Path, names: Sequence[str], overwrite: bool) -> None:
     if out_dir.exists() and not out_dir.is_dir():
         raise TinyLMError(f"{out_dir} exists and is not a folder; choose another --out")
     present = [name for name in names if (out_dir / name).exists()]
     if present and not overwrite:
         raise TinyLMError(f"{out_dir} already holds {', '.join(present)}; choose another --out or overwrite "
                           "explicitly (--force)")
-    out_dir.mkdir(parents=True, exist_ok=True)
 
 
 def _write_json(path: Path, data: Mapping[str, Any]) -> None:
@@ -155,18 +156,35 @@ def export_hf(model: GPT, tokenizer: Tokenizer | None, out_dir: str | os.PathLik
     arch = architecture_for(config)
     tok = _check_tokenizer(tokenizer, config, "transformers")
     out_dir = Path(out_dir)
-    _prepare_out_dir(out_dir, EXPORTED_FILES if tok is not None else (CONFIG_FILE, WEIGHTS_FILE), overwrite)
+    names = EXPORTED_FILES if tok is not None else (CONFIG_FILE, WEIGHTS_FILE)
+    _check_out_dir(out_dir, names, overwrite)
 
     state = model.state_dict()
     tensors = convert_to_theirs(state, hf_rules(config, arch))
-    with atomic_path(out_dir / WEIGHTS_FILE) as tmp:
-        # {"format": "pt"} is what transformers' own save_pretrained writes, and what it checks on load
-        save_safetensors(tensors, tmp, metadata={"format": "pt"})
-    _write_json(out_dir / CONFIG_FILE, hf_config(config, tok, state["E.weight"].dtype))
-    if tok is not None:
-        export_tokenizer(tok, out_dir / TOKENIZER_FILE, "hf", overwrite=True)
-        for name, data in _tokenizer_files(tok, config.block_size, config.vocab_size).items():
-            _write_json(out_dir / name, data)
+    # The files are written whole into a hidden folder inside out_dir and only then renamed into place
+    # (renames in one file system need no space), so a full or read-only disk leaves no mix of new and
+    # old files there, nor a weights file without its config.json: one line says so.
+    made = not out_dir.exists()
+    intact = "nothing was replaced in it" if not made else "nothing half-written is left"
+    with disk_writes(f"the export to {out_dir}", intact, retry="export again"):
+        out_dir.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=".export.", suffix=".tmp", dir=out_dir))
+        try:
+            # {"format": "pt"} is what transformers' own save_pretrained writes, and what it checks on load
+            save_safetensors(tensors, staging / WEIGHTS_FILE, metadata={"format": "pt"})
+            _write_json(staging / CONFIG_FILE, hf_config(config, tok, state["E.weight"].dtype))
+            if tok is not None:
+                export_tokenizer(tok, staging / TOKENIZER_FILE, "hf", overwrite=True)
+                for name, data in _tokenizer_files(tok, config.block_size, config.vocab_size).items():
+                    _write_json(staging / name, data)
+            for name in names:
+                os.replace(staging / name, out_dir / name)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            if made:
+                shutil.rmtree(out_dir, ignore_errors=True)  # made here, and nothing of it is finished
+            raise
+        shutil.rmtree(staging, ignore_errors=True)
     return out_dir
 
 
