@@ -4,10 +4,18 @@ writes, and the windows read back."""
 from __future__ import annotations
 
 import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
+from diskkit import fill, leftovers, read_only, small_disk
 
 from tinylm.data import Corpus, Document, ShardSet, load_corpus, prepare, token_dtype
 from tinylm.errors import TinyLMError
@@ -316,3 +324,157 @@ def test_whole_shakespeare(shakespeare_corpus, tmp_path):
     # character tokens: one per character, plus one EOS per document
     n_chars = sum(len(t) for t in shakespeare_corpus.texts())
     assert splits["train"]["tokens"] + splits["val"]["tokens"] == n_chars + 42
+
+
+# ----- damaged or edited shard folders -------------------------------------------------------------
+
+
+def edit_meta(folder, edit) -> None:
+    meta = json.loads((folder / "meta.json").read_text())
+    edit(meta)
+    (folder / "meta.json").write_text(json.dumps(meta))
+
+
+def test_token_ids_past_the_vocabulary_are_one_line(tmp_path, tok):
+    prepare(memory_corpus(DOCS), tok, tmp_path, workers=1)
+    ids = np.fromfile(tmp_path / "train.bin", dtype=np.uint16)
+    ids[17] = tok.vocab_size + 3  # a damaged file, or one from other shards: the embedding has no such row
+    ids.tofile(tmp_path / "train.bin")
+    shards = ShardSet.open(tmp_path)
+    with pytest.raises(TinyLMError, match=rf"train.bin holds token id {tok.vocab_size + 3}, but its tokenizer has "
+                                          rf"{tok.vocab_size} tokens \(ids 0 to {tok.vocab_size - 1}\): the file is "
+                                          "damaged or not from these shards; prepare the shards again with --force"):
+        shards.sample_windows("train", 2, 8, 0)
+    assert len(shards.tokens("val")) > 0  # the sound split reads as before
+
+
+@pytest.mark.parametrize("dtype", ["float16", "int16", "uint32"])
+def test_a_dtype_tinylm_does_not_write_is_refused(tmp_path, tok, dtype):
+    prepare(memory_corpus(DOCS), tok, tmp_path, workers=1)
+    edit_meta(tmp_path, lambda meta: meta.update(dtype=dtype))  # float16 and int16 even fit the file sizes
+    with pytest.raises(TinyLMError, match=rf"meta.json says the token ids are '{dtype}', but tinylm writes the ids of "
+                                          rf"a {tok.vocab_size}-token vocabulary as uint16"):
+        ShardSet.open(tmp_path)
+
+
+@pytest.mark.parametrize("entry", ["splits.train", "splits.val", "tokenizer"])
+@pytest.mark.parametrize("name", ["../../x", "/etc/passwd", "sub/train.bin", 7])
+def test_a_file_outside_the_folder_is_refused(tmp_path, tok, entry, name):
+    folder = tmp_path / "a" / "b"
+    prepare(memory_corpus(DOCS), tok, folder, workers=1)
+    (tmp_path / "x").write_bytes((folder / "train.bin").read_bytes())  # there, and of the right size
+
+    def point(meta):
+        table = meta
+        for key in entry.split("."):
+            table = table[key]
+        table["file"] = name
+
+    edit_meta(folder, point)
+    with pytest.raises(TinyLMError, match=rf"meta.json names {re.escape(repr(name))} as its \w+ file, which is not a "
+                                          "file in that folder"):
+        ShardSet.open(folder)
+
+
+def test_a_meta_json_missing_its_parts_is_one_line(tmp_path, tok):
+    prepare(memory_corpus(DOCS), tok, tmp_path, workers=1)
+    edit_meta(tmp_path, lambda meta: meta["splits"].pop("val"))
+    with pytest.raises(TinyLMError, match="meta.json is damaged or edited .it does not describe both splits"):
+        ShardSet.open(tmp_path)
+    edit_meta(tmp_path, lambda meta: meta.update(tokenizer={"vocab_size": "many"}))
+    with pytest.raises(TinyLMError, match="meta.json is damaged or edited .tokenizer vocab_size 'many'"):
+        ShardSet.open(tmp_path)
+
+
+# ----- a full disk, and a prepare killed outright --------------------------------------------------
+
+
+def test_prepare_on_a_full_disk_is_one_line_and_leaves_nothing(tmp_path, tok):
+    with small_disk(tmp_path / "disk") as disk:
+        fill(disk, leave=4096)  # room for a file or two, not for the shards
+        out = disk / "data"
+        with pytest.raises(TinyLMError) as e:
+            prepare(memory_corpus(DOCS * 10), tok, out, workers=1)
+        assert str(e.value) == (f"cannot write token shards in {out}: no space left on device; nothing half-written "
+                                "is left there; free some space and try again")
+        assert list(out.iterdir()) == []
+        # over finished shards (--force): they stay as they were
+        (disk / "filler").unlink()
+        old = prepare(memory_corpus(DOCS), tok, out, workers=1)
+        fill(disk, leave=4096)
+        with pytest.raises(TinyLMError, match="; the shards there before are intact; free some space"):
+            prepare(memory_corpus(DOCS * 10), tok, out, workers=1, overwrite=True)
+        assert ShardSet.open(out).meta == old.meta and leftovers(out) == []
+
+
+def test_prepare_on_a_read_only_disk_is_one_line(tmp_path, tok):
+    with small_disk(tmp_path / "disk") as disk:
+        read_only(disk)
+        with pytest.raises(TinyLMError, match=f"cannot write token shards in {disk / 'data'}: the file system is "
+                                              "read-only; nothing half-written is left there; make it writable"):
+            prepare(memory_corpus(DOCS), tok, disk / "data", workers=1)
+
+
+# `prepare` with a pool of two workers over a corpus whose second reading stops for good after the
+# first batch has gone to the workers: the process stands still mid-tokenizing until it is killed.
+STALLED_PREPARE = """
+import sys, time
+from tinylm.data.corpora import Corpus, Document
+from tinylm.data.shards import prepare
+from tinylm.tokenizers import load_tokenizer
+
+reads = []
+def documents(corpus):
+    reads.append(1)
+    for i in range(600):
+        if len(reads) == 2 and i == 300:  # batch one (256 documents) is with the workers
+            print("tokenizing", flush=True)
+            time.sleep(600)
+        yield Document(f"d{i}", "All the world's a stage.\\n" * 40)
+prepare(Corpus("stalled", documents), load_tokenizer(sys.argv[1]), sys.argv[2], workers=2)
+"""
+
+
+def children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid``, from /proc."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_bytes().rpartition(b")")[2].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def running(pid: int) -> bool:
+    try:
+        return (Path(f"/proc/{pid}/stat").read_bytes().rpartition(b")")[2].split()[0]) not in (b"Z", b"X")
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds the worker processes in /proc (Linux)")
+def test_killing_prepare_outright_ends_its_tokenizing_workers(tmp_path, tok):
+    tok.save(tmp_path / "tok.json")
+    proc = subprocess.Popen([sys.executable, "-c", STALLED_PREPARE, str(tmp_path / "tok.json"), str(tmp_path / "out")],
+                            stdout=subprocess.PIPE, text=True)
+    workers: list[int] = []
+    try:
+        assert proc.stdout.readline() == "tokenizing\n"
+        workers = children(proc.pid)
+        assert len(workers) >= 2, workers
+        proc.send_signal(signal.SIGKILL)  # nothing of it runs again: no finally, no pool shutdown
+        proc.wait()
+        deadline = time.monotonic() + 5
+        while any(running(w) for w in workers) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [w for w in workers if running(w)] == []  # not left waiting forever on the pool's queue
+    finally:
+        proc.kill()
+        proc.wait()
+        for w in workers:
+            if running(w):
+                os.kill(w, signal.SIGKILL)

@@ -40,12 +40,17 @@ Running `prepare` again with the same text, tokenizer and split parameters reuse
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import hashlib
 import json
 import multiprocessing
 import os
 import re
+import signal
+import sys
 import tempfile
+import threading
+import time
 from array import array
 from collections import deque
 from collections.abc import Iterator, Sequence
@@ -58,8 +63,8 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+from tinylm.atomic import disk_writes
 from tinylm.data.corpora import Corpus
-from tinylm.device import available_cpus
 from tinylm.errors import TinyLMError
 from tinylm.jsonfile import JSONFormat
 from tinylm.tokenizers.base import FORMAT_NAME as TOKENIZER_FORMAT
@@ -204,9 +209,45 @@ def _encode_texts(tokenizer: Tokenizer, texts: Sequence[str], dtype: np.dtype) -
 _worker: dict[str, Any] = {}
 
 
-def _init_worker(tokenizer_dict: dict[str, Any], dtype: str) -> None:
+def _init_worker(tokenizer_dict: dict[str, Any], dtype: str, parent: int) -> None:
+    _die_with(parent)
     _worker["tokenizer"] = tokenizer_from_dict(tokenizer_dict)
     _worker["dtype"] = np.dtype(dtype)
+
+
+_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+
+
+def _die_with(parent: int) -> None:
+    """End this worker process as soon as ``parent`` (the process that runs `prepare`) is gone, however it went.
+
+    A worker waits on the pool's task queue, and every sibling holds the writing end of that queue too,
+    so when `prepare` is killed outright (kill -9, the out-of-memory killer: nothing of it runs again)
+    no end-of-file ever wakes the workers: they would wait forever, each holding its memory and the
+    deleted temporary shard files open. On Linux the kernel kills the worker with its parent
+    (PR_SET_PDEATHSIG); on every system a daemon thread also looks twice a second whether the parent
+    is still there, which covers the instant before the prctl call and systems without it.
+    """
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        except (OSError, AttributeError):  # no prctl to call: the thread below still watches
+            pass
+    ppid = os.getppid()
+
+    def orphaned() -> bool:
+        # a process that is gone leaves its children to another parent (init, or a subreaper)
+        return os.getppid() != ppid or (ppid != parent and not _running(parent))
+
+    if orphaned():
+        os._exit(1)
+
+    def watch() -> None:
+        while not orphaned():
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="tinylm-watch-parent", daemon=True).start()
 
 
 def _encode_in_worker(texts: list[str]) -> list[np.ndarray]:
@@ -229,7 +270,8 @@ def _encoded(
     # A process pool from concurrent.futures, not multiprocessing.Pool: when a worker dies (killed
     # for memory, or a BaseException) the futures fail with BrokenProcessPool instead of waiting
     # forever for a result that will never come.
-    pool = ProcessPoolExecutor(workers, multiprocessing.get_context(), _init_worker, (tokenizer.to_dict(), dtype.str))
+    pool = ProcessPoolExecutor(workers, multiprocessing.get_context(), _init_worker,
+                               (tokenizer.to_dict(), dtype.str, os.getpid()))
     try:
         # map() would read the whole corpus into its task queue; keeping at most two batches per
         # worker in flight keeps memory bounded and the order intact.
@@ -311,75 +353,87 @@ def prepare(
 
     dtype = token_dtype(tokenizer.vocab_size)
     if workers is None:
+        from tinylm.device import available_cpus  # here: tokenizing needs no torch, which tinylm.device imports
+
         workers = 1 if plan.n_bytes < _SERIAL_BELOW_BYTES else available_cpus()
-    out.mkdir(parents=True, exist_ok=True)
-    stats = {split: {"file": f"{split}.bin", "documents": 0, "tokens": 0, "bytes": 0} for split in SPLITS}
-    temps: dict[str, Path] = {}
-    handles: dict[str, Any] = {}
-    try:
-        for split in SPLITS:
-            fd, name = tempfile.mkstemp(prefix=f".{split}.bin.{os.getpid()}.", suffix=".tmp", dir=out)
-            os.chmod(fd, 0o644)  # mkstemp makes the file private; shards are ordinary data
-            temps[split] = Path(name)
-            handles[split] = os.fdopen(fd, "wb")
-        with tqdm(total=plan.n_bytes, desc="tokenizing", unit="B", unit_scale=True, disable=not progress) as bar:
-            batches = _batches(_pieces(corpus, plan, val_fraction))
-            # closing(): on an error here the pool inside the generator is shut down at once,
-            # not whenever the traceback that still references the generator is freed
-            with contextlib.closing(_encoded(batches, tokenizer, dtype, workers)) as encoded:
-                for splits, texts, arrays in encoded:
-                    for split, text, arr in zip(splits, texts, arrays):
-                        arr.tofile(handles[split])
-                        n_text_bytes = len(text.encode("utf-8"))
-                        st = stats[split]
-                        st["documents"] += 1
-                        st["tokens"] += len(arr)
-                        st["bytes"] += n_text_bytes
-                        bar.update(n_text_bytes)
-        for f in handles.values():
-            f.flush()
-            os.fsync(f.fileno())
-            f.close()
+    # a full or read-only disk: one line, the temporary files gone, finished shards already there untouched
+    with disk_writes(f"token shards in {out}", lambda: _intact(out)):
+        out.mkdir(parents=True, exist_ok=True)
+        stats = {split: {"file": f"{split}.bin", "documents": 0, "tokens": 0, "bytes": 0} for split in SPLITS}
+        temps: dict[str, Path] = {}
+        handles: dict[str, Any] = {}
+        try:
+            for split in SPLITS:
+                fd, name = tempfile.mkstemp(prefix=f".{split}.bin.{os.getpid()}.", suffix=".tmp", dir=out)
+                os.chmod(fd, 0o644)  # mkstemp makes the file private; shards are ordinary data
+                temps[split] = Path(name)
+                handles[split] = os.fdopen(fd, "wb")
+            with tqdm(total=plan.n_bytes, desc="tokenizing", unit="B", unit_scale=True, disable=not progress) as bar:
+                batches = _batches(_pieces(corpus, plan, val_fraction))
+                # closing(): on an error here the pool inside the generator is shut down at once,
+                # not whenever the traceback that still references the generator is freed
+                with contextlib.closing(_encoded(batches, tokenizer, dtype, workers)) as encoded:
+                    for splits, texts, arrays in encoded:
+                        for split, text, arr in zip(splits, texts, arrays):
+                            arr.tofile(handles[split])
+                            n_text_bytes = len(text.encode("utf-8"))
+                            st = stats[split]
+                            st["documents"] += 1
+                            st["tokens"] += len(arr)
+                            st["bytes"] += n_text_bytes
+                            bar.update(n_text_bytes)
+            for f in handles.values():
+                f.flush()
+                os.fsync(f.fileno())
+                f.close()
 
-        meta = {
-            **SHARDS_FILE.header(),
-            "corpus": corpus.name,
-            "input_fingerprint": plan.fingerprint,
-            "tokenizer": {
-                "kind": tokenizer.kind,
-                "fingerprint": tokenizer.fingerprint(),
-                "vocab_size": tokenizer.vocab_size,
-                "eos_id": tokenizer.eos_id,
-                "file": TOKENIZER_FILE,
-            },
-            "dtype": dtype.name,
-            "val_fraction": val_fraction,
-            "seed": seed,
-            "split_method": "single document cut at a line boundary" if plan.cut_single else "by document",
-            "splits": stats,
-            "skipped_documents": len(corpus.skipped),
-        }
-        temps["tokenizer"] = tokenizer.save(out / f".{TOKENIZER_FILE}.{os.getpid()}.tmp")
-        temps["meta"] = out / f".{META_FILE}.{os.getpid()}.tmp"
-        temps["meta"].write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
+            meta = {
+                **SHARDS_FILE.header(),
+                "corpus": corpus.name,
+                "input_fingerprint": plan.fingerprint,
+                "tokenizer": {
+                    "kind": tokenizer.kind,
+                    "fingerprint": tokenizer.fingerprint(),
+                    "vocab_size": tokenizer.vocab_size,
+                    "eos_id": tokenizer.eos_id,
+                    "file": TOKENIZER_FILE,
+                },
+                "dtype": dtype.name,
+                "val_fraction": val_fraction,
+                "seed": seed,
+                "split_method": "single document cut at a line boundary" if plan.cut_single else "by document",
+                "splits": stats,
+                "skipped_documents": len(corpus.skipped),
+            }
+            temps["tokenizer"] = tokenizer.save(out / f".{TOKENIZER_FILE}.{os.getpid()}.tmp")
+            temps["meta"] = out / f".{META_FILE}.{os.getpid()}.tmp"
+            temps["meta"].write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
 
-        # Unmark the folder first: between here and the last rename it must not look complete.
-        (out / META_FILE).unlink(missing_ok=True)
-        for split in SPLITS:
-            os.replace(temps.pop(split), out / f"{split}.bin")
-        os.replace(temps.pop("tokenizer"), out / TOKENIZER_FILE)
-        os.replace(temps.pop("meta"), out / META_FILE)
-    finally:
-        for f in handles.values():
-            f.close()
-        for path in temps.values():
-            path.unlink(missing_ok=True)
+            # Unmark the folder first: between here and the last rename it must not look complete.
+            (out / META_FILE).unlink(missing_ok=True)
+            for split in SPLITS:
+                os.replace(temps.pop(split), out / f"{split}.bin")
+            os.replace(temps.pop("tokenizer"), out / TOKENIZER_FILE)
+            os.replace(temps.pop("meta"), out / META_FILE)
+        finally:
+            for f in handles.values():
+                with contextlib.suppress(OSError):  # a full disk fails the last flush again: the file goes anyway
+                    f.close()
+            for path in temps.values():
+                path.unlink(missing_ok=True)
     return ShardSet.open(out)
 
 
 SHARD_FILES = ("train.bin", "val.bin", TOKENIZER_FILE, META_FILE)
 # What prepare writes before renaming into place: ".<file>.<pid>.<random>.tmp" or ".<file>.<pid>.tmp"
 _TEMPORARY = re.compile(r"\.(?:train\.bin|val\.bin|tokenizer\.json|meta\.json)\.(\d+)(?:\.[^.]+)?\.tmp")
+
+
+def _intact(out: Path) -> str:
+    """What a failed prepare left in ``out``: the shards finished there before, or nothing of its own."""
+    if (out / META_FILE).is_file():
+        return "the shards there before are intact"
+    return "nothing half-written is left there"
 
 
 def check_output_folder(out: Path) -> None:
@@ -426,6 +480,16 @@ def _process_alive(pid: int) -> bool:
     return True
 
 
+def _running(pid: int) -> bool:
+    """Whether the process ``pid`` still runs: a killed one that nobody has reaped yet (a zombie) does not."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            # "pid (name) state ...": the name may hold spaces and parentheses, so read after the last ")"
+            return f.read().rpartition(b")")[2].split()[0] not in (b"Z", b"X")
+    except (OSError, IndexError):
+        return _process_alive(pid)  # no /proc: a zombie counts as running, and the prctl or ppid check decides
+
+
 def _written_by_someone_else(path: Path, format_name: str) -> bool:
     """A file there whose "format" is not ``format_name``: --force must not replace another tool's files."""
     if not path.exists():
@@ -434,6 +498,51 @@ def _written_by_someone_else(path: Path, format_name: str) -> bool:
         return json.loads(path.read_text(encoding="utf-8")).get("format") != format_name
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
         return True  # ours are written atomically, so an unreadable one is someone else's
+
+
+def _check_meta(folder: Path, meta: dict[str, Any]) -> None:
+    """Refuse a meta.json that does not describe shards as `prepare` writes them, each way as one line.
+
+    Its file names must be plain names inside ``folder`` (an edited ``"../../x"`` would read, and with
+    --force replace, a file anywhere), and its dtype the one tinylm writes for its vocabulary: raw bytes
+    read as another type (float16 is as long as uint16) are garbage, however well the sizes agree.
+    """
+    where = folder / META_FILE
+    again = "prepare the shards again with --force"
+
+    def refuse(what: str) -> TinyLMError:
+        return TinyLMError(f"{where} is damaged or edited ({what}); {again}")
+
+    tok = meta.get("tokenizer")
+    if not isinstance(tok, dict):
+        raise refuse("no tokenizer entry")
+    vocab, eos = tok.get("vocab_size"), tok.get("eos_id")
+    if not _is_count(vocab) or vocab < 1 or not _is_count(eos) or eos >= vocab:
+        raise refuse(f"tokenizer vocab_size {vocab!r} and eos_id {eos!r} are not a vocabulary and an id in it")
+    _check_file_name(where, "tokenizer file", tok.get("file"), again)
+    splits = meta.get("splits")
+    if not isinstance(splits, dict) or any(not isinstance(splits.get(split), dict) for split in SPLITS):
+        raise refuse(f"it does not describe both splits, {' and '.join(SPLITS)}")
+    for split in SPLITS:
+        _check_file_name(where, f"{split} file", splits[split].get("file"), again)
+        if not _is_count(splits[split].get("tokens")):
+            raise refuse(f"the {split} token count {splits[split].get('tokens')!r} is not a count")
+    expected = token_dtype(vocab).name
+    if meta.get("dtype") != expected:
+        raise TinyLMError(f"{where} says the token ids are {meta.get('dtype')!r}, but tinylm writes the ids of a "
+                          f"{vocab}-token vocabulary as {expected}, and reading them as anything else gives garbage; "
+                          f"{again}")
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _check_file_name(where: Path, what: str, name: Any, again: str) -> None:
+    """A file named in meta.json must be a plain name of a file in its own folder."""
+    if not isinstance(name, str) or not name or name in (".", "..") or Path(name).name != name or "\\" in name:
+        raise TinyLMError(f"{where} names {name!r} as its {what}, which is not a file in that folder "
+                          f"(shard files never leave it); {again}")
 
 
 def _check_same_recipe(existing: ShardSet, tokenizer: Tokenizer, val_fraction: float, seed: int) -> None:
@@ -472,6 +581,7 @@ class ShardSet:
         """Open a folder written by `prepare`, checking its format and file sizes."""
         path = Path(path)
         meta = SHARDS_FILE.read(path / META_FILE)
+        _check_meta(path, meta)
         shards = cls(path, meta)
         for split in SPLITS:
             file = path / meta["splits"][split]["file"]
@@ -517,8 +627,24 @@ class ShardSet:
             if meta["tokens"] == 0:  # an empty file cannot be memory-mapped
                 self._tokens[split] = np.empty(0, dtype=self.dtype)
             else:
-                self._tokens[split] = np.memmap(self.path / meta["file"], dtype=self.dtype, mode="r")
+                data = np.memmap(self.path / meta["file"], dtype=self.dtype, mode="r")
+                self._check_ids(data, self.path / meta["file"])
+                self._tokens[split] = data
         return self._tokens[split]
+
+    def _check_ids(self, data: np.ndarray, file: Path) -> None:
+        """Refuse a shard holding an id its tokenizer does not have: the model's embedding has no row for it,
+        so it would be an index error deep in a training step (a file damaged, or swapped in from other shards).
+
+        One pass over the file, once per process; every later read of it comes from the page cache.
+        """
+        if np.iinfo(data.dtype).max < self.vocab_size:
+            return  # every value of the dtype is an id
+        largest = int(data.max())
+        if largest >= self.vocab_size:
+            raise TinyLMError(f"{file} holds token id {largest}, but its tokenizer has {self.vocab_size} tokens "
+                              f"(ids 0 to {self.vocab_size - 1}): the file is damaged or not from these shards; "
+                              "prepare the shards again with --force")
 
     def _check_room(self, split: str, block_size: int, batch_size: int) -> np.ndarray:
         if block_size < 1 or batch_size < 1:
