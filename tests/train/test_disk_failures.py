@@ -160,3 +160,14 @@ def test_integer_weights_with_recomputed_checksums_are_refused_naming_the_tensor
     assert line.startswith(f"the weights in {best / 'model.safetensors'} are not a model's: ") and \
         " holds int32 values where a model holds floating-point numbers (float32, bfloat16, float16, float64); " \
         f"use the other checkpoint, {checkpoint_path(run, 'latest')}" in line, line
+
+
+def test_a_disk_failure_in_a_write_nothing_wraps_is_still_one_line(capsys, monkeypatch):
+    import tinylm.cli.data
+
+    def full(args):
+        raise OSError(errno.ENOSPC, "No space left on device", "data/x/somewhere.bin")
+
+    monkeypatch.setattr(tinylm.cli.data, "cmd_prepare", full)
+    line = refused(capsys, ["prepare", "--corpus", "stdlib"])
+    assert line == "cannot write data/x/somewhere.bin: no space left on device; free some space and try again"

@@ -29,6 +29,7 @@ import warnings
 from collections.abc import Callable, Sequence
 
 from tinylm import __version__
+from tinylm.atomic import disk_failure
 from tinylm.cli import data, evaluate, explain, export, generate, tokenizer, train
 from tinylm.cli.flags import Parser, show_help
 from tinylm.errors import TinyLMError
@@ -70,3 +71,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # `tinylm tokenizer encode ... | head`
         sys.stderr.close()
         return 0
+    except OSError as e:
+        # a full or read-only disk met by a write that `tinylm.atomic.disk_writes` does not wrap: still one
+        # line (the wrapped ones say what is intact, too)
+        failure = disk_failure(e)
+        if failure is None:
+            raise
+        print(f"tinylm: error: cannot write {e.filename or 'a file'}: {failure[0]}; {failure[1]} and try again",
+              file=sys.stderr)
+        return 2
