@@ -91,5 +91,7 @@ def test_the_out_of_memory_advice_never_asks_for_more(tmp_path, batch_size, grad
         assert new_accum < grad_accum
     else:  # batch_size 1 already: the context or the model must shrink
         assert batch_size == 1 and advised(advice, "block-size") < config.model.block_size
-    if grad_accum == 1_000_000_000:
+    if grad_accum == 1_000_000_000:  # the advised step's token ids fit in half the memory
         assert new_batch is None and "lower grad_accum" in advice
+        step_ids = batch_size * new_accum * config.model.block_size * memory.STEP_BATCH_BYTES_PER_TOKEN
+        assert step_ids <= memory.machine_memory() // 2

@@ -137,9 +137,11 @@ def out_of_memory_advice(config: Config, device: Any) -> str:
     step_ids = rows * block_size * STEP_BATCH_BYTES_PER_TOKEN
     memory = machine_memory()
     if tc.grad_accum > 1 and memory is not None and 2 * step_ids > memory:
+        # the most micro-batches whose token ids take at most half the memory, as the test above asks
+        fits = max(1, min(tc.grad_accum // 2, memory // (2 * tc.batch_size * block_size * STEP_BATCH_BYTES_PER_TOKEN)))
         return (f"{head}: a step draws all its {rows:,} rows at once, {format_bytes(step_ids)} of token ids on a "
-                f"machine of {format_bytes(memory)}; lower grad_accum (--grad-accum {max(tc.grad_accum // 2, 1)}), "
-                "or block_size")
+                f"machine of {format_bytes(memory)}; lower grad_accum (--grad-accum {fits} keeps them under half of "
+                "it), or block_size")
     if tc.batch_size > 1:
         factor = _smallest_factor(tc.batch_size)
         return (f"{head}: lower batch_size (--batch-size {tc.batch_size // factor} --grad-accum "
