@@ -12,6 +12,9 @@ met), and any ``context`` the caller passes. Every message is one line that says
     SHARDS = JSONFormat("tinylm.shards", 1, missing="{folder} has no {file}; run `tinylm prepare` into it", ...)
     meta = SHARDS.read(folder / "meta.json")                       # a dict, or a TinyLMError
     atomic_write_text(path, json.dumps({**SHARDS.header(), "splits": ...}))
+
+Every JSON file tinylm reads from outside (these, and the tokenizer.json and config.json of other tools)
+is parsed by `parse_json`, which refuses nesting deeper than any real file has in one line.
 """
 
 from __future__ import annotations
@@ -23,6 +26,40 @@ from pathlib import Path
 from typing import Any
 
 from tinylm.errors import TinyLMError
+
+# Real files nest a few levels (a tokenizer.json's pipeline about six). json's parser raises RecursionError near
+# 1000 levels, and a value nested just under that can still exhaust the stack of any code that walks it later,
+# so a far lower limit makes every deeper file one clear line instead.
+MAX_DEPTH = 100
+
+
+def parse_json(text: str, source: str | os.PathLike) -> Any:
+    """``json.loads(text)``, or a `TinyLMError` naming ``source`` if it nests deeper than `MAX_DEPTH`
+    (a `json.JSONDecodeError` still means it is not JSON: each caller says what the file should be)."""
+    try:
+        data = json.loads(text)
+    except RecursionError:
+        data = None
+        depth = MAX_DEPTH + 1
+    else:
+        depth = _depth(data)
+    if depth > MAX_DEPTH:
+        raise TinyLMError(f"{source} nests JSON objects or lists more than {MAX_DEPTH} levels deep, which no file "
+                          "tinylm reads does; it is damaged or not the file it should be")
+    return data
+
+
+def _depth(data: Any) -> int:
+    """How deep ``data`` nests, level by level without recursion; stops counting past `MAX_DEPTH`."""
+    level = [data] if isinstance(data, (dict, list)) else []
+    depth = 0
+    while level and depth <= MAX_DEPTH:
+        depth += 1
+        inner = []
+        for node in level:
+            inner.extend(v for v in (node.values() if isinstance(node, dict) else node) if isinstance(v, (dict, list)))
+        level = inner
+    return depth
 
 
 @dataclass(frozen=True)
@@ -52,7 +89,7 @@ class JSONFormat:
         except (OSError, UnicodeDecodeError) as e:
             raise TinyLMError(self.unreadable.format(error=e, **where)) from None
         try:
-            data = json.loads(text)
+            data = parse_json(text, path)
         except json.JSONDecodeError as e:
             template = self.unreadable if self.corrupt is None else self.corrupt
             raise TinyLMError(template.format(error=e, line=e.lineno, column=e.colno, **where)) from None

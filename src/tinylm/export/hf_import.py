@@ -30,6 +30,7 @@ from tinylm.errors import TinyLMError
 from tinylm.export.hf import CONFIG_FILE, TOKENIZER_FILE, WEIGHTS_FILE, WEIGHTS_INDEX_FILE
 from tinylm.export.hf_families import HF_CLASSES, Architecture, default_rule, llama_family_config, refusal, required
 from tinylm.export.weights import architecture_for, convert_to_ours, hf_rules
+from tinylm.jsonfile import parse_json
 from tinylm.model.gpt import GPT
 from tinylm.run import CONFIG_FILE as RUN_CONFIG_FILE
 from tinylm.run import (
@@ -50,7 +51,7 @@ _TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
 
 def _read_json(path: Path, what: str) -> dict[str, Any]:
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = parse_json(path.read_text(encoding="utf-8"), path)
     except FileNotFoundError:
         raise TinyLMError(f"{path} is missing: a Hugging Face checkpoint folder has {what}") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
