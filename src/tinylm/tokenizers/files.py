@@ -22,6 +22,7 @@ import regex
 
 from tinylm.atomic import atomic_write_text
 from tinylm.errors import TinyLMError
+from tinylm.jsonfile import parse_json
 from tinylm.tokenizers.base import FORMAT_NAME, Tokenizer, load_tokenizer
 from tinylm.tokenizers.bpe import BPETokenizer
 from tinylm.tokenizers.formats import (
@@ -82,16 +83,15 @@ def detect_format(path: str | os.PathLike) -> str:
     text = head.decode("utf-8", errors="replace").lstrip()
     if text.startswith("{"):
         try:
-            data = json.loads(_read_text(path, "tokenizer file"))
+            data = parse_json(_read_text(path, "tokenizer file"), path)
         except json.JSONDecodeError as e:
             raise TinyLMError(f"{path} is not valid JSON (line {e.lineno}, column {e.colno})") from None
         if isinstance(data, dict) and data.get("format") == FORMAT_NAME:
             return "tinylm"
         if isinstance(data, dict) and "model" in data:
             return "hf"
-        if isinstance(data, dict) and data and all(isinstance(i, int) for i in data.values()) and \
-                (path.parent / "merges.txt").is_file():
-            return "hf"  # GPT-2's own vocab.json, with merges.txt beside it
+        if isinstance(data, dict) and data and (path.parent / "merges.txt").is_file():
+            return "hf"  # GPT-2's own vocab.json, with merges.txt beside it (its reader checks each id)
         raise TinyLMError(f"{path} is JSON but neither a tinylm tokenizer nor a Hugging Face tokenizer.json")
     first_line = text.split("\n", 1)[0].strip()
     if path.suffix == ".tiktoken" or _TIKTOKEN_LINE.fullmatch(first_line):

@@ -27,9 +27,10 @@ import regex
 
 from tinylm.atomic import atomic_write_text
 from tinylm.errors import TinyLMError
+from tinylm.jsonfile import parse_json
 from tinylm.tokenizers.base import BOS, EOS, PAD, Tokenizer, special_token_names
 from tinylm.tokenizers.bpe import PATTERNS, BPETokenizer
-from tinylm.tokenizers.imported import ByteLevelBPETokenizer
+from tinylm.tokenizers.imported import ByteLevelBPETokenizer, checked_vocab_size
 
 FORMATS = ("tinylm", "tiktoken", "hf")
 
@@ -193,13 +194,11 @@ def load_tiktoken(path: str | os.PathLike, pattern: str = "gpt4", n_reserved: in
         return BPETokenizer(merges_from_ranks(ranks, str(path)), pattern=pattern, n_reserved=n_reserved)
     except TinyLMError:
         pass
-    size = max(ranks.values(), default=-1) + 1
     if len(set(ranks.values())) != len(ranks):
         raise TinyLMError(f"{path}: two tokens share a rank; a tiktoken file gives every token its own")
+    size = checked_vocab_size(ranks.items(), source=str(path), what="rank")
     tokens: list[bytes | None] = [None] * size
     for token, rank in ranks.items():
-        if rank < 0:
-            raise TinyLMError(f"{path}: rank {rank} is negative")
         tokens[rank] = token
     specials = {name: size + i for i, name in enumerate(special_token_names(n_reserved))}
     return ByteLevelBPETokenizer(tokens, [], pattern, specials=specials, roles={"bos": BOS, "eos": EOS, "pad": PAD},
@@ -383,10 +382,81 @@ def load_hf_tokenizer_json(path: str | os.PathLike) -> BPETokenizer:
     """Read a tokenizer.json with tinylm's layout (as `save_hf_tokenizer_json` writes) back."""
     path = Path(path)
     try:
-        data = json.loads(_read_text(path, "tokenizer.json"))
+        data = parse_json(_read_text(path, "tokenizer.json"), path)
     except json.JSONDecodeError as e:
         raise TinyLMError(f"{path} is not valid JSON (line {e.lineno}, column {e.colno})") from None
     return tokenizer_from_hf_json(data, str(path))
+
+
+# ----- the entries of a tokenizer.json (or vocab.json + merges.txt), checked as `tokenizers` checks them -----
+
+
+def _is_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _json_kind(value: Any) -> str:
+    """What a parsed JSON value is, in JSON's words ("a list", "null"), for messages about the wrong kind."""
+    kinds = {dict: "an object", list: "a list", str: "a string", bool: "true or false", int: "a number",
+             float: "a number", type(None): "null"}
+    return kinds.get(type(value), type(value).__name__)
+
+
+def hf_vocab(vocab: Any, source: str, where: str = "the vocab") -> dict[str, int]:
+    """``vocab`` if it is an object of token -> id, each id a whole number from 0, else one line naming the entry."""
+    if not isinstance(vocab, dict):
+        raise TinyLMError(f"{source}: {where} is {_json_kind(vocab)}, not an object of token -> id")
+    for text, i in vocab.items():
+        if not _is_id(i):
+            raise TinyLMError(f"{source}: {where} gives {text!r} the id {i!r}; an id is a whole number from 0")
+    return vocab
+
+
+def hf_merges(merges: Any, vocab: dict[str, int], source: str) -> list[tuple[str, str]]:
+    """The merges ("a b" strings, or ["a", "b"] pairs) as pairs; each side and what it makes must be in ``vocab``."""
+    if merges is None:
+        return []
+    if not isinstance(merges, list):
+        raise TinyLMError(f"{source}: the merges are {_json_kind(merges)}, not a list")
+    pairs: list[tuple[str, str]] = []
+    for rank, m in enumerate(merges):
+        pair = m.split(" ") if isinstance(m, str) else m
+        if not isinstance(pair, list) or len(pair) != 2 or not all(isinstance(t, str) for t in pair):
+            raise TinyLMError(f"{source}: merge {rank} is {m!r}, not two tokens (\"a b\" or [\"a\", \"b\"])")
+        left, right = pair
+        for role, token in (("uses", left), ("uses", right), ("makes", left + right)):
+            if token not in vocab:
+                raise TinyLMError(f"{source}: merge {rank} ({left!r}, {right!r}) {role} {token!r}, which is not in "
+                                  "the vocab")
+        pairs.append((left, right))
+    return pairs
+
+
+def hf_added_tokens(added: Any, source: str) -> tuple[dict[str, int], dict[str, int]]:
+    """The added tokens as (special tokens, other added words), name -> id; one id for one token."""
+    if added is None:
+        return {}, {}
+    if not isinstance(added, list):
+        raise TinyLMError(f"{source}: added_tokens is {_json_kind(added)}, not a list")
+    specials: dict[str, int] = {}
+    words: dict[str, int] = {}
+    owner: dict[int, str] = {}
+    for n, token in enumerate(added):
+        name = token.get("content") if isinstance(token, dict) else None
+        if not isinstance(name, str) or not name:
+            raise TinyLMError(f"{source}: added token {n} ({str(token)[:60]}) has no \"content\" text")
+        i = token.get("id")
+        if not _is_id(i):
+            raise TinyLMError(f"{source}: added token {name!r} has the id {i!r}; an id is a whole number from 0")
+        # one id for one token, and one token for one id: either way round, text or ids would be ambiguous
+        if owner.setdefault(i, name) != name:
+            raise TinyLMError(f"{source}: added tokens {owner[i]!r} and {name!r} share the id {i}; each needs its own")
+        earlier = specials.get(name, words.get(name, i))
+        if earlier != i:
+            raise TinyLMError(f"{source}: the added token {name!r} is listed with the ids {earlier} and {i}; "
+                              "keep one")
+        (specials if token.get("special") else words)[name] = i
+    return specials, words
 
 
 def tokenizer_from_hf_json(data: dict[str, Any], source: str = "<tokenizer.json>") -> BPETokenizer:
@@ -419,9 +489,10 @@ def tokenizer_from_hf_json(data: dict[str, Any], source: str = "<tokenizer.json>
     pattern = _pattern_from_pre_tokenizer(data.get("pre_tokenizer"), fail)
 
     # vocab and merges -> tinylm's merge list, checking the id layout as we go
-    vocab: dict[str, int] = model["vocab"]
-    merges_raw = model.get("merges", [])
-    base = 256 + len(merges_raw)
+    vocab = hf_vocab(model["vocab"], source)
+    pairs = hf_merges(model.get("merges"), vocab, source)
+    specials, words = hf_added_tokens(data.get("added_tokens"), source)
+    base = 256 + len(pairs)
     by_id: dict[int, bytes] = {}
     for text, i in vocab.items():
         if i in by_id:
@@ -434,20 +505,14 @@ def tokenizer_from_hf_json(data: dict[str, Any], source: str = "<tokenizer.json>
                 "0..255 in byte order (GPT-2 and Llama 3 files order them differently)"
             )
     merges: list[tuple[int, int]] = []
-    for rank, m in enumerate(merges_raw):
-        pair = m.split(" ") if isinstance(m, str) else m  # "left right" or ["left", "right"]
-        if len(pair) != 2:
-            raise fail(f"merge {rank} {m!r} is not two tokens")
-        left, right = pair
-        a, b, z = vocab.get(left), vocab.get(right), vocab.get(left + right)
-        if a is None or b is None or z is None:
-            raise fail(f"merge {rank} ({left!r}, {right!r}) uses or makes a token missing from the vocab")
-        if z != 256 + rank:
-            raise fail(f"merge {rank} makes id {z}, but tinylm's layout puts merge r at id 256 + r = {256 + rank}")
-        merges.append((a, b))
+    for rank, (left, right) in enumerate(pairs):
+        made = vocab[left + right]
+        if made != 256 + rank:
+            raise fail(f"merge {rank} makes id {made}, but tinylm's layout puts merge r at id 256 + r = {256 + rank}")
+        merges.append((vocab[left], vocab[right]))
 
     # the added tokens must be exactly tinylm's specials, right after the merges
-    added = {t["content"]: t["id"] for t in data.get("added_tokens", [])}
+    added = {**specials, **words}
     extra = set(vocab.values()) - set(range(base)) - set(added.values())
     if extra:
         raise fail(f"vocab ids {sorted(extra)[:5]} are neither bytes, merges nor added tokens")

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from tinylm.errors import TinyLMError
+from tinylm.jsonfile import parse_json
 from tinylm.tokenizers.base import Tokenizer
 from tinylm.tokenizers.bpe import pattern_name
 from tinylm.tokenizers.chat_template import turn_end_ids
@@ -41,6 +42,9 @@ from tinylm.tokenizers.formats import (
     byte_level_pre_tokenizer,
     byte_level_to_bytes,
     bytes_to_byte_level,
+    hf_added_tokens,
+    hf_merges,
+    hf_vocab,
     oniguruma_pattern,
     tokenizer_from_hf_json,
 )
@@ -50,6 +54,7 @@ from tinylm.tokenizers.imported import (
     ByteLevelBPETokenizer,
     ImportedTokenizer,
     SentencePieceBPETokenizer,
+    checked_vocab_size,
 )
 
 SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json")
@@ -62,7 +67,7 @@ EOS_GUESSES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<|eos|>", "<eos>", "
 
 def _load_json(path: Path) -> Any:
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        return parse_json(path.read_text(encoding="utf-8"), path)
     except FileNotFoundError:
         raise TinyLMError(f"{path} does not exist") from None
     except (OSError, UnicodeDecodeError) as e:
@@ -154,21 +159,20 @@ def tokenizer_from_any_hf_json(data: dict[str, Any], side: dict[str, Any], roles
     for key in ("continuing_subword_prefix", "end_of_word_suffix", "dropout"):
         if model.get(key):
             raise fail(f"the BPE model sets {key}={model[key]!r}")
-    vocab: dict[str, int] = model.get("vocab") or {}
-    merges = [m.split(" ", 1) if isinstance(m, str) else list(m) for m in model.get("merges") or []]
-    added = data.get("added_tokens") or []
-    specials = {t["content"]: int(t["id"]) for t in added if t.get("special")}
-    words = {t["content"]: int(t["id"]) for t in added if not t.get("special")}
+    vocab = hf_vocab(model.get("vocab", {}), source)
+    merges = hf_merges(model.get("merges"), vocab, source)
+    specials, words = hf_added_tokens(data.get("added_tokens"), source)
+    size = checked_vocab_size([*vocab.items(), *specials.items(), *words.items()], source=source)
     byte_level = _is_byte_level(data)
     if byte_level:
         pattern, prefix_space = byte_level_pre_tokenizer(data.get("pre_tokenizer"), fail)
         normalizer = _unicode_normalizer(data.get("normalizer"), fail)
         if model.get("byte_fallback"):
             raise fail("a byte-level BPE with byte_fallback")
-        return _byte_level(vocab, merges, pattern, specials, words, side, roles, fail, add_prefix_space=prefix_space,
-                           normalizer=normalizer, ignore_merges=bool(model.get("ignore_merges")),
-                           add_bos=_adds_bos(data, side, specials))
-    return _sentencepiece(data, vocab, merges, specials, words, side, roles, fail)
+        return _byte_level(vocab, merges, size, pattern, specials, words, side, roles, fail,
+                           add_prefix_space=prefix_space, normalizer=normalizer,
+                           ignore_merges=bool(model.get("ignore_merges")), add_bos=_adds_bos(data, side, specials))
+    return _sentencepiece(data, vocab, merges, size, specials, words, side, roles, fail)
 
 
 def _is_byte_level(data: dict[str, Any]) -> bool:
@@ -234,12 +238,12 @@ def _resolve_roles(specials: dict[str, int], vocab_ids: dict[str, int], side: di
     return names, specials
 
 
-def _byte_level(vocab: dict[str, int], merges: list[list[str]], pattern: str, specials: dict[str, int],
-                words: dict[str, int], side: dict[str, Any], roles: dict[str, str], fail, *,
+def _byte_level(vocab: dict[str, int], merges: list[tuple[str, str]], size: int, pattern: str,
+                specials: dict[str, int], words: dict[str, int], side: dict[str, Any], roles: dict[str, str], fail, *,
                 add_prefix_space: bool, normalizer: str | None, ignore_merges: bool,
                 add_bos: bool) -> ByteLevelBPETokenizer:
+    """The checked entries (``size``: their `checked_vocab_size`) as a byte-level BPE."""
     names, specials = _resolve_roles(specials, vocab, side, roles, fail)
-    size = max([*vocab.values(), *specials.values(), *words.values(), -1]) + 1
     tokens: list[bytes | None] = [None] * size
     outside = {**specials, **words}
     for text, i in vocab.items():
@@ -253,11 +257,7 @@ def _byte_level(vocab: dict[str, int], merges: list[list[str]], pattern: str, sp
             raise fail(f"{e} (id {i})") from None
     for text, i in words.items():
         tokens[i] = text.encode("utf-8")
-    pairs = []
-    for r, pair in enumerate(merges):
-        if len(pair) != 2 or pair[0] not in vocab or pair[1] not in vocab:
-            raise fail(f"merge {r} {pair!r} is not two tokens of the vocab")
-        pairs.append((vocab[pair[0]], vocab[pair[1]]))
+    pairs = [(vocab[a], vocab[b]) for a, b in merges]
     try:
         return ByteLevelBPETokenizer(tokens, pairs, pattern, specials=specials, roles=names, vocab_size=size,
                                      add_prefix_space=add_prefix_space, normalizer=normalizer,
@@ -276,18 +276,20 @@ def _from_vocab_and_merges(vocab_path: Path, merges_path: Path, side: dict[str, 
     def fail(what: str) -> TinyLMError:
         return TinyLMError(f"{source}: {what}; tinylm reads GPT-2-style vocab.json + merges.txt")
 
-    vocab = _load_json(vocab_path)
-    if not isinstance(vocab, dict) or not all(isinstance(i, int) for i in vocab.values()):
-        raise fail("it is not a JSON object of token -> id")
+    vocab = hf_vocab(_load_json(vocab_path), source, "vocab.json")
     try:
         lines = merges_path.read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as e:
         raise TinyLMError(f"cannot read {merges_path}: {e}") from None
-    merges = [line.split(" ") for line in lines if line and not line.startswith("#version")]
-    specials: dict[str, int] = {}
-    for i, info in (side.get("added_tokens_decoder") or {}).items():
-        if isinstance(info, dict) and info.get("special"):
-            specials[info["content"]] = int(i)
+    merges = hf_merges([line for line in lines if line and not line.startswith("#version")], vocab, str(merges_path))
+    # tokenizer_config.json's "added_tokens_decoder" is {"id": {"content": ..., "special": ...}}: the same entries
+    # as a tokenizer.json's added_tokens, checked the same way
+    decoder = side.get("added_tokens_decoder") or {}
+    if not isinstance(decoder, dict):
+        raise TinyLMError(f"{vocab_path.parent / SIDE_FILES[0]}: added_tokens_decoder is not an object of id -> token")
+    added = [{**info, "id": int(i) if i.isascii() and i.isdigit() else i} if isinstance(info, dict) else info
+             for i, info in decoder.items()]
+    specials = hf_added_tokens(added, str(vocab_path.parent / SIDE_FILES[0]))[0]
     for name in side.get("additional_special_tokens") or []:
         name = _content(name)
         if name in vocab:
@@ -295,8 +297,10 @@ def _from_vocab_and_merges(vocab_path: Path, merges_path: Path, side: dict[str, 
     added_file = vocab_path.parent / "added_tokens.json"
     words = {}
     if added_file.is_file():
-        words = {k: v for k, v in _load_json(added_file).items() if k not in specials}
-    return _byte_level(vocab, merges, "gpt2", specials, words, side, roles, fail,
+        words = {k: v for k, v in hf_vocab(_load_json(added_file), str(added_file), "added_tokens.json").items()
+                 if k not in specials}
+    size = checked_vocab_size([*vocab.items(), *specials.items(), *words.items()], source=source)
+    return _byte_level(vocab, merges, size, "gpt2", specials, words, side, roles, fail,
                        add_prefix_space=bool(side.get("add_prefix_space", False)), normalizer=None,
                        ignore_merges=False, add_bos=bool(side.get("add_bos_token", False)))
 
@@ -304,23 +308,18 @@ def _from_vocab_and_merges(vocab_path: Path, merges_path: Path, side: dict[str, 
 # ----- SentencePiece-style BPE ------------------------------------------------------------------------
 
 
-def _sentencepiece(data: dict[str, Any], vocab: dict[str, int], merges: list[list[str]], specials: dict[str, int],
-                   words: dict[str, int], side: dict[str, Any], roles: dict[str, str],
+def _sentencepiece(data: dict[str, Any], vocab: dict[str, int], merges: list[tuple[str, str]], size: int,
+                   specials: dict[str, int], words: dict[str, int], side: dict[str, Any], roles: dict[str, str],
                    fail) -> SentencePieceBPETokenizer:
     prefix, split = _sentencepiece_prefix(data.get("normalizer"), data.get("pre_tokenizer"), fail)
     names, specials = _resolve_roles(specials, vocab, side, roles, fail)
-    size = max([*vocab.values(), *specials.values(), *words.values(), -1]) + 1
     pieces: list[str | None] = [None] * size
     for text, i in vocab.items():
         if specials.get(text) != i:
             pieces[i] = text
     for text, i in words.items():
         pieces[i] = text
-    pairs = []
-    for r, pair in enumerate(merges):
-        if len(pair) != 2 or pair[0] not in vocab or pair[1] not in vocab:
-            raise fail(f"merge {r} {pair!r} is not two tokens of the vocab")
-        pairs.append((vocab[pair[0]], vocab[pair[1]]))
+    pairs = [(vocab[a], vocab[b]) for a, b in merges]
     model = data["model"]
     try:
         return SentencePieceBPETokenizer(

@@ -28,6 +28,40 @@ from tinylm.tokenizers.bpe import PATTERNS, TiktokenPath, pattern_name, resolve_
 NORMALIZERS = ("NFC", "NFKC", "NFD", "NFKD")
 SPACE_MARK = "\u2581"  # "▁": SentencePiece's stand-in for a space
 
+# Ids index lists here, so one id far past the others (a typo, or a 10 KB file with an id of 10**9) would
+# allocate every id below it. Real vocabularies leave a few ids unused (a gap before the special tokens, slots a
+# trainer reserved): up to this many, or a tenth of the ids in use if that is more, is far above any of them.
+MAX_UNUSED_IDS = 1024
+
+
+def checked_vocab_size(ids: Iterable[tuple[Any, int]], at_least: int = 0, *, source: str | None = None,
+                       what: str = "id") -> int:
+    """The vocabulary size that (name, id) pairs need, checked before a list of that size is allocated.
+
+    Every id must be a whole number from 0, and the ids (with ``at_least``, a size the file states) may leave
+    only `MAX_UNUSED_IDS` (or a tenth of the ids in use) unused; otherwise a `TinyLMError` names the entry
+    (and ``source``, the file). ``what`` is what the file calls an id ("rank" in a .tiktoken file).
+    """
+    def refuse(message: str) -> TinyLMError:
+        return TinyLMError(f"{source}: {message}" if source else message)
+
+    used: set[int] = set()
+    top_name, top = None, -1
+    for name, i in ids:
+        if isinstance(i, bool) or not isinstance(i, int) or i < 0:
+            raise refuse(f"token {name!r} has {what} {i!r}; {what}s are whole numbers from 0")
+        used.add(i)
+        if i > top:
+            top_name, top = name, i
+    size = max(top + 1, at_least)
+    allowed = max(MAX_UNUSED_IDS, len(used) // 10)
+    if size - len(used) > allowed:
+        entry, wrong = ((f"token {top_name!r} has {what} {top:,}", f"that {what}") if top + 1 >= at_least else
+                        (f"the vocabulary size is {size:,}", "that size"))
+        raise refuse(f"{entry}, but only {len(used):,} {what}s are in use ({what}s run from 0 with at most "
+                     f"{allowed:,} unused), so {wrong} is wrong")
+    return size
+
 
 class ImportedTokenizer(Tokenizer):
     """What both imported kinds share: specials at their own ids, roles, added words, a chat template."""
@@ -100,7 +134,7 @@ class ImportedTokenizer(Tokenizer):
 
     @staticmethod
     def _common_args(data: dict[str, Any]) -> dict[str, Any]:
-        return {"vocab_size": int(data["vocab_size"]), "specials": dict(data["special_tokens"]),
+        return {"vocab_size": whole_number(data["vocab_size"], "vocab_size"), "specials": dict(data["special_tokens"]),
                 "roles": dict(data["roles"]), "add_bos": bool(data["add_bos"]),
                 "added_words": dict(data.get("added_words") or {}), "chat_template": data.get("chat_template"),
                 "stop_ids": [whole_number(i, "a stop id") for i in data.get("stop_ids") or ()]}
@@ -134,8 +168,9 @@ class ByteLevelBPETokenizer(ImportedTokenizer, TiktokenPath):
                  add_bos: bool = False, added_words: dict[str, int] | None = None,
                  chat_template: str | None = None, stop_ids: Sequence[int] = ()) -> None:
         self.tokens: list[bytes | None] = list(tokens)
-        vocab_size = max(vocab_size or 0, len(self.tokens), *(i + 1 for i in specials.values()),
-                         *(i + 1 for i in (added_words or {}).values()))
+        vocab_size = checked_vocab_size([*((b, i) for i, b in enumerate(self.tokens) if b is not None),
+                                         *specials.items(), *(added_words or {}).items()],
+                                        max(vocab_size or 0, len(self.tokens)))
         self.tokens += [None] * (vocab_size - len(self.tokens))
         self.pattern = resolve_pattern(pattern)
         self._split = regex.compile(self.pattern)
@@ -248,7 +283,9 @@ class SentencePieceBPETokenizer(ImportedTokenizer):
         if prefix not in PREFIX_MODES:
             raise ValueError(f"prefix {prefix!r} is not one of {PREFIX_MODES}")
         self.pieces: list[str | None] = list(pieces)
-        vocab_size = max(vocab_size or 0, len(self.pieces), *(i + 1 for i in specials.values()))
+        vocab_size = checked_vocab_size([*((p, i) for i, p in enumerate(self.pieces) if p is not None),
+                                         *specials.items(), *(added_words or {}).items()],
+                                        max(vocab_size or 0, len(self.pieces)))
         self.pieces += [None] * (vocab_size - len(self.pieces))
         self.prefix, self.split_on_mark = prefix, bool(split)
         self.byte_fallback, self.fuse_unk = bool(byte_fallback), bool(fuse_unk)
@@ -384,4 +421,5 @@ _WORDS = regex.compile(f"{SPACE_MARK}*[^{SPACE_MARK}]*")
 _WORDS_SPLIT = regex.compile(f"{SPACE_MARK}?[^{SPACE_MARK}]*")
 
 
-__all__ = ["ByteLevelBPETokenizer", "SentencePieceBPETokenizer", "ImportedTokenizer", "PATTERNS", "SPACE_MARK"]
+__all__ = ["ByteLevelBPETokenizer", "SentencePieceBPETokenizer", "ImportedTokenizer", "PATTERNS", "SPACE_MARK",
+           "checked_vocab_size"]
