@@ -171,3 +171,10 @@ def test_a_disk_failure_in_a_write_nothing_wraps_is_still_one_line(capsys, monke
     monkeypatch.setattr(tinylm.cli.data, "cmd_prepare", full)
     line = refused(capsys, ["prepare", "--corpus", "stdlib"])
     assert line == "cannot write data/x/somewhere.bin: no space left on device; free some space and try again"
+
+    def quota(args):
+        raise OSError(errno.EDQUOT, "Disk quota exceeded")  # os.write on a descriptor: no file name
+
+    monkeypatch.setattr(tinylm.cli.data, "cmd_prepare", quota)
+    line = refused(capsys, ["prepare", "--corpus", "stdlib"])
+    assert line == "a write failed: the disk quota is exceeded; free some space or raise the quota and try again"

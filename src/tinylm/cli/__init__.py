@@ -77,6 +77,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         failure = disk_failure(e)
         if failure is None:
             raise
-        print(f"tinylm: error: cannot write {e.filename or 'a file'}: {failure[0]}; {failure[1]} and try again",
-              file=sys.stderr)
+        what = f"cannot write {e.filename}" if e.filename else "a write failed"  # os.write names no file
+        print(f"tinylm: error: {what}: {failure[0]}; {failure[1]} and try again", file=sys.stderr)
         return 2
