@@ -19,13 +19,18 @@ no state worth saving, and Python's `random` is not used.
 Writing is atomic per folder: a checkpoint is written in full to ``.latest.new/``, the old
 ``latest/`` is renamed to ``.latest.old/``, the new one renamed into place, and the old one
 deleted. A crash at any moment leaves a complete checkpoint under ``latest/`` or, for the instant
-between the two renames, under ``.latest.old/``, where `find_checkpoint` looks next.
+between the two renames, under ``.latest.old/``, where `find_checkpoint` looks next. A disk that
+refuses the writes (full, read-only) is one line naming the checkpoint still intact, with the
+half-written folder removed; a ``latest`` that is a symbolic link is replaced by a folder, and
+what it pointed to is left alone.
 
 Damage after writing is caught on reading: every load (`load_checkpoint`, hence ``--resume``,
 ``--init-from``, `load_run` and so eval, sample, serve and export) first checks each file against
 checksums.json (`verify_checkpoint`), so a truncated, bit-flipped, missing or swapped-in file is a
 one-line error naming it and the way out, never a silently wrong model; weights that are NaN or
-infinite are refused too. Checking costs one read of the folder (SHA-256 reads about 1 GB a second).
+infinite are refused too, and so are weights stored as anything but a float type (integers with
+recomputed checksums pass every check before that one). Checking costs one read of the folder
+(SHA-256 reads about 1 GB a second).
 A checkpoint written before checksums existed (no checksums.json, and no mention of it in its
 state.json) is read as it is, unchecked. ``best/`` is a copy of ``latest/``, never hard links to
 it, so damage to one leaves the other to fall back on. The same tensors always give the same

@@ -32,9 +32,15 @@ Preparing reads the corpus twice: once to fingerprint it and plan the split, onc
 it (checking that the fingerprint has not changed meanwhile). Tokenizing runs in a pool of
 processes, one batch of documents at a time, with at most a few batches in flight, so memory
 stays bounded whatever the corpus size. Files are written under temporary names and renamed
-into place with meta.json last, so an interrupted run never leaves a folder that looks complete.
+into place with meta.json last, so an interrupted run never leaves a folder that looks complete;
+a full or read-only disk is one line, with the temporary files gone. The workers end with the
+process that started them, even one killed outright.
 Running `prepare` again with the same text, tokenizer and split parameters reuses the folder
 (``ShardSet.reused`` is true); anything else there is an error unless ``overwrite=True``.
+
+Reading trusts nothing it has not checked: `ShardSet.open` refuses a meta.json whose file names
+leave the folder or whose dtype is not the one tinylm writes for its vocabulary, and the first
+read of a split refuses ids past the vocabulary, each as one line.
 """
 
 from __future__ import annotations
