@@ -205,6 +205,10 @@ def sloppy(path: str, value):
     (sloppy("added_tokens", {"<|endoftext|>": 0}), "added_tokens is an object, not a list"),
     (sloppy("model/merges/1", ["h", "zz"]), "merge 1 ('h', 'zz') uses 'zz', which is not in the vocab"),
     (lambda data: data["model"]["vocab"].pop("he"), "merge 1 ('h', 'e') makes 'he', which is not in the vocab"),
+    # the pipeline's parts are objects (or null), a Sequence's steps a list of them
+    (sloppy("pre_tokenizer", "ByteLevel"), "the pre_tokenizer (or a step in it) is a string, not an object"),
+    (sloppy("normalizer", {"type": "Sequence", "normalizers": [7]}), "the normalizer (or a step in it) is a number"),
+    (sloppy("decoder", {"type": "Sequence", "decoders": {}}), "the decoder is a Sequence whose 'decoders' is an object"),
     # one id, two tokens (or one token, two ids): the ids or the text would be ambiguous
     (lambda data: added(data, "<|other|>", 0), "added tokens '<|endoftext|>' and '<|other|>' share the id 0"),
     (lambda data: added(data, "<|endoftext|>", 300), "'<|endoftext|>' is listed with the ids 0 and 300"),

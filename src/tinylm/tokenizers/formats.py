@@ -459,6 +459,28 @@ def hf_added_tokens(added: Any, source: str) -> tuple[dict[str, int], dict[str, 
     return specials, words
 
 
+# each part of the pipeline, and the key of a Sequence's steps in it
+PIPELINE_PARTS = {"normalizer": "normalizers", "pre_tokenizer": "pretokenizers", "post_processor": "processors",
+                  "decoder": "decoders"}
+
+
+def hf_pipeline(data: dict[str, Any], source: str) -> None:
+    """Check that each part of a tokenizer.json's pipeline is null or an object, and the steps of a Sequence (of
+    Sequences ...) a list of objects, as `tokenizers` requires: the readers then look into them without tracebacks."""
+    for part, steps_key in PIPELINE_PARTS.items():
+        todo = [] if data.get(part) is None else [data[part]]
+        while todo:
+            node = todo.pop()
+            if not isinstance(node, dict):
+                raise TinyLMError(f"{source}: the {part} (or a step in it) is {_json_kind(node)}, not an object")
+            if node.get("type") == "Sequence":
+                steps = node.get(steps_key)
+                if not isinstance(steps, list):
+                    raise TinyLMError(f"{source}: the {part} is a Sequence whose {steps_key!r} is "
+                                      f"{_json_kind(steps)}, not a list")
+                todo.extend(steps)
+
+
 def tokenizer_from_hf_json(data: dict[str, Any], source: str = "<tokenizer.json>") -> BPETokenizer:
     """Rebuild a BPETokenizer from a parsed tokenizer.json, or say what does not map."""
 
@@ -478,6 +500,7 @@ def tokenizer_from_hf_json(data: dict[str, Any], source: str = "<tokenizer.json>
     for field in ("continuing_subword_prefix", "end_of_word_suffix", "dropout"):
         if model.get(field):
             raise fail(f"the BPE model sets {field}={model[field]!r}")
+    hf_pipeline(data, source)
     if data.get("normalizer"):
         raise fail(f"it has a {data['normalizer'].get('type')} normalizer, which tinylm does not apply")
     post = data.get("post_processor")
@@ -566,7 +589,8 @@ def byte_level_pre_tokenizer(pre: dict[str, Any] | None, fail: Callable[[str], T
         kinds = " + ".join(str(step.get("type")) for step in steps)
         raise fail(f"the pre_tokenizer is {kinds}, not Split(regex) followed by ByteLevel(use_regex=false)")
     split = steps[0]
-    regex_text = split.get("pattern", {}).get("Regex")
+    pattern = split.get("pattern")
+    regex_text = pattern.get("Regex") if isinstance(pattern, dict) else None
     if split.get("type") != "Split" or regex_text is None:
         raise fail(f"the pre_tokenizer step {split.get('type')} is not a Split on a regex")
     if split.get("behavior") != "Isolated" or split.get("invert"):

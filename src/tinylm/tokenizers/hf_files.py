@@ -44,6 +44,7 @@ from tinylm.tokenizers.formats import (
     bytes_to_byte_level,
     hf_added_tokens,
     hf_merges,
+    hf_pipeline,
     hf_vocab,
     oniguruma_pattern,
     tokenizer_from_hf_json,
@@ -159,6 +160,7 @@ def tokenizer_from_any_hf_json(data: dict[str, Any], side: dict[str, Any], roles
     for key in ("continuing_subword_prefix", "end_of_word_suffix", "dropout"):
         if model.get(key):
             raise fail(f"the BPE model sets {key}={model[key]!r}")
+    hf_pipeline(data, source)
     vocab = hf_vocab(model.get("vocab", {}), source)
     merges = hf_merges(model.get("merges"), vocab, source)
     specials, words = hf_added_tokens(data.get("added_tokens"), source)
@@ -203,8 +205,9 @@ def _adds_bos(data: dict[str, Any], side: dict[str, Any], specials: dict[str, in
     steps = post.get("processors", []) if post.get("type") == "Sequence" else [post]
     for step in steps:
         if step.get("type") == "TemplateProcessing":
-            single = step.get("single") or []
-            return bool(single) and "SpecialToken" in single[0]
+            single = step.get("single")
+            return isinstance(single, list) and bool(single) and isinstance(single[0], dict) and \
+                "SpecialToken" in single[0]
     return False
 
 
@@ -337,8 +340,8 @@ def _sentencepiece_prefix(normalizer: Any, pre: Any, fail) -> tuple[str, bool]:
     steps = normalizer.get("normalizers", []) if isinstance(normalizer, dict) and \
         normalizer.get("type") == "Sequence" else [normalizer] if normalizer else []
     kinds = [s.get("type") for s in steps]
-    replaces = any(s.get("type") == "Replace" and s.get("pattern", {}).get("String") == " "
-                   and s.get("content") == SPACE_MARK for s in steps)
+    replaces = any(s.get("type") == "Replace" and isinstance(s.get("pattern"), dict)
+                   and s["pattern"].get("String") == " " and s.get("content") == SPACE_MARK for s in steps)
     prepends = any(s.get("type") == "Prepend" and s.get("prepend") == SPACE_MARK for s in steps)
     if steps and (set(kinds) - {"Replace", "Prepend"} or not replaces):
         raise fail(f"its normalizer is {' + '.join(map(str, kinds))}; tinylm reads SentencePiece-style files whose "
@@ -358,7 +361,7 @@ def _strips_leading_space(decoder: Any) -> bool:
     steps = decoder.get("decoders", []) if isinstance(decoder, dict) and decoder.get("type") == "Sequence" else \
         [decoder] if decoder else []
     for s in steps:
-        if s.get("type") == "Strip" and s.get("content") == " " and int(s.get("start", 0)) >= 1:
+        if s.get("type") == "Strip" and s.get("content") == " " and isinstance(s.get("start"), int) and s["start"] >= 1:
             return True
         if s.get("type") == "Metaspace":
             return (s.get("prepend_scheme") or ("always" if s.get("add_prefix_space", True) else "never")) != "never"
