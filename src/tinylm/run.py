@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -63,6 +64,7 @@ from tinylm.config import FAMILY_NAMES, Config, build_config, dump_toml, load_co
 from tinylm.data.shards import ShardSet
 from tinylm.device import resolve_device
 from tinylm.errors import TinyLMError
+from tinylm.lock import LOCK_FILE
 from tinylm.model import NGramLM, NGramModel
 from tinylm.tokenizers.base import Tokenizer, generation_excluded, load_tokenizer
 
@@ -72,6 +74,16 @@ METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "loss.png"
 SCHEDULE_FILE = "schedule.png"  # each optimizer group's learning rate, step by step
 NGRAM_FILE = "ngram.npz"
+COST_FILE = "cost.json"  # what a step costs and what the run cost (`tinylm.train.cost`)
+NGRAM_DRAFT_FILE = "draft-ngram.npz"  # the counts speculative decoding drafts with (`generate.speculative`)
+TENSORBOARD_DIR = "tensorboard"  # --log-to tensorboard's event files
+WANDB_DIR = "wandb"  # --log-to wandb: wandb.init(dir=run) writes its runs in <run>/wandb
+# Everything tinylm writes in a run folder, and so everything `--force` may delete: anything else
+# there (a user's notes, a data folder put inside) is left where it is.
+RUN_ENTRIES = frozenset({RUN_FILE, CONFIG_FILE, TOKENIZER_FILE, METRICS_FILE, PLOT_FILE, SCHEDULE_FILE, NGRAM_FILE,
+                         COST_FILE, NGRAM_DRAFT_FILE, TENSORBOARD_DIR, WANDB_DIR, CHECKPOINTS})
+# a file being written atomically (`tinylm.atomic`): ".<name>.<pid>.tmp"
+_TEMPORARY = re.compile(r"\.(?P<name>.+)\.\d+\.tmp")
 
 
 # ----- the run directory --------------------------------------------------------------------------
@@ -218,6 +230,7 @@ class RunResult:
     plot: Path | None
     sample: str
     elapsed: float  # seconds of training, over all sessions of the run
+    stopped_by: int | None = None  # the signal (SIGINT, SIGTERM) that stopped the run early, if one did
 
     @classmethod
     def of_folder(cls, out: Path, status: str, step: int, total_steps: int, tokens: int, train_loss: float | None,
@@ -231,40 +244,74 @@ class RunResult:
 def check_new_run_folder(out: Path, force: bool, *, resumable: bool = True) -> None:
     """A new run may go in ``out``: it is missing or empty, or ``force`` allows replacing the old run there.
 
-    Nothing is deleted here: `clear_run_folder` does that once the data and the model are ready,
-    so a mistake found on the way (a missing corpus, a bad setting) leaves the old run intact.
-    ``resumable``: whether the advice may offer --resume (training does; importing does not).
+    Only a tinylm run may be replaced: a folder whose run.json tinylm wrote (every run folder gets
+    one before anything else). Nothing is deleted here: `clear_run_folder` does that once the data
+    and the model are ready, so a mistake found on the way (a missing corpus, a bad setting) leaves
+    the old run intact. ``resumable``: whether the advice may offer --resume (training does;
+    importing does not).
     """
     if out.exists() and not out.is_dir():
         raise TinyLMError(f"--out {out} is a file; a run is a folder: choose another --out")
     blocking = next((p for p in out.parents if p.exists() and not p.is_dir()), None)
     if blocking is not None:
         raise TinyLMError(f"--out {out} cannot be made: {blocking} is a file, not a folder; choose another --out")
-    if out.exists() and any(out.iterdir()):
-        if not force:
-            how = ("pass --resume to continue that run, --force to start it over (deleting it), or --out to train "
-                   "in another folder" if resumable else "choose another --out, or --force to replace it")
-            raise TinyLMError(f"{out} already exists; {how}")
-        if not ((out / RUN_FILE).exists() or (out / CONFIG_FILE).exists()):
-            raise TinyLMError(f"{out} is not a tinylm run folder; --force deletes only run folders, so choose "
-                              "another --out")
+    entries = _entries(out)
+    if not entries:
+        return
+    if not force:
+        how = ("pass --resume to continue that run, --force to start it over (deleting it), or --out to train "
+               "in another folder" if resumable else "choose another --out, or --force to replace it")
+        raise TinyLMError(f"{out} already exists; {how}")
+    if not is_run_folder(out):
+        shown = ", ".join(entries[:4]) + (", ..." if len(entries) > 4 else "")
+        raise TinyLMError(f"{out} is not a tinylm run folder (it has no {RUN_FILE} written by tinylm; it holds {shown}); "
+                          "--force replaces only run folders tinylm made, so choose another --out")
 
 
-def clear_run_folder(out: Path, keep: Path | None = None) -> None:
+def is_run_folder(folder: Path) -> bool:
+    """Whether ``folder`` is a run tinylm made: its run.json is tinylm's run description."""
+    try:
+        read_run_info(folder)
+    except TinyLMError:
+        return False
+    return True
+
+
+def _entries(folder: Path) -> list[str]:
+    """The names in ``folder`` (none if it is missing), leaving out the lock a tinylm process holds on it."""
+    if not folder.is_dir():
+        return []
+    return sorted(p.name for p in folder.iterdir() if p.name != LOCK_FILE)
+
+
+def _is_run_entry(name: str) -> bool:
+    m = _TEMPORARY.fullmatch(name)
+    return name in RUN_ENTRIES or (m is not None and m["name"] in RUN_ENTRIES)
+
+
+def clear_run_folder(out: Path, keep: Path | None = None) -> list[str]:
     """Delete the old run in ``out`` (checked by `check_new_run_folder`), just before the new one is written.
 
-    ``keep``: the data folder, spared if it lies inside ``out`` (the new run reads it).
+    Only what a run holds is deleted (`RUN_ENTRIES`, and their temporary files); anything else in
+    the folder stays, and its names are returned. ``keep``: the data folder, spared if it lies
+    inside ``out`` (the new run reads it).
     """
     if not out.is_dir():
-        return
+        return []
     keep = keep.resolve() if keep is not None else None
-    for entry in out.iterdir():
-        if keep is not None and (entry.resolve() == keep or entry.resolve() in keep.parents):
+    kept = []
+    for entry in sorted(out.iterdir()):
+        if entry.name == LOCK_FILE:
+            continue
+        spared = keep is not None and (entry.resolve() == keep or entry.resolve() in keep.parents)
+        if spared or not _is_run_entry(entry.name):
+            kept.append(entry.name)
             continue
         if entry.is_dir() and not entry.is_symlink():
             shutil.rmtree(entry)
         else:
             entry.unlink()
+    return kept
 
 
 def run_family(config: Config | None, out: Path) -> str:
@@ -319,9 +366,9 @@ def write_run_files(out: Path, config: Config, tokenizer: Tokenizer, info: Mappi
     """config.toml, tokenizer.json and run.json of the run in ``out`` (made if missing). ``metrics_up_to``:
     keep only the metrics lines of steps up to it (later ones describe steps a resumed run does again)."""
     out.mkdir(parents=True, exist_ok=True)
+    write_run_info(out, info)  # first: a folder with tinylm's run.json is a run, and only a run is ever replaced
     atomic_write_text(out / CONFIG_FILE, dump_toml(config.to_dict()))
     tokenizer.save(out / TOKENIZER_FILE)
-    write_run_info(out, info)
     if metrics_up_to is not None:
         rows = read_metrics(out / METRICS_FILE)
         write_metrics(out / METRICS_FILE, [r for r in rows if r.get("step", 0) <= metrics_up_to])
@@ -338,7 +385,8 @@ __all__ = [
     # the run folder
     "RUN_FILE", "METRICS_FILE", "PLOT_FILE", "SCHEDULE_FILE", "NGRAM_FILE", "CONFIG_FILE", "TOKENIZER_FILE",
     "read_metrics", "write_metrics", "read_run_info", "write_run_info", "start_ids", "Run", "check_run_dir",
-    "load_run", "RunResult", "check_new_run_folder", "clear_run_folder", "run_family", "check_same_family",
+    "load_run", "RunResult", "check_new_run_folder", "is_run_folder", "clear_run_folder", "RUN_ENTRIES",
+    "COST_FILE", "NGRAM_DRAFT_FILE", "TENSORBOARD_DIR", "WANDB_DIR", "run_family", "check_same_family",
     "checkpoint_to_resume", "update_run_info", "write_run_files", "data_info",
     # its checkpoints (tinylm.checkpoint)
     "CHECKPOINTS", "CHECKPOINT_NAMES", "FORMAT_VERSION", "MODEL_FILE", "Checkpoint", "checkpoint_path",

@@ -221,10 +221,10 @@ def test_checkpoint_and_exported_files_get_the_usual_permissions(tmp_path, runs)
 
 
 def test_a_configuration_that_does_not_fit_the_weights_is_refused_before_allocating(run_copy):
-    """A hand-edited d_model = 4000000 would allocate gigabytes before the weights were compared. In a
-    checkpoint written before checksums (nothing catches the edit earlier) the shapes are compared on
-    PyTorch's meta device first; the command runs under a 3 GB address-space limit to prove nothing big
-    was allocated."""
+    """A hand-edited d_model = 8000 would allocate 6 GB before the weights were compared (it fits the machine's
+    memory, so the size check lets it through). In a checkpoint written before checksums (nothing catches the
+    edit earlier) the shapes are compared on PyTorch's meta device first; the command runs under a 3 GB
+    address-space limit to prove nothing big was allocated."""
     import json
     import resource
     import subprocess
@@ -237,7 +237,7 @@ def test_a_configuration_that_does_not_fit_the_weights_is_refused_before_allocat
         del state["checksums"]
         (folder / "state.json").write_text(json.dumps(state))
         for config in (folder / "config.toml", run_copy / "config.toml"):
-            config.write_text(config.read_text().replace("d_model = 32", "d_model = 4000000"))
+            config.write_text(config.read_text().replace("d_model = 32", "d_model = 8000"))
 
     def limit():
         resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
@@ -246,7 +246,7 @@ def test_a_configuration_that_does_not_fit_the_weights_is_refused_before_allocat
                           timeout=120, preexec_fn=limit)
     assert done.returncode == 2, done.stderr
     lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and "does not fit the weights" in lines[0] and "4000000" in lines[0], done.stderr
+    assert len(lines) == 1 and "does not fit the weights" in lines[0] and "8000" in lines[0], done.stderr
 
 
 def test_sample_and_next_token_follow_the_advice_to_use_latest(capsys, run_copy):

@@ -17,6 +17,7 @@ import torch
 from trainkit import cli_flags, run_cli, tiny_config
 
 from tinylm.cli import main
+from tinylm.lock import LOCK_FILE
 from tinylm.run import checkpoint_path, load_checkpoint, read_metrics
 from tinylm.train import train
 from tinylm.train.loop import _Trainer
@@ -67,6 +68,7 @@ def test_a_hard_kill_then_resume_ends_with_the_weights_of_an_uninterrupted_run(t
     assert proc.returncode == -signal.SIGKILL, proc.stderr.read().decode()
     killed_at = load_checkpoint(checkpoint_path(out)).step
     assert 10 <= killed_at < 150
+    assert (out / LOCK_FILE).exists()  # the killed process's lock, free now: the resume below takes it over
     resumed = run_cli("train", "--out", str(out), "--resume")
     assert resumed.returncode == 0, resumed.stderr
     assert f"resuming at step {killed_at} of" in resumed.stdout

@@ -24,15 +24,18 @@ adds its subcommands to the parser, and
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
+import signal
 import sys
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from tinylm import __version__
 from tinylm.atomic import disk_failure
 from tinylm.cli import data, evaluate, explain, export, generate, tokenizer, train
 from tinylm.cli.flags import Parser, show_help
-from tinylm.errors import TinyLMError
+from tinylm.errors import Stopped, TinyLMError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,8 +56,38 @@ def _one_line_warning(message, category, filename, lineno, file=None, line=None)
     print(f"tinylm: warning: {message}", file=sys.stderr if file is None else file)
 
 
+@contextlib.contextmanager
+def _sigterm_unwinds() -> Iterator[None]:
+    """SIGTERM unwinds like Ctrl-C (locks released, temporary files removed) instead of killing the process where
+    it stands; the handler before is back when the command returns. Worker processes forked from this one die
+    at SIGTERM as usual."""
+    main_pid = os.getpid()
+
+    def handle(signum, frame):
+        if os.getpid() != main_pid:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        raise Stopped(signum)
+
+    try:
+        before = signal.signal(signal.SIGTERM, handle)
+    except ValueError:  # not the main thread (main() called from a thread): SIGTERM stays as it is
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before if before is not None else signal.SIG_DFL)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     warnings.showwarning = _one_line_warning
+    with _sigterm_unwinds():
+        return _run(argv)
+
+
+def _run(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra:  # said by the subcommand's parser, so the hint is `tinylm train --help`, not `tinylm --help`
@@ -65,6 +98,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except TinyLMError as e:
         print(f"tinylm: error: {e}", file=sys.stderr)
         return 2
+    except Stopped as e:
+        print(f"tinylm: stopped by {signal.Signals(e.signum).name}", file=sys.stderr)
+        return 128 + e.signum
     except KeyboardInterrupt:
         print("tinylm: interrupted", file=sys.stderr)
         return 130

@@ -13,12 +13,29 @@ from tinylm.config import corpus_stem
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
-    from tinylm.data.shards import check_output_folder, prepare
-    from tinylm.tokenizers import load_tokenizer
+    from tinylm.data.shards import check_output_folder
+    from tinylm.lock import folder_lock
 
     corpus = load_corpus_from(args)
     out = Path(args.out) if args.out else Path("data") / corpus_stem(corpus.name)
-    check_output_folder(out)  # before a tokenizer is trained and saved there
+    check_output_folder(out)  # before the lock makes the folder, and before a tokenizer is trained and saved there
+    with folder_lock(out, "prepare"):
+        shards, seconds = _prepare_locked(args, corpus, out)
+    verb = "reused" if shards.reused else f"wrote in {seconds:.1f}s"
+    print(f"{verb}: token shards in {out}")
+    for split in ("train", "val"):
+        m = shards.meta["splits"][split]
+        print(f"  {split:>5}: {m['documents']:>6} documents {m['tokens']:>11,} tokens {m['bytes']:>12,} bytes "
+              f"({m['bytes'] / max(m['tokens'], 1):.2f} bytes/token)")
+    return 0
+
+
+def _prepare_locked(args: argparse.Namespace, corpus, out: Path):
+    """The tokenizer (given, reused or trained) and the shards, while this process holds ``out``'s lock;
+    returns the shards and the seconds writing them took."""
+    from tinylm.data.shards import prepare
+    from tinylm.tokenizers import load_tokenizer
+
     if args.tokenizer:
         tok = load_tokenizer(args.tokenizer)
     else:
@@ -31,19 +48,14 @@ def cmd_prepare(args: argparse.Namespace) -> int:
             start = time.perf_counter()
             tok = train_tokenizer_from(args, corpus)
             tok.save(tok_path)
-            print(f"trained a {tok.kind} tokenizer with |V| = {tok.vocab_size} in {time.perf_counter() - start:.1f}s: {tok_path}")
+            print(f"trained a {tok.kind} tokenizer with |V| = {tok.vocab_size} in {time.perf_counter() - start:.1f}s: "
+                  f"{tok_path}")
     start = time.perf_counter()
     shards = prepare(
         corpus, tok, out, val_fraction=args.val_fraction, seed=args.seed, workers=args.workers,
         progress=sys.stderr.isatty(), overwrite=args.force,
     )
-    verb = "reused" if shards.reused else f"wrote in {time.perf_counter() - start:.1f}s"
-    print(f"{verb}: token shards in {out}")
-    for split in ("train", "val"):
-        m = shards.meta["splits"][split]
-        print(f"  {split:>5}: {m['documents']:>6} documents {m['tokens']:>11,} tokens {m['bytes']:>12,} bytes "
-              f"({m['bytes'] / max(m['tokens'], 1):.2f} bytes/token)")
-    return 0
+    return shards, time.perf_counter() - start
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:

@@ -46,9 +46,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     from tinylm.train import train  # here, not at the top: torch loads only when a model trains
 
     resume = False if args.resume is None else args.resume
-    train(config, args.out, resume=resume, force=args.force, init_from=args.init_from,
-          stop_after=args.stop_after, progress=None if args.progress else False, log=log)
-    return 0
+    result = train(config, args.out, resume=resume, force=args.force, init_from=args.init_from,
+                   stop_after=args.stop_after, progress=None if args.progress else False, log=log)
+    # stopped by a signal, with a checkpoint: the exit status a process killed by it would have
+    return 128 + result.stopped_by if result.stopped_by else 0
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:

@@ -24,6 +24,7 @@ from tinylm.config import corpus_stem
 from tinylm.data.corpora import Corpus, load_corpus
 from tinylm.data.shards import META_FILE, TOKENIZER_FILE, ShardSet, prepare
 from tinylm.errors import TinyLMError
+from tinylm.lock import folder_lock
 from tinylm.tokenizers import train_tokenizer
 from tinylm.tokenizers.base import Tokenizer, load_tokenizer
 from tinylm.tokenizers.bpe import resolve_pattern
@@ -55,6 +56,16 @@ def prepare_data(
     if tokenizer is None and tc.tokenizer is not None:
         tokenizer = load_tokenizer(tc.tokenizer)
     data_dir = Path(tc.data_dir) if tc.data_dir else default_data_dir(tc, corpus.name, tokenizer)
+    if reuse_only:
+        return _prepare(corpus, tc, tokenizer, data_dir, log, reuse_only=True)
+    # one process prepares a data folder at a time; a second run wanting the same shards waits, then reuses them
+    with folder_lock(data_dir, "prepare", wait=log):
+        return _prepare(corpus, tc, tokenizer, data_dir, log, reuse_only=False)
+
+
+def _prepare(corpus: Corpus, tc: TrainConfig, tokenizer: Tokenizer | None, data_dir: Path,
+             log: Callable[[str], None], *, reuse_only: bool) -> ShardSet:
+    """`prepare_data` once the folder is settled (and locked, unless only read)."""
     existing = data_dir / TOKENIZER_FILE if (data_dir / META_FILE).exists() else None
     if tokenizer is None and existing is not None:
         candidate = load_tokenizer(existing)

@@ -73,6 +73,7 @@ from tinylm.atomic import disk_writes
 from tinylm.data.corpora import Corpus
 from tinylm.errors import TinyLMError
 from tinylm.jsonfile import JSONFormat
+from tinylm.lock import LOCK_FILE
 from tinylm.tokenizers.base import FORMAT_NAME as TOKENIZER_FORMAT
 from tinylm.tokenizers.base import Tokenizer, load_tokenizer, tokenizer_from_dict
 
@@ -451,7 +452,8 @@ def check_output_folder(out: Path) -> None:
         raise TinyLMError(f"output folder {out} is a file; choose a folder for the shards")
     if not out.is_dir():
         return
-    foreign = sorted(p.name for p in out.iterdir() if p.name not in SHARD_FILES and not _TEMPORARY.fullmatch(p.name))
+    foreign = sorted(p.name for p in out.iterdir()
+                     if p.name not in SHARD_FILES and p.name != LOCK_FILE and not _TEMPORARY.fullmatch(p.name))
     if foreign:
         shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
         what = "a run folder" if "run.json" in foreign else "a folder"

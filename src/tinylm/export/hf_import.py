@@ -31,6 +31,7 @@ from tinylm.export.hf import CONFIG_FILE, TOKENIZER_FILE, WEIGHTS_FILE, WEIGHTS_
 from tinylm.export.hf_families import HF_CLASSES, Architecture, default_rule, llama_family_config, refusal, required
 from tinylm.export.weights import architecture_for, convert_to_ours, hf_rules
 from tinylm.jsonfile import parse_json
+from tinylm.lock import folder_lock
 from tinylm.model.gpt import GPT
 from tinylm.run import CONFIG_FILE as RUN_CONFIG_FILE
 from tinylm.run import (
@@ -198,21 +199,26 @@ def import_hf_into_run(src_dir: str | os.PathLike, run_dir: str | os.PathLike, *
     is replaced only with ``force``, and only if it is a tinylm run.
     """
     src_dir, run_dir = Path(src_dir), Path(run_dir)
-    check_new_run_folder(run_dir, force, resumable=False)
-    model, tokenizer, model_config = import_hf(src_dir, roles=roles)  # everything is read before anything is deleted
-    clear_run_folder(run_dir)
-    config = Config(model=model_config)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(run_dir / RUN_CONFIG_FILE, dump_toml(config.to_dict()))
-    tokenizer.save(run_dir / RUN_TOKENIZER_FILE)
-    source = {"format": "huggingface", "path": str(src_dir.resolve()),
-              "architecture": HF_CLASSES[architecture_for(model_config)]}
-    state = {"step": 0, "tokens": 0, "elapsed": 0.0, "best_val_loss": None, "imported_from": source}
-    latest = checkpoint_path(run_dir, "latest")
-    save_checkpoint(latest, model_state=model.state_dict(), optimizer_state=None, rng_state={}, state=state,
-                    config=config, tokenizer=tokenizer)
-    copy_checkpoint(latest, checkpoint_path(run_dir, "best"))
-    write_run_info(run_dir, {"status": "imported", "step": 0, "imported_from": source})
+    check_new_run_folder(run_dir, force, resumable=False)  # before taking the lock, which makes the folder
+    with folder_lock(run_dir, "import"):
+        check_new_run_folder(run_dir, force, resumable=False)  # again: another process may have written it
+        # everything is read before anything is deleted
+        model, tokenizer, model_config = import_hf(src_dir, roles=roles)
+        clear_run_folder(run_dir)
+        config = Config(model=model_config)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        source = {"format": "huggingface", "path": str(src_dir.resolve()),
+                  "architecture": HF_CLASSES[architecture_for(model_config)]}
+        # run.json first: a folder with tinylm's run.json is a run, and only a run is ever replaced
+        write_run_info(run_dir, {"status": "importing", "step": 0, "imported_from": source})
+        atomic_write_text(run_dir / RUN_CONFIG_FILE, dump_toml(config.to_dict()))
+        tokenizer.save(run_dir / RUN_TOKENIZER_FILE)
+        state = {"step": 0, "tokens": 0, "elapsed": 0.0, "best_val_loss": None, "imported_from": source}
+        latest = checkpoint_path(run_dir, "latest")
+        save_checkpoint(latest, model_state=model.state_dict(), optimizer_state=None, rng_state={}, state=state,
+                        config=config, tokenizer=tokenizer)
+        copy_checkpoint(latest, checkpoint_path(run_dir, "best"))
+        write_run_info(run_dir, {"status": "imported", "step": 0, "imported_from": source})
     return run_dir
 
 

@@ -201,8 +201,9 @@ class NGramDraft:
 
 Draft = PromptLookupDraft | ModelDraft | NGramDraft
 
-# the n-gram draft a run keeps in its folder, counted on first use from the run's training shards
-NGRAM_DRAFT_FILE = "draft-ngram.npz"
+# the n-gram draft a run keeps in its folder (run.NGRAM_DRAFT_FILE), counted on first use from the run's
+# training shards
+NGRAM_DRAFT_FILE = tinylm.run.NGRAM_DRAFT_FILE
 NGRAM_DRAFT_ORDER = 3  # of 3, 4, 5 on the default run, the one whose top token agrees most with the model's
 
 

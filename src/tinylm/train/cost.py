@@ -51,9 +51,8 @@ from tinylm.explain.accounting import (
     training_memory,
 )
 from tinylm.jsonfile import JSONFormat
-from tinylm.run import METRICS_FILE, read_metrics
+from tinylm.run import COST_FILE, METRICS_FILE, read_metrics
 
-COST_FILE = "cost.json"
 COST_FORMAT = JSONFormat("tinylm.cost", 1, foreign="{path} is not a tinylm cost table (cost.json of a run)")
 PROBE_SECONDS = 0.25  # the whole matmul probe, all shapes together
 

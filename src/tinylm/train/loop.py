@@ -61,9 +61,10 @@ from tinylm.evaluate import EvalResult, evaluate, restrict, window_starts
 from tinylm.explain.plots import plot_loss_curve
 from tinylm.generate.reference import reference_generate
 from tinylm.generate.sampling import SamplingParams
+from tinylm.lock import folder_lock
 from tinylm.model.gpt import IGNORE_INDEX
 from tinylm.run import METRICS_FILE, PLOT_FILE, SCHEDULE_FILE, Checkpoint, RunResult, checkpoint_path
-from tinylm.run import check_same_family, checkpoint_to_resume, clear_run_folder, copy_checkpoint, data_info
+from tinylm.run import check_new_run_folder, check_same_family, checkpoint_to_resume, clear_run_folder, copy_checkpoint, data_info
 from tinylm.run import read_metrics, run_family, start_ids, update_run_info, write_run_files
 from tinylm.train.batches import BatchSource, micro_batches
 from tinylm.train.cost import cost_lines, run_cost, write_cost_table
@@ -77,6 +78,7 @@ from tinylm.train.schedule import group_lr, momentum_at
 from tinylm.train.start import already_trained, build_training_model, check_arguments, plan_run, resumed_config
 from tinylm.train.start import tokens_per_step
 from tinylm.train.state import checkpoint_state, restore, save_training_checkpoint, seed_dropout
+from tinylm.train.stopping import StopRequest
 
 
 class StepOutcome(NamedTuple):
@@ -125,6 +127,16 @@ def train(
     """
     out = Path(out_dir)
     check_arguments(config, out, resume, force, init_from)
+    if not resume:
+        check_new_run_folder(out, force)  # before the lock makes the folder (and again under it, in plan_run)
+    # one process writes a run folder at a time (under torchrun, process 0 holds the lock for all)
+    locks = int(os.environ.get("RANK", "0")) == 0 and (out.is_dir() or not resume)
+    with folder_lock(out, "train") if locks else contextlib.nullcontext():
+        return _train(config, out, resume, force, init_from, stop_after, progress, log)
+
+
+def _train(config: Config | None, out: Path, resume: bool | str, force: bool, init_from: str | os.PathLike | None,
+           stop_after: int | None, progress: bool | None, log: Callable[[str], None]) -> RunResult:
     if resume and config is not None:
         check_same_family(config, out)
     if run_family(config, out) == "ngram":  # counting, not gradient descent
@@ -198,6 +210,7 @@ class _Trainer:
         self.best_val_loss = float(state.get("best_val_loss") or math.inf)
         self.best_step: int | None = state.get("best_step")
         self.saved_step: int | None = ckpt.step if ckpt is not None else None  # the step checkpoints/latest holds
+        self.last_loss: float | None = None  # the mean training loss of the last logged steps
         if ckpt is not None:
             restore(ckpt, self.model, self.optimizer, ctx, sharded=self.fsdp, seed=tc.seed)
         else:
@@ -210,7 +223,9 @@ class _Trainer:
 
     def _write_run_files(self, force: bool) -> None:
         if self.ckpt is None and force:
-            clear_run_folder(self.out, keep=self.shards.path)
+            kept = clear_run_folder(self.out, keep=self.shards.path)
+            if kept:
+                self.log_main(f"--force replaced the run in {self.out}; kept what is not tinylm's: {', '.join(kept)}")
         write_run_files(self.out, self.config, self.tokenizer, metrics_up_to=self.step, info={
             "status": "running", "family": self.config.model.family, "step": self.step, "total_steps": self.total,
             "data": data_info(self.shards)})
@@ -284,62 +299,80 @@ class _Trainer:
         return losses
 
     def run(self) -> RunResult:
-        """Step until the budget (or ``stop_after``) is reached, evaluating, logging and saving on the way."""
-        tc, out = self.tc, self.out
-        ckpt_every = tc.checkpoint_interval or tc.eval_interval
+        """Step until the budget (or ``stop_after``, or a signal) is reached, evaluating, logging and saving on the
+        way; then the final evaluation and sample, or a stop with a checkpoint of the step reached."""
         stop = self.total if self.stop_after is None else min(self.total, max(self.stop_after, self.step))
-        per_step = tokens_per_step(self.config)
         progress = Progress(self.total, self.step, self.log_main, self.progress_enabled, self.show_bar)
         self.started = time.perf_counter()
-        pending: list[_Pending] = []
-        last_loss: float | None = None
-        window_start, window_tokens = time.perf_counter(), 0
         self.model.train()
+        signalled = StopRequest()
         try:
-            while self.step < stop:
-                step = self.step
-                lr = self._lr(step, tc.lr)
-                set_schedule(self.optimizer, lambda peak: self._lr(step, peak),
-                             momentum_at(step, momentum=tc.muon_momentum, warmup=tc.muon_momentum_warmup))
-                pending.append(_Pending(step, lr, StepOutcome(*self._train_step(step))))
-                self.step += 1
-                self.tokens += per_step
-                window_tokens += per_step
-                done = self.step
-                do_eval = done % tc.eval_interval == 0 and done < self.total
-                do_save = done % ckpt_every == 0 or done == stop
-                if done % tc.log_interval == 0 or do_eval or do_save or done == self.total:
-                    losses = self._check(pending)
-                    now = time.perf_counter()
-                    tok_s = window_tokens / max(now - window_start, 1e-9)
-                    last_loss = sum(losses) / len(losses)
-                    rate = (now - self.started) / max(done - (self.ckpt.step if self.ckpt else 0), 1)
-                    left = rate * (self.total - done)
-                    self.metrics.log({"kind": "train", "step": done, "loss": last_loss, "lr": lr, "tokens": self.tokens,
-                                   "tokens_per_s": tok_s, "grad_norm": float(pending[-1].outcome.grad_norm),
-                                   "elapsed": self._elapsed()})
-                    progress.update(done, len(pending), last_loss, lr, tok_s, left)
-                    pending, window_start, window_tokens = [], now, 0
-                improved = False
-                if do_eval:
-                    val = self._evaluate(tc.eval_tokens)
-                    progress.write(eval_line(done, val, self.shards.num_tokens("val")))
-                    self.metrics.log({"kind": "eval", "step": done, **val.as_dict(), "elapsed": self._elapsed()})
-                    improved = self._note_val_loss(val.loss)
-                if do_save and done < self.total:
-                    self._save_latest()
-                if improved:
-                    self._save_best(saved_now=do_save and done < self.total)
-                if do_eval or do_save:
-                    window_start = time.perf_counter()  # evaluating and saving are not training speed
+            with signalled:
+                self._steps(stop, progress, signalled)
+        except KeyboardInterrupt:
+            # a second signal: stopped at once, keeping the last checkpoint written
+            if self.ctx.is_main and self.saved_step is not None:
+                update_run_info(self.out, status="stopped", step=self.saved_step)
+            raise
         finally:
             progress.close()
         if self.step < self.total:
-            self._update_run_info("stopped", last_loss)
-            self.log_main(f"stopped after step {self.step} of {self.total}; continue with --resume. "
-                          f"Checkpoint: {checkpoint_path(out, 'latest')}")
-            return self._result("stopped", last_loss, None, "")
-        return self._finish(last_loss)
+            self._update_run_info("stopped", self.last_loss)
+            how = f"stopped by {signalled.name}" if signalled.requested() else "stopped"
+            self.log_main(f"{how} after step {self.step} of {self.total}, with a checkpoint of that step in "
+                          f"{checkpoint_path(self.out, 'latest')}; continue with --resume")
+            result = self._result("stopped", self.last_loss, None, "")
+            result.stopped_by = signalled.signum
+            return result
+        return self._finish(self.last_loss)
+
+    def _steps(self, stop: int, progress: Progress, signalled: StopRequest) -> None:
+        """The steps up to ``stop``, or up to the end of the step a stop signal came in."""
+        tc = self.tc
+        ckpt_every = tc.checkpoint_interval or tc.eval_interval
+        per_step = tokens_per_step(self.config)
+        agree = (lambda flag: self.ctx.all_reduce_sum(flag.to(self.device)).cpu()) if self.ctx.active else None
+        pending: list[_Pending] = []
+        window_start, window_tokens = time.perf_counter(), 0
+        while self.step < stop:
+            step = self.step
+            lr = self._lr(step, tc.lr)
+            set_schedule(self.optimizer, lambda peak: self._lr(step, peak),
+                         momentum_at(step, momentum=tc.muon_momentum, warmup=tc.muon_momentum_warmup))
+            pending.append(_Pending(step, lr, StepOutcome(*self._train_step(step))))
+            self.step += 1
+            self.tokens += per_step
+            window_tokens += per_step
+            done = self.step
+            by_signal = signalled.requested(agree)
+            if by_signal:
+                stop = done  # this step is done: save it and stop (without evaluating: the user is waiting)
+            do_eval = done % tc.eval_interval == 0 and done < self.total and not by_signal
+            do_save = done % ckpt_every == 0 or done == stop
+            if done % tc.log_interval == 0 or do_eval or do_save or done == self.total:
+                losses = self._check(pending)
+                now = time.perf_counter()
+                tok_s = window_tokens / max(now - window_start, 1e-9)
+                self.last_loss = sum(losses) / len(losses)
+                rate = (now - self.started) / max(done - (self.ckpt.step if self.ckpt else 0), 1)
+                left = rate * (self.total - done)
+                self.metrics.log({"kind": "train", "step": done, "loss": self.last_loss, "lr": lr,
+                                  "tokens": self.tokens, "tokens_per_s": tok_s,
+                                  "grad_norm": float(pending[-1].outcome.grad_norm), "elapsed": self._elapsed()})
+                progress.update(done, len(pending), self.last_loss, lr, tok_s, left)
+                pending, window_start, window_tokens = [], now, 0
+            improved = False
+            if do_eval:
+                val = self._evaluate(tc.eval_tokens)
+                progress.write(eval_line(done, val, self.shards.num_tokens("val")))
+                self.metrics.log({"kind": "eval", "step": done, **val.as_dict(), "elapsed": self._elapsed()})
+                improved = self._note_val_loss(val.loss)
+            if do_save and done < self.total:
+                self._save_latest()
+            if improved:
+                self._save_best(saved_now=do_save and done < self.total)
+            if do_eval or do_save:
+                window_start = time.perf_counter()  # evaluating and saving are not training speed
 
     def _lr(self, step: int, peak: float) -> float:
         return group_lr(self.tc, self.total, step, peak)

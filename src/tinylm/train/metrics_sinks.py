@@ -34,11 +34,9 @@ from typing import Any, Protocol
 from tinylm.atomic import atomic_write_text
 from tinylm.config import Config, dump_toml
 from tinylm.errors import TinyLMError
-from tinylm.run import METRICS_FILE
+from tinylm.run import METRICS_FILE, TENSORBOARD_DIR, WANDB_DIR
 
-TENSORBOARD_DIR = "tensorboard"
-WANDB_DIR = "wandb"  # wandb.init(dir=run) writes its runs in <run>/wandb
-WANDB_ID_FILE = "wandb/tinylm-run-id"
+WANDB_ID_FILE = f"{WANDB_DIR}/tinylm-run-id"
 
 
 class MetricsSink(Protocol):

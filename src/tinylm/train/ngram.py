@@ -86,6 +86,9 @@ def count_ngram(
     if force:
         clear_run_folder(out, keep=shards.path)  # only now: a mistake found while counting left the old run as it was
     out.mkdir(parents=True, exist_ok=True)
+    # run.json first: a folder with tinylm's run.json is a run, and only a run is ever replaced
+    write_run_info(out, {"status": "counting", "step": 0, "total_steps": 0, "family": "ngram",
+                         "data": data_info(shards)})
     atomic_write_text(out / CONFIG_FILE, dump_toml(config.to_dict()))
     tokenizer.save(out / TOKENIZER_FILE)
     ngram.save(out / NGRAM_FILE)
