@@ -28,3 +28,19 @@ def test_an_absurd_config_json_is_refused_before_the_model_is_built(tmp_path, ca
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "more than this machine's" in err[0] and named in err[0], err
     assert not (tmp_path / "run" / "config.toml").exists()  # no run to sample from
+
+
+@pytest.mark.parametrize("name, changes", [
+    ("gpt2", {"n_layer": float("inf")}),
+    ("gpt2", {"n_head": "twelve"}),
+    ("llama-gqa", {"max_position_embeddings": [4096]}),
+    ("llama-gqa", {"rms_norm_eps": "small"}),
+])
+def test_a_size_that_is_not_a_number_is_one_line(tmp_path, capsys, tokenizer, name, changes):
+    folder = export_hf(tiny_model(name), tokenizer, tmp_path / "hf")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **changes}))  # inf is written as Infinity
+    code = main(["import", "--from", str(folder), "--out", str(tmp_path / "run")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "holds a value that is not a number" in err[0], err
+    assert not (tmp_path / "run").exists()

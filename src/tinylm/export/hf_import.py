@@ -77,7 +77,16 @@ def _arch_of(hf: Mapping[str, Any], source: str) -> Architecture:
 
 def config_from_hf(hf: Mapping[str, Any], source: str = CONFIG_FILE) -> tuple[GPTConfig, Architecture]:
     """The `GPTConfig` of a GPT-2, Llama, Qwen3, Qwen2 or Mistral config.json, and which it is; variants
-    tinylm does not compute are errors (one line naming the key)."""
+    tinylm does not compute are errors (one line naming the key), and so are values that are not numbers
+    where a size or rate is read (a string, a list, infinity)."""
+    try:
+        return _config_from_hf(hf, source)
+    except (TypeError, ValueError, OverflowError) as e:  # int("twelve"), int(float("inf")), float([1])
+        raise TinyLMError(f"{source} holds a value that is not a number where tinylm reads a size or rate ({e}); "
+                          "fix the file, or import the model it came with") from None
+
+
+def _config_from_hf(hf: Mapping[str, Any], source: str) -> tuple[GPTConfig, Architecture]:
     arch = _arch_of(hf, source)
     if arch != "gpt2":
         return llama_family_config(hf, arch, source), arch
