@@ -107,6 +107,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    help="the most samples decoded together; 1 serves one at a time (default: 32)")
     p.add_argument("--batch-window-ms", type=nonneg_float, default=2.0, metavar="MS",
                    help="how long an idle server waits for more requests to batch with the first (default: 2)")
+    p.add_argument("--body-timeout", type=float, metavar="SECONDS",
+                   help="how long a request's body may take to arrive; a client slower than that gets 408 and "
+                   "its connection closed (default: 30)")
     p.add_argument("--checkpoint", choices=["best", "latest"], default="best", help="which checkpoint (default: best)")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps (default: cpu)")
     p.add_argument("--threads", type=positive_int, metavar="N", help="PyTorch CPU threads (default: PyTorch's choice)")

@@ -47,14 +47,17 @@ model's over every id, as `tinylm eval` scores text.
 
 Bad requests are answered with OpenAI error JSON and a 4xx status, never a 500 (see
 `tinylm.serve.protocol`); a body larger than ``max_body_bytes`` gets 413 before it is read in
-full. A bug is a 500 in the same JSON, and the client's keep-alive connection stays open for its
-next request (`_CrashGuard`; in a stream, the error is a chunk, then ``[DONE]``).
+full, and one that has not arrived in full ``body_timeout`` seconds after the request began gets 408
+(`tinylm.serve.limits`). A bug is a 500 in the same JSON, and the client's keep-alive connection stays
+open for its next request (`_CrashGuard`; in a stream, the error is a chunk, then ``[DONE]``).
 
-With ``api_key`` set, the API (everything but the page, its files and /health) answers 401
-unless the request carries ``Authorization: Bearer <key>``, as the OpenAI clients send it (the
-scheme's name in any case, RFC 7235). With ``allow_origins``, pages from those web origins may
-call the API from a browser (CORS, preflight included); by default no other origin may. Tokenizing and detokenizing run in worker threads, so a
-long prompt never holds up the event loop (and the streams it serves).
+With ``api_key`` set, the API (everything but the page, its files and /health: the interactive docs
+and their /openapi.json too) answers 401 unless the request carries ``Authorization: Bearer <key>``,
+as the OpenAI clients send it (the scheme's name in any case, RFC 7235). With ``allow_origins``, pages
+from those web origins may call the API from a browser (CORS, preflight included); by default no other
+origin may. Tokenizing and detokenizing run in worker threads, and so does the writing of the replies
+that can be large (/tokenize, /detokenize, the inside view: `tinylm.serve.limits.HeavyLane`), so a long
+prompt never holds up the event loop (and /health and the streams it serves).
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ import asyncio
 import base64
 import hmac
 import logging
+import math
 import sys
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
@@ -95,12 +99,14 @@ from tinylm.serve.protocol import (
     check_context,
 )
 from tinylm.serve.jobs import ChoiceEvent, Job, JobDone, JobFailed, PromptEvent, TokenLogprob, is_crash
+from tinylm.serve.limits import BODY_TIMEOUT, MAX_BODY_BYTES, BodyGuard, HeavyLane, LimitExceeded
 from tinylm.serve.scheduler import Scheduler
 
 STATIC = Path(__file__).parent / "static"
-OPEN_PATHS = {"/", "/health", "/docs", "/openapi.json"}  # no API key needed: the page, its files, liveness
+# no API key needed: the page, its files, liveness (not the docs: they and /openapi.json lay the API out, so a
+# key guards them as it guards the API)
+OPEN_PATHS = {"/", "/health"}
 OPEN_PREFIXES = ("/static/",)
-MAX_BODY_BYTES = 1 << 20  # 1 MiB: far more than any prompt a tinylm model's context can hold
 log = logging.getLogger("uvicorn.error")  # where uvicorn logs the errors of the apps it serves
 
 
@@ -140,7 +146,8 @@ def served_context(run: Any) -> int:
 
 def create_app(run: Any, *, model_name: str | None = None, api_key: str | None = None, max_batch_size: int = 32,
                batch_window: float = 0.002, max_body_bytes: int = MAX_BODY_BYTES,
-               allow_origins: Sequence[str] = (), draft: str | None = None, draft_k: int = 4) -> FastAPI:
+               body_timeout: float = BODY_TIMEOUT, allow_origins: Sequence[str] = (), draft: str | None = None,
+               draft_k: int = 4) -> FastAPI:
     """The app serving ``run`` (a `tinylm.run.Run`, or any object with model, tokenizer, start_ids).
 
     ``model_name`` is the id clients ask for (default: the run folder's name); ``api_key`` makes
@@ -148,8 +155,12 @@ def create_app(run: Any, *, model_name: str | None = None, api_key: str | None =
     ``allow_origins``: the web origins (``https://app.example``, or ``*`` for any) whose pages may
     call the API from a browser (CORS); none by default, so another site's page cannot.
     ``draft`` and ``draft_k``: speculative decoding of a lone request (`tinylm.generate.speculative.load_draft`
-    names the drafts).
+    names the drafts). ``max_body_bytes`` and ``body_timeout`` (seconds): the most a request's body may
+    hold, and how long it may take to arrive (`tinylm.serve.limits`).
     """
+    if not 0 < body_timeout < math.inf:
+        raise TinyLMError(f"body_timeout is {body_timeout}: give the seconds a request's body may take to arrive "
+                          "(more than 0)")
     if api_key is not None and not api_key.strip():
         raise TinyLMError("the API key is empty: give the key clients must send, or None for no key")
     if model_name is not None and not model_name.strip():
@@ -162,20 +173,24 @@ def create_app(run: Any, *, model_name: str | None = None, api_key: str | None =
     scheduler = Scheduler(run.model, run.tokenizer, max_batch_size=max_batch_size, batch_window=batch_window,
                           draft=drafter, draft_k=draft_k)
 
+    heavy = HeavyLane()
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         scheduler.start()
         try:
             yield
         finally:
+            heavy.close()
             await run_in_threadpool(scheduler.close)
 
     app = FastAPI(title="tinylm", summary="An OpenAI-compatible server for a tinylm run", lifespan=lifespan,
                   default_response_class=_JSON)
     app.state.scheduler = scheduler
     app.state.model = served
+    app.state.heavy = heavy
     _add_error_handlers(app)
-    app.add_middleware(_BodyLimit, max_bytes=max_body_bytes)
+    app.add_middleware(BodyGuard, max_bytes=max_body_bytes, timeout=body_timeout)
     if api_key:
         app.add_middleware(_APIKeyGate, key=api_key)
     app.add_middleware(_CrashGuard)  # inside CORS, so that a browser's page can read a 500 too
@@ -236,12 +251,12 @@ def create_app(run: Any, *, model_name: str | None = None, api_key: str | None =
         return await _respond(request, stream, job, result, body.stream, body.include_usage)
 
     @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+    async def tokenize(body: TokenizeRequest) -> Response:
         served.check(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give either prompt (text) or messages (a chat)", param="prompt")
 
-        def tokenized() -> dict[str, Any]:  # in a worker thread: a long text takes a while
+        def tokenized() -> dict[str, Any]:  # in a worker thread: a long text takes a while, its reply too
             if body.messages is not None:  # the prompt /v1/chat/completions reads (a template writes its own BOS)
                 ids = ChatRequest(messages=body.messages).prompt_ids(chat)
                 if not (body.add_special_tokens or chat.template):
@@ -251,15 +266,19 @@ def create_app(run: Any, *, model_name: str | None = None, api_key: str | None =
             return {"tokens": ids, "count": len(ids), "max_model_len": served.block_size,
                     "token_strs": [protocol.token_string(served.tokenizer, i) for i in ids]}
 
-        return await run_in_threadpool(tokenized)
+        return await heavy.reply(tokenized)
 
     @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+    async def detokenize(body: DetokenizeRequest) -> Response:
         served.check(body.model)
-        vocab = served.tokenizer.vocab_size
-        if any(not 0 <= i < vocab for i in body.tokens):
-            raise APIError(400, f"tokens must be ids in 0..{vocab - 1}", param="tokens")
-        return {"prompt": await run_in_threadpool(served.tokenizer.decode, body.tokens)}
+
+        def detokenized() -> dict[str, Any]:  # in a worker thread: a million ids take a while
+            vocab = served.tokenizer.vocab_size
+            if any(not 0 <= i < vocab for i in body.tokens):
+                raise APIError(400, f"tokens must be ids in 0..{vocab - 1}", param="tokens")
+            return {"prompt": served.tokenizer.decode(body.tokens)}
+
+        return await heavy.reply(detokenized)
 
     @app.post("/next_token")
     async def next_token(body: NextTokenRequest) -> dict[str, Any]:
@@ -549,7 +568,7 @@ async def _sse_events(stream: _JobStream, job: Job, result: _Result, include_usa
 
 
 
-# ----- errors, the API key and the body limit ----------------------------------------------------------
+# ----- errors and the API key ----------------------------------------------------------------------
 
 
 class _JSON(JSONResponse):
@@ -559,8 +578,9 @@ class _JSON(JSONResponse):
         return protocol.json_text(content).encode("ascii")
 
 
-def _error_response(error: APIError) -> JSONResponse:
-    headers = {"WWW-Authenticate": "Bearer"} if error.status == 401 else None
+def _error_response(error: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
+    if error.status == 401:
+        headers = {**(headers or {}), "WWW-Authenticate": "Bearer"}
     return _JSON(error.body(), status_code=error.status, headers=headers)
 
 
@@ -573,6 +593,10 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
         return _error_response(exc)
+
+    @app.exception_handler(LimitExceeded)
+    async def over_limit(request: Request, exc: LimitExceeded) -> JSONResponse:
+        return _error_response(exc.api_error(), exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -590,11 +614,10 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         messages = {404: f"no such endpoint: {request.method} {request.url.path}",
-                    405: f"{request.method} is not allowed on {request.url.path}",
-                    413: str(exc.detail)}
+                    405: f"{request.method} is not allowed on {request.url.path}"}
         if exc.status_code == 400 and exc.__cause__ is not None:  # FastAPI's "There was an error parsing the body"
             messages[400] = protocol.unreadable_body(exc.__cause__)
-        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status_code)
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
         response = _error_response(APIError(exc.status_code, messages.get(exc.status_code, str(exc.detail)),
                                             code=code))
         response.headers.update(exc.headers or {})  # a 405 says which methods are allowed (Allow), as HTTP asks
@@ -636,39 +659,6 @@ class _CrashGuard:
             log.error("Exception in ASGI application", exc_info=e)
             if not started:
                 await _error_response(_internal_error(e))(scope, receive, send)
-
-
-class _TooLarge(StarletteHTTPException):
-    def __init__(self, limit: int) -> None:
-        super().__init__(413, f"the request body is larger than {limit} bytes")
-
-
-class _BodyLimit:
-    """ASGI middleware: refuse bodies over ``max_bytes`` with 413, by Content-Length or while reading."""
-
-    def __init__(self, app: Any, max_bytes: int) -> None:
-        self.app = app
-        self.max_bytes = max_bytes
-
-    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        length = dict(scope["headers"]).get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            error = APIError(413, _TooLarge(self.max_bytes).detail, code="request_too_large")
-            return await _error_response(error)(scope, receive, send)
-        received = 0
-
-        async def limited() -> dict:
-            nonlocal received
-            message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > self.max_bytes:
-                    raise _TooLarge(self.max_bytes)  # FastAPI passes HTTP exceptions raised while reading on
-            return message
-
-        await self.app(scope, limited, send)
 
 
 class _APIKeyGate:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import ipaddress
+import math
 import os
 import re
 import signal
@@ -124,19 +125,21 @@ def serve(run_dir: str | os.PathLike, *, host: str = "127.0.0.1", port: int = 80
           model_name: str | None = None, max_batch_size: int = 32, batch_window: float = 0.002,
           checkpoint: str = "best", device: str = "cpu", log_level: str = "info",
           graceful_timeout: float = GRACEFUL_TIMEOUT, allow_origins: Sequence[str] = (),
-          draft: str | None = None, draft_k: int = 4) -> None:
+          draft: str | None = None, draft_k: int = 4, body_timeout: float | None = None) -> None:
     """Serve the run in ``run_dir`` until interrupted (Ctrl+C): the OpenAI API under /v1, the playground at /.
 
     ``draft`` ("ngram", "prompt" or a run folder) decodes a lone request by speculative rounds of up to
     ``draft_k`` drafts (`tinylm.serve.scheduler`).
 
     ``port`` 0 takes any free port (the line printed at start says which). ``graceful_timeout``: how long a
-    shutdown waits for the requests in flight (see the module docstring).
+    shutdown waits for the requests in flight (see the module docstring). ``body_timeout``: the seconds a
+    request's body may take to arrive (None: `tinylm.serve.limits.BODY_TIMEOUT`).
     """
     try:
         import uvicorn
 
         from tinylm.serve.app import create_app
+        from tinylm.serve.limits import BODY_TIMEOUT
     except ImportError as e:
         raise TinyLMError(f"tinylm serve needs FastAPI and uvicorn ({e.name} is missing): "
                           "reinstall tinylm (pip install -e .), which brings them") from None
@@ -147,7 +150,8 @@ def serve(run_dir: str | os.PathLike, *, host: str = "127.0.0.1", port: int = 80
     try:
         run = load_run(run_dir, checkpoint=checkpoint, device=device)
         app = create_app(run, model_name=model_name, api_key=api_key, max_batch_size=max_batch_size,
-                         batch_window=batch_window, allow_origins=allow_origins, draft=draft, draft_k=draft_k)
+                         batch_window=batch_window, allow_origins=allow_origins, draft=draft, draft_k=draft_k,
+                         body_timeout=BODY_TIMEOUT if body_timeout is None else body_timeout)
     except BaseException:
         sock.close()
         raise
@@ -196,6 +200,9 @@ def cmd_serve(args: Any) -> int:
         raise TinyLMError(f"${API_KEY_ENV} holds only spaces: set it to the key clients must send, or unset it "
                           f"(or set it empty) to serve without a key")
     api_key = args.api_key if args.api_key is not None else env_key or None
+    if args.body_timeout is not None and not 0 < args.body_timeout < math.inf:
+        raise TinyLMError(f"--body-timeout is {args.body_timeout}: give the seconds a request's body may take to "
+                          "arrive, a number above 0 (default: 30)")
     for origin in args.allow_origin or ():
         if origin != "*" and not re.fullmatch(r"[a-zA-Z][a-zA-Z0-9+.-]*://[^/\s]+", origin):
             raise TinyLMError(f"--allow-origin {origin!r} is not an origin: give scheme://host[:port] with no path "
@@ -203,5 +210,6 @@ def cmd_serve(args: Any) -> int:
     serve(args.run, host=args.host, port=args.port, api_key=api_key, model_name=args.model_name,
           max_batch_size=args.max_batch_size, batch_window=args.batch_window_ms / 1000,
           checkpoint=args.checkpoint, device=args.device, log_level=args.log_level,
-          allow_origins=args.allow_origin or (), draft=args.draft, draft_k=args.draft_k)
+          allow_origins=args.allow_origin or (), draft=args.draft, draft_k=args.draft_k,
+          body_timeout=args.body_timeout)
     return 0
