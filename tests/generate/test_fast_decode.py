@@ -34,6 +34,12 @@ VARIANTS = {
     "value embeddings, softcap": dict(value_embed=True, logit_softcap=3.0),
     "llama3 rope scaling": dict(rope_scaling="llama3", rope_factor=8.0, rope_low_freq_factor=1.0,
                                 rope_high_freq_factor=4.0, rope_original_context=16),
+    "Gemma 2: sandwich norms, geglu, capped scores, alternating window": dict(
+        norm_position="sandwich", mlp="geglu", embed_scale=True, attn_softcap=2.0, logit_softcap=5.0,
+        attn_scale_dim=24.0, sliding_window=4, sliding_window_pattern=2, n_kv_head=2),
+    "Gemma 3: qk-norm, a local RoPE base on the windowed layers": dict(
+        norm_position="sandwich", mlp="geglu", embed_scale=True, qk_norm=True, sliding_window=3,
+        sliding_window_pattern=2, rope_theta=1e6, rope_local_theta=100.0),
 }
 GREEDY = SamplingParams(max_new_tokens=30, temperature=0, stop_ids=[])
 

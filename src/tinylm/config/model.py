@@ -25,13 +25,15 @@ from tinylm.errors import TinyLMError
 ModelFamily = Literal["gpt", "lstm", "rnn", "ngram"]
 # how messages name a family, article included ("an LSTM model", "a Transformer (gpt) model")
 FAMILY_NAMES = {"gpt": "a Transformer (gpt)", "lstm": "an LSTM", "rnn": "an RNN", "ngram": "an n-gram"}
-MLPKind = Literal["gelu", "swiglu", "relu2"]
+MLPKind = Literal["gelu", "swiglu", "relu2", "geglu"]
 NormKind = Literal["layernorm", "rmsnorm"]
-NormPosition = Literal["pre", "post"]
+NormPosition = Literal["pre", "post", "sandwich"]
 PositionKind = Literal["learned", "sinusoidal", "rope", "none"]
 RopeScalingKind = Literal["none", "linear", "llama3"]
 AttentionKind = Literal["sdpa", "reference", "tiled"]
 SmoothingKind = Literal["kn", "add-k", "mle", "kn-nltk"]
+# the transformers / llama.cpp architecture an export writes; "auto" is the first that computes the model
+ExportArchitecture = Literal["auto", "gpt2", "llama", "qwen3", "qwen2", "mistral", "phi3", "gemma2", "gemma3"]
 
 # SwiGLU's hidden width when not given: 8/3 d (so its three matrices hold as many weights as
 # GELU's two at 4 d), rounded up to a multiple of this so the matrices tile well on hardware.
@@ -68,13 +70,17 @@ class GPTConfig:
     # Qwen3's and Mistral NeMo's 128 with a narrower d_model / n_head: the heads then span
     # n_head d_h dimensions, which W_o maps back to d_model
     d_head: int | None = setting(None, "the size of one attention head (unset: d_model / n_head)")
-    # gelu: x W_1, GELU (GPT-2's tanh form), W_2; swiglu: (SiLU(x W_1) * x W_3) W_2; relu2: ReLU(x W_1)^2 W_2
-    mlp: MLPKind = setting("gelu", "the MLP: GELU (GPT-2) or SwiGLU (Llama)")
-    d_ff: int | None = setting(None, "the MLP's hidden width (unset: 4 d for gelu, about 8/3 d for swiglu)")
+    # gelu: x W_1, GELU (GPT-2's tanh form), W_2; swiglu: (SiLU(x W_1) * x W_3) W_2; relu2: ReLU(x W_1)^2 W_2;
+    # geglu: (GELU(x W_1) * x W_3) W_2, GELU's tanh form as the gate
+    mlp: MLPKind = setting("gelu", "the MLP: GELU (GPT-2), SwiGLU (Llama), ReLU^2 or GeGLU (Gemma)")
+    d_ff: int | None = setting(None, "the MLP's hidden width (unset: 4 d for gelu and relu2, about 8/3 d for the "
+                               "gated swiglu and geglu)")
     norm: NormKind = setting("layernorm", "LayerNorm or RMSNorm")
-    # pre: a final norm before the head too, as modern LMs; post: the original Transformer's, no final norm
+    # pre: a final norm before the head too, as modern LMs; post: the original Transformer's, no final norm;
+    # sandwich: pre, and each sublayer's output normalized again before it is added (four norms a block)
     norm_position: NormPosition = setting(
-        "pre", "normalize each sublayer's input (pre) or after each residual addition (post)")
+        "pre", "normalize each sublayer's input (pre), after each residual addition (post), or its input and "
+        "its output before the addition (sandwich: Gemma 2 and 3)")
     norm_eps: float = setting(1e-5, "the norms' epsilon")
     # learned: a trained table added to E[x]; sinusoidal: Vaswani et al.'s fixed table, added; rope: q and k
     # rotated by their position; none: attention alone cannot tell order
@@ -94,9 +100,23 @@ class GPTConfig:
         None, "llama3 scaling: the context the model was first trained at")
     sliding_window: int | None = setting(
         None, "each query attends to itself and the W - 1 positions before it (Mistral; unset: all)")
+    # Gemma 2 alternates windowed and whole-context layers (2), Gemma 3 has five windowed ones per whole one (6)
+    sliding_window_pattern: int | None = setting(
+        None, "with sliding_window: every N-th layer (the N-th, 2N-th, ...) attends to the whole context and the "
+        "others to the window (Gemma 2: 2, Gemma 3: 6; unset: every layer has the window)")
+    rope_local_theta: float | None = setting(
+        None, "with sliding_window: RoPE's base on the windowed layers, unscaled (Gemma 3's local base; unset: "
+        "rope_theta and rope_scaling there too)")
     bias: bool = setting(True, "biases on linear layers and LayerNorm")
     qkv_bias: bool = setting(False, "biases on the q, k, v projections only, for a --no-bias model (Qwen2)")
     tie_embeddings: bool = setting(True, "share the output head with the token embedding E")
+    embed_scale: bool = setting(False, "multiply the token embeddings by sqrt(d_model) on the way in (Gemma); the "
+                                "tied head still reads E unscaled")
+    # Gemma's query_pre_attn_scalar: its 27B model divides by sqrt(d_model / n_head), not by sqrt(d_h)
+    attn_scale_dim: float | None = setting(
+        None, "the scores are q.k / sqrt(this) (Gemma's query_pre_attn_scalar; unset: d_h, the head size)")
+    attn_softcap: float | None = setting(
+        None, "c: every attention score s becomes c tanh(s / c) before the softmax (Gemma 2; unset: no cap)")
     dropout: float = setting(0.0, "dropout probability")
     init_std: float = setting(0.02, "standard deviation of the initial weights")
     # all three compute the same function; the tests pin them equal
@@ -119,6 +139,10 @@ class GPTConfig:
         0, "B > 0: an embedding of B rows for the hashed pair (previous token, this token), added to E[x]")
     head_init_std: float | None = setting(
         None, "the initial standard deviation of an untied output head (0: zeros; unset: init_std)")
+    # Phi-3 is Llama's network with fused matrices: import sets it so that export writes Phi3ForCausalLM again
+    export_as: ExportArchitecture = setting(
+        "auto", "the transformers / llama.cpp architecture export writes (auto: the first of gpt2, llama, qwen3, "
+        "qwen2, mistral, phi3, gemma2, gemma3 that computes the model)")
     # -- the baselines
     bptt: int | None = setting(
         None, "lstm/rnn: backpropagate through at most this many steps (truncated BPTT; unset: the whole window)")
@@ -142,8 +166,20 @@ class GPTConfig:
         return self.n_head if self.n_kv_head is None else self.n_kv_head
 
     @property
+    def gated(self) -> bool:
+        """Whether the MLP is gated (swiglu, geglu): a third matrix W_3 whose product the activation scales."""
+        return self.mlp in ("swiglu", "geglu")
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of block ``layer`` (0-based), or None where it attends to the whole context."""
+        pattern = self.sliding_window_pattern
+        if self.sliding_window is None or (pattern is not None and (layer + 1) % pattern == 0):
+            return None
+        return self.sliding_window
+
+    @property
     def hidden_dim(self) -> int:
-        """The MLP's hidden width: d_ff, or 4 d for gelu and 8/3 d rounded up to a multiple of 64 for swiglu."""
+        """The MLP's hidden width: d_ff, or 4 d for gelu and 8/3 d rounded up to a multiple of 64 for the gated ones."""
         if self.d_ff is not None:
             return self.d_ff
         if self.mlp in ("gelu", "relu2"):
@@ -154,7 +190,8 @@ class GPTConfig:
         for name in ("vocab_size", "block_size", "n_layer", "d_model", "n_head", "tile_size"):
             if getattr(self, name) <= 0:
                 raise TinyLMError(f"{name} must be a positive integer, got {getattr(self, name)}")
-        for name in ("n_kv_head", "d_head", "d_ff", "bptt", "sliding_window", "rope_original_context"):
+        for name in ("n_kv_head", "d_head", "d_ff", "bptt", "sliding_window", "rope_original_context",
+                     "sliding_window_pattern"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise TinyLMError(f"{name} must be a positive integer (or left out), got {getattr(self, name)}")
         if not 1 <= self.order <= 10:
@@ -166,8 +203,10 @@ class GPTConfig:
                               "use kn for order 1")
         if not 0.0 <= self.dropout < 1.0:
             raise TinyLMError(f"dropout is a probability in [0, 1), got {self.dropout}")
-        if self.logit_softcap is not None and not (math.isfinite(self.logit_softcap) and self.logit_softcap > 0):
-            raise TinyLMError(f"logit_softcap must be a positive number (or left unset for no cap), got {self.logit_softcap}")
+        for name in ("logit_softcap", "attn_softcap", "attn_scale_dim", "rope_local_theta"):
+            value = getattr(self, name)
+            if value is not None and not (math.isfinite(value) and value > 0):
+                raise TinyLMError(f"{name} must be a positive number (or left unset), got {value}")
         if self.bigram_hash < 0 or self.bigram_hash == 1:
             raise TinyLMError(f"bigram_hash is a number of buckets: 0 (off) or 2 or more, got {self.bigram_hash}")
         if self.head_init_std is not None:
@@ -205,11 +244,25 @@ class GPTConfig:
             raise TinyLMError("qkv_bias puts biases on W_q, W_k and W_v of a bias = false model; with bias = true "
                               "every projection has one already: leave qkv_bias unset or add --no-bias")
         self._check_rope_scaling()
+        self._check_windows()
         if self.positions == "sinusoidal" and self.d_model % 2:
             raise TinyLMError(
                 f"positions = 'sinusoidal' pairs a sine and a cosine per frequency, so d_model must be even; "
                 f"got {self.d_model}"
             )
+
+    def _check_windows(self) -> None:
+        if self.sliding_window is None:
+            for name in ("sliding_window_pattern", "rope_local_theta"):
+                if getattr(self, name) is not None:
+                    raise TinyLMError(f"{name} = {getattr(self, name)!r} is a setting of the windowed layers, and "
+                                      "sliding_window is unset: set sliding_window too, or leave it unset")
+        if self.sliding_window_pattern == 1:
+            raise TinyLMError("sliding_window_pattern = 1 would give every layer the whole context: leave "
+                              "sliding_window unset instead (or use a pattern of 2 or more)")
+        if self.rope_local_theta is not None and self.positions != "rope":
+            raise TinyLMError(f"rope_local_theta is RoPE's base on the windowed layers, but positions = "
+                              f"{self.positions!r}: use positions = 'rope' or leave it unset")
 
     def _check_rope_scaling(self) -> None:
         used = {"none": (), "linear": ("rope_factor",),
@@ -242,7 +295,8 @@ class GPTConfig:
 TRANSFORMER_ONLY = frozenset({
     "n_head", "n_kv_head", "d_head", "mlp", "d_ff", "norm", "norm_position", "norm_eps", "positions", "rope_theta",
     "rope_scaling", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_context",
-    "sliding_window", "bias", "qkv_bias", "attention", "tile_size"})
+    "sliding_window", "bias", "qkv_bias", "attention", "tile_size", "sliding_window_pattern", "rope_local_theta",
+    "embed_scale", "attn_scale_dim", "attn_softcap", "export_as"})
 NGRAM_ONLY = frozenset({"order", "smoothing", "add_k"})
 
 

@@ -56,7 +56,7 @@ def matmul_params(config: GPTConfig) -> int:
     """N of the FLOP formula: weights used in matrix multiplications per token (no biases, norms or lookups)."""
     d, hs, nh, nkv, d_ff = config.d_model, config.head_dim, config.n_head, config.kv_heads, config.hidden_dim
     attention = d * nh * hs + 2 * d * nkv * hs + nh * hs * d
-    mlp = (3 if config.mlp == "swiglu" else 2) * d * d_ff
+    mlp = (3 if config.gated else 2) * d * d_ff
     return config.n_layer * (attention + mlp) + d * config.vocab_size
 
 
@@ -69,7 +69,7 @@ def forward_flops_breakdown(config: GPTConfig, seq_len: int | None = None) -> di
         "attention_projections": L * 2 * (d * nh * hs + 2 * d * nkv * hs + nh * hs * d),
         "attention_scores": L * 2 * nh * hs * T,  # q k_j^T for T keys, every head
         "attention_weighted_sum": L * 2 * nh * hs * T,  # sum_j a_j v_j over T values, every head
-        "mlp": L * 2 * (3 if config.mlp == "swiglu" else 2) * d * d_ff,
+        "mlp": L * 2 * (3 if config.gated else 2) * d * d_ff,
         "lm_head": 2 * d * config.vocab_size,
     }
 
@@ -105,7 +105,7 @@ def activation_bytes(config: GPTConfig, batch_size: int, seq_len: int | None = N
     """
     T = _context(config, seq_len)
     d, hs, nh, nkv, d_ff = config.d_model, config.head_dim, config.n_head, config.kv_heads, config.hidden_dim
-    mlp = d + (4 if config.mlp == "swiglu" else 3) * d_ff
+    mlp = d + (4 if config.gated else 3) * d_ff
     per_token_layer = 4 * d + 2 * nh * hs + 2 * nkv * hs + d + mlp
     tokens = batch_size * T
     parts = {

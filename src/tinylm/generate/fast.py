@@ -9,9 +9,10 @@ decoding (the model, its checkpoints and its export are untouched):
   such a matrix faster than ``F.linear`` does with the (out, in) one on this kind of CPU (with the
   fusions below, the engine's "before" and "engine" rows of `benchmarks/generate.py --run`:
   1.4-1.6x);
-- W_q, W_k and W_v side by side as one matrix, and SwiGLU's W_1 and W_3 likewise, so a layer
+- W_q, W_k and W_v side by side as one matrix, and a gated MLP's W_1 and W_3 likewise, so a layer
   makes four products instead of seven;
-- RoPE's cos and sin tabulated once for every position of the context.
+- RoPE's cos and sin tabulated once for every position of the context (twice with Gemma 3's
+  own base for the windowed layers).
 
 A compiled step (``compile=True``) keeps another copy of the matrices, (out, in), and writes each
 product as a sum that inductor turns into C++ loops (`_product_reduced`). Whether that is faster
@@ -52,7 +53,7 @@ from torch import Tensor, nn
 from tinylm.errors import TinyLMError
 from tinylm.generate.steps import CachedDecoder, real_positions
 from tinylm.model import GPT
-from tinylm.model.attention import causal_visible
+from tinylm.model.attention import causal_visible, soft_cap
 from tinylm.model.gpt import mlp_activation
 from tinylm.model.positions import apply_rope
 
@@ -120,16 +121,21 @@ class DecodeWeights(nn.Module):
         cfg = model.config
         self.config = cfg
         self.n_head, self.n_kv, self.hs = cfg.n_head, cfg.kv_heads, cfg.head_dim
-        self.pre_norm = cfg.norm_position == "pre"
+        self.pre_norm = cfg.norm_position in ("pre", "sandwich")
         self.mlp_kind = cfg.mlp
-        self.window = cfg.sliding_window
+        self.windows = [cfg.layer_window(i) for i in range(cfg.n_layer)]  # Gemma's whole-context layers: None
         self.softcap = cfg.logit_softcap
+        self.attn_softcap = cfg.attn_softcap
+        self.scale = 1.0 / math.sqrt(cfg.head_dim) if cfg.attn_scale_dim is None else cfg.attn_scale_dim ** -0.5
+        self.embed_scale = math.sqrt(cfg.d_model) if cfg.embed_scale else None
         self.E = model.E  # shared: an embedding lookup reads rows, which nn.Embedding stores already
         self.V_emb = model.V_emb
         self.pos_emb = model.pos_emb
         self.norm_f = model.norm_f
         self.norm_1 = nn.ModuleList(block.norm_1 for block in model.blocks)
         self.norm_2 = nn.ModuleList(block.norm_2 for block in model.blocks)
+        self.norm_1_out = nn.ModuleList(block.norm_1_out for block in model.blocks)  # sandwich; else identities
+        self.norm_2_out = nn.ModuleList(block.norm_2_out for block in model.blocks)
         # eager: (in, out) matrices for MKL; compiled: (out, in) for the written-out product
         self.compiled = compiled
         in_out = not compiled
@@ -138,7 +144,7 @@ class DecodeWeights(nn.Module):
             layers = []
             for block in model.blocks:
                 attn, mlp = block.attn, block.mlp
-                up = (mlp.W_1, mlp.W_3) if cfg.mlp == "swiglu" else (mlp.W_1,)
+                up = (mlp.W_1, mlp.W_3) if cfg.gated else (mlp.W_1,)
                 layers.append({
                     "qkv": _fused((attn.W_q, attn.W_k, attn.W_v), in_out), "o": _fused((attn.W_o,), in_out),
                     "up": _fused(up, in_out), "down": _fused((mlp.W_2,), in_out),
@@ -149,9 +155,12 @@ class DecodeWeights(nn.Module):
             self.layers = layers
             self.head = _fused((model.lm_head,), in_out)[0]  # (d, V) or (V, d)
             self.rope: tuple[Tensor, Tensor] | None = None
-            if model.rope is not None:
-                cos, sin = model.rope(torch.arange(cfg.block_size, device=self.head.device)[None])  # 2 x (1, 1, S, hs)
-                self.rope = (cos[0, 0].to(self.head.dtype), sin[0, 0].to(self.head.dtype))  # 2 x (S, hs)
+            self.rope_local: tuple[Tensor, Tensor] | None = None  # the windowed layers' (Gemma 3), else rope
+            every = torch.arange(cfg.block_size, device=self.head.device)[None]
+            for name, rotary in (("rope", model.rope), ("rope_local", model.rope_local or model.rope)):
+                if rotary is not None:
+                    cos, sin = rotary(every)  # 2 x (1, 1, S, hs)
+                    setattr(self, name, (cos[0, 0].to(self.head.dtype), sin[0, 0].to(self.head.dtype)))  # 2 x (S, hs)
         self.eps = cfg.norm_eps
         self._compiled: dict[tuple, Callable] = {}
         self.faster: dict[tuple, bool] = {}  # by shape: whether the compiled step beat the eager one
@@ -174,19 +183,25 @@ class DecodeWeights(nn.Module):
         # next and recomputes it per output row (a round of 6 tokens took 20x a single one)
         product = _product_reduced if written_out and B * T == 1 else self.product
         h = self.E(tokens)  # (B, T, d)
+        if self.embed_scale is not None:
+            h = h * self.embed_scale
         ve = self.V_emb(tokens) if self.V_emb is not None else None  # (B, T, n_kv * hs)
         if self.pos_emb is not None:
             h = h + self.pos_emb(positions)
-        rope = None
-        if self.rope is not None:
-            rope = (self.rope[0][positions][:, None], self.rope[1][positions][:, None])  # 2 x (B, 1, T, hs)
+        ropes = {}  # by whether the layer is windowed: 2 x (B, 1, T, hs)
+        for windowed, table in ((False, self.rope), (True, self.rope_local)):
+            if table is not None:
+                ropes[windowed] = (table[0][positions][:, None], table[1][positions][:, None])
         # which slots each query sees: the past (its own slot included), real tokens only, within the window
+        # (one mask per window size among the layers: Gemma's alternate)
         j = torch.arange(S, device=tokens.device)
-        visible = causal_visible(slots, j, self.window)  # (T, S)
         own = j[None, :] == slots[:, None]  # (T, S): a padding query sees itself, so its row stays finite
-        mask = (visible[None] & key_mask[:, None, :]) | own[None]  # (B, T, S)
-        mask = mask[:, None]  # (B, 1, T, S)
+        masks = {}
+        for window in set(self.windows):
+            visible = causal_visible(slots, j, window)  # (T, S)
+            masks[window] = ((visible[None] & key_mask[:, None, :]) | own[None])[:, None]  # (B, 1, T, S)
         for i, layer in enumerate(self.layers):
+            mask, rope = masks[self.windows[i]], ropes.get(self.windows[i] is not None)
             x = self.norm_1[i](h) if self.pre_norm else h
             qkv = product(x, *layer["qkv"])  # (B, T, (nh + 2 n_kv) hs)
             q, k, v = qkv.split((nh * hs, n_kv * hs, n_kv * hs), dim=-1)
@@ -202,22 +217,25 @@ class DecodeWeights(nn.Module):
                 q, k = apply_rope(q, *rope), apply_rope(k, *rope)
             k_cache[i].index_copy_(2, slots, k)
             v_cache[i].index_copy_(2, slots, v)
-            if written_out:  # compiled: plain products and a softmax, which inductor fuses
+            # compiled: plain products and a softmax, which inductor fuses; capped scores (Gemma 2) too,
+            # since the fused kernel has no place for the cap
+            if written_out or self.attn_softcap is not None:
                 kk, vv = k_cache[i], v_cache[i]  # (B, n_kv, S, hs)
                 if n_kv != nh:
                     kk, vv = kk.repeat_interleave(nh // n_kv, dim=1), vv.repeat_interleave(nh // n_kv, dim=1)
-                scores = (q @ kk.transpose(-2, -1)) * (1.0 / math.sqrt(hs))  # (B, nh, T, S)
+                scores = soft_cap((q @ kk.transpose(-2, -1)) * self.scale, self.attn_softcap)  # (B, nh, T, S)
                 y = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1) @ vv  # (B, nh, T, hs)
             else:
-                y = F.scaled_dot_product_attention(q, k_cache[i], v_cache[i], attn_mask=mask,
+                y = F.scaled_dot_product_attention(q, k_cache[i], v_cache[i], attn_mask=mask, scale=self.scale,
                                                    enable_gqa=n_kv != nh)  # (B, nh, T, hs)
             a = product(y.transpose(1, 2).reshape(B, T, nh * hs), *layer["o"])  # (B, T, d)
-            h = h + a if self.pre_norm else self.norm_1[i](h + a)
+            h = h + self.norm_1_out[i](a) if self.pre_norm else self.norm_1[i](h + a)
             x = self.norm_2[i](h) if self.pre_norm else h
-            up = product(x, *layer["up"])  # (B, T, d_ff), or (B, T, 2 d_ff) for SwiGLU: [x W_1, x W_3]
-            hidden = mlp_activation(self.mlp_kind, *(up.chunk(2, dim=-1) if self.mlp_kind == "swiglu" else (up,)))
+            up = product(x, *layer["up"])  # (B, T, d_ff), or (B, T, 2 d_ff) gated: [x W_1, x W_3]
+            gated = self.mlp_kind in ("swiglu", "geglu")
+            hidden = mlp_activation(self.mlp_kind, *(up.chunk(2, dim=-1) if gated else (up,)))
             m = product(hidden, *layer["down"])
-            h = h + m if self.pre_norm else self.norm_2[i](h + m)
+            h = h + self.norm_2_out[i](m) if self.pre_norm else self.norm_2[i](h + m)
         return self.norm_f(h)
 
     def logits(self, h: Tensor, written_out: bool = False) -> Tensor:

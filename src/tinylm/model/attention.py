@@ -82,6 +82,11 @@ def window_keys(k: Tensor, v: Tensor, key_padding_mask: Tensor | None, T_q: int,
     return k, v, key_padding_mask, (window if k.size(2) > window else None)
 
 
+def soft_cap(scores: Tensor, cap: float | None) -> Tensor:
+    """c tanh(s / c): every score squashed into (-c, c), nearly unchanged where |s| << c (Gemma 2's logit capping)."""
+    return scores if cap is None else cap * torch.tanh(scores / cap)
+
+
 def reference_attention(
     q: Tensor,
     k: Tensor,
@@ -90,8 +95,13 @@ def reference_attention(
     dropout_p: float = 0.0,
     return_weights: bool = False,
     window: int | None = None,
+    scale: float | None = None,
+    softcap: float | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
-    """softmax_row(Q K^T / sqrt(d_h) + M) V for every head, exactly as defined; optionally with the weights."""
+    """softmax_row(Q K^T / sqrt(d_h) + M) V for every head, exactly as defined; optionally with the weights.
+
+    ``scale`` replaces 1 / sqrt(d_h); ``softcap`` c caps each score s at c tanh(s / c) before M is added.
+    """
     n_head, T_q, hs = q.size(1), q.size(2), q.size(3)
     T_k = k.size(2)
     k = repeat_kv(k, n_head // k.size(1))  # (B, nh, T_k, hs)
@@ -102,7 +112,8 @@ def reference_attention(
     # softmax stays finite there; that row's weights are zeroed right after.
     M = torch.zeros(visible.shape, dtype=q.dtype, device=q.device)
     M = M.masked_fill(~visible & has_key, float("-inf"))  # (1 or B, 1, T_q, T_k)
-    scores = q @ k.transpose(-2, -1) / math.sqrt(hs) + M  # (B, nh, T_q, T_k)
+    scale = 1.0 / math.sqrt(hs) if scale is None else scale
+    scores = soft_cap(q @ k.transpose(-2, -1) * scale, softcap) + M  # (B, nh, T_q, T_k)
     att = torch.softmax(scores, dim=-1)  # (B, nh, T_q, T_k), each row sums to 1
     att = att.masked_fill(~has_key, 0.0)  # queries with nothing to look at: all-zero weights
     weights = att
@@ -114,9 +125,12 @@ def reference_attention(
 
 def sdpa_attention(
     q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None = None, dropout_p: float = 0.0,
-    window: int | None = None,
+    window: int | None = None, scale: float | None = None,
 ) -> Tensor:
-    """The same function through `torch.nn.functional.scaled_dot_product_attention` (fused kernels)."""
+    """The same function through `torch.nn.functional.scaled_dot_product_attention` (fused kernels).
+
+    (The kernel cannot cap scores: `CausalSelfAttention` sends a capped model to `reference_attention`.)
+    """
     n_head, T_q, T_k = q.size(1), q.size(2), k.size(2)
     k = repeat_kv(k, n_head // k.size(1))  # (B, nh, T_k, hs)
     v = repeat_kv(v, n_head // v.size(1))  # (B, nh, T_k, hs)
@@ -124,19 +138,19 @@ def sdpa_attention(
     # written-out backward assume it): the explicit mask below
     if key_padding_mask is None and window is None:
         if T_q == T_k:
-            if _use_written_out_backward(q, k, v, dropout_p):
+            if scale is None and _use_written_out_backward(q, k, v, dropout_p):
                 # one dtype for all three (value embeddings add a float32 term to v under autocast)
                 return _CausalAttention.apply(q, k.to(q.dtype), v.to(q.dtype))
             # the common training case: let the kernel build the causal mask itself (fastest)
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale)
         if T_q == 1:
             # one new query at the last position sees every key: no mask at all
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, scale=scale)
         # note: is_causal=True would align the triangle to the top-left corner, wrong when T_q < T_k
     visible = visible_keys(T_q, T_k, key_padding_mask, q.device, window)  # (1 or B, 1, T_q, T_k)
     has_key = visible.any(dim=-1, keepdim=True)  # (1 or B, 1, T_q, 1)
     # rows with no visible key: let them see everything (finite softmax), then zero their output
-    y = F.scaled_dot_product_attention(q, k, v, attn_mask=visible | ~has_key, dropout_p=dropout_p)
+    y = F.scaled_dot_product_attention(q, k, v, attn_mask=visible | ~has_key, dropout_p=dropout_p, scale=scale)
     return y.masked_fill(~has_key, 0.0)  # (B, nh, T_q, hs)
 
 
@@ -205,6 +219,8 @@ def tiled_attention(
     dropout_p: float = 0.0,
     tile_size: int = 64,
     window: int | None = None,
+    scale: float | None = None,
+    softcap: float | None = None,
 ) -> Tensor:
     """The same function by an online softmax over blocks of ``tile_size`` keys: never forms the T x T matrix.
 
@@ -224,7 +240,7 @@ def tiled_attention(
     T_k = k.size(2)
     k = repeat_kv(k, n_head // k.size(1))  # (B, nh, T_k, hs)
     v = repeat_kv(v, n_head // v.size(1))  # (B, nh, T_k, hs)
-    scale = 1.0 / math.sqrt(hs)
+    scale = 1.0 / math.sqrt(hs) if scale is None else scale
     q_pos = torch.arange(T_k - T_q, T_k, device=q.device)  # absolute positions of the queries
     # the running statistics stay in float32 even when q, k, v are bf16: they accumulate over many blocks
     m = torch.full((*q.shape[:-1], 1), float("-inf"), dtype=torch.float32, device=q.device)  # (B, nh, T_q, 1)
@@ -236,7 +252,7 @@ def tiled_attention(
         visible = causal_visible(q_pos, k_pos, window)  # (T_q, Tb): the causal (and window) part of M for this block
         if key_padding_mask is not None:
             visible = visible & key_padding_mask[:, None, None, start:end]  # (B, 1, T_q, Tb)
-        s = (q @ k[:, :, start:end].transpose(-2, -1)).float() * scale  # (B, nh, T_q, Tb)
+        s = soft_cap((q @ k[:, :, start:end].transpose(-2, -1)).float() * scale, softcap)  # (B, nh, T_q, Tb)
         s = s.masked_fill(~visible, float("-inf"))
         # The result does not depend on m (it cancels between acc and l), so its gradient is zero:
         # take it from detached scores and spare autograd the bookkeeping.
@@ -263,7 +279,7 @@ class CausalSelfAttention(nn.Module):
     row-vector convention's W^Q (d x n_h d_h) and ``q = W_q(x)`` is q = h W^Q for every position and head at once.
     """
 
-    def __init__(self, config: GPTConfig) -> None:
+    def __init__(self, config: GPTConfig, layer: int = 0) -> None:
         super().__init__()
         self.n_head = config.n_head
         self.n_kv_head = config.kv_heads
@@ -281,7 +297,10 @@ class CausalSelfAttention(nn.Module):
         self.ve_weight = nn.Parameter(torch.ones(1)) if config.value_embed else None
         self.implementation = config.attention
         self.tile_size = config.tile_size
-        self.window = config.sliding_window
+        self.window = config.layer_window(layer)  # this layer's: Gemma's whole-context layers have none
+        # Gemma's query_pre_attn_scalar in place of d_h; None: the kernels' own 1 / sqrt(d_h)
+        self.scale = None if config.attn_scale_dim is None else config.attn_scale_dim ** -0.5
+        self.softcap = config.attn_softcap
         self.dropout = config.dropout
 
     def forward(
@@ -321,14 +340,16 @@ class CausalSelfAttention(nn.Module):
         k, v, key_padding_mask, window = window_keys(k, v, key_padding_mask, T, self.window)
         dropout_p = self.dropout if self.training else 0.0
         weights = None
+        scale, cap = self.scale, self.softcap
         if need_weights:
-            y, weights = reference_attention(q, k, v, key_padding_mask, dropout_p, return_weights=True, window=window)
-        elif self.implementation == "sdpa":
-            y = sdpa_attention(q, k, v, key_padding_mask, dropout_p, window)
+            y, weights = reference_attention(q, k, v, key_padding_mask, dropout_p, return_weights=True, window=window,
+                                             scale=scale, softcap=cap)
+        elif self.implementation == "sdpa" and cap is None:  # the fused kernel has no place for a cap
+            y = sdpa_attention(q, k, v, key_padding_mask, dropout_p, window, scale)
         elif self.implementation == "tiled":
-            y = tiled_attention(q, k, v, key_padding_mask, dropout_p, self.tile_size, window)
+            y = tiled_attention(q, k, v, key_padding_mask, dropout_p, self.tile_size, window, scale, cap)
         else:
-            y = reference_attention(q, k, v, key_padding_mask, dropout_p, window=window)
+            y = reference_attention(q, k, v, key_padding_mask, dropout_p, window=window, scale=scale, softcap=cap)
         # concatenate the heads: position t's row is (head_1 output, ..., head_nh output)
         y = y.transpose(1, 2).reshape(B, T, self.n_head * hs)  # (B, T, nh * hs)
         return self.W_o(y), weights  # (B, T, d)

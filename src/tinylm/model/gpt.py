@@ -3,14 +3,15 @@
 The model maps a sequence of token ids x_0..x_{T-1} to logits u_1..u_T, one vector in R^|V| per
 position, with p(x_t | x_<t) = softmax(u_t). The path of one position's vector:
 
-    h = E[x] (+ P[t])                     token embedding, plus a position vector (learned or sinusoidal)
+    h = E[x] (+ P[t])                     token embedding (times sqrt(d) with embed_scale), plus a position vector
     n_layer times:                        a Block, each position keeps a d-vector (the residual stream)
         h = h + attn(norm_1(h))           positions exchange information (causally: only the past)
         h = h + mlp(norm_2(h))            each position alone, the same MLP everywhere
     u = norm_f(h) @ W_head                W_head is d x |V|, optionally E^T itself (tied)
 
 (That is pre-norm; post-norm puts the norm after each residual addition instead and has no final
-norm.) Training minimises the mean over positions of -log softmax(u_t)[x_t], the next-token
+norm; Gemma's "sandwich" also normalizes each sublayer's output before the addition: h = h +
+norm_1_out(attn(norm_1(h))).) Training minimises the mean over positions of -log softmax(u_t)[x_t], the next-token
 cross-entropy; a target of `IGNORE_INDEX` (-100) is left out of the mean, which is how padded
 positions are kept out of the loss.
 
@@ -62,11 +63,12 @@ def make_norm(config: GPTConfig) -> nn.Module:
 
 
 class MLP(nn.Module):
-    """The per-position feed-forward network: GELU (GPT-2), SwiGLU (Llama) or ReLU^2 (modded-nanogpt).
+    """The per-position feed-forward network: GELU (GPT-2), SwiGLU (Llama), GeGLU (Gemma) or ReLU^2 (modded-nanogpt).
 
     gelu:   y = GELU(x W_1) W_2, with GELU in GPT-2's tanh approximation ("gelu_new" in Hugging
             Face), so GPT-2 weights give GPT-2's outputs.
     swiglu: y = (SiLU(x W_1) * (x W_3)) W_2: a gated unit, x W_3 scaled elementwise by a gate.
+    geglu:  y = (GELU(x W_1) * (x W_3)) W_2: the same with GELU's tanh form as the gate.
     relu2:  y = ReLU(x W_1)^2 W_2 (So et al., 2021, "Primer"): as cheap as GELU, sparser.
     """
 
@@ -74,21 +76,23 @@ class MLP(nn.Module):
         super().__init__()
         d, d_ff = config.d_model, config.hidden_dim
         self.kind = config.mlp
-        self.swiglu = config.mlp == "swiglu"
+        self.gated = config.gated
         self.W_1 = nn.Linear(d, d_ff, bias=config.bias)
-        if self.swiglu:
+        if self.gated:
             self.W_3 = nn.Linear(d, d_ff, bias=config.bias)
         self.W_2 = nn.Linear(d_ff, d, bias=config.bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        hidden = mlp_activation(self.kind, self.W_1(x), self.W_3(x) if self.swiglu else None)  # (B, T, d_ff)
+        hidden = mlp_activation(self.kind, self.W_1(x), self.W_3(x) if self.gated else None)  # (B, T, d_ff)
         return self.W_2(hidden)  # (B, T, d)
 
 
 def mlp_activation(kind: str, a: Tensor, b: Tensor | None = None) -> Tensor:
-    """The MLP's hidden layer from a = x W_1 (and, for SwiGLU, b = x W_3): SiLU(a) * b, ReLU(a)^2 or GELU(a)."""
+    """The MLP's hidden layer from a = x W_1 (and, gated, b = x W_3): SiLU(a) * b, GELU(a) * b, ReLU(a)^2 or GELU(a)."""
     if kind == "swiglu":
         return F.silu(a) * b
+    if kind == "geglu":
+        return F.gelu(a, approximate="tanh") * b
     if kind == "relu2":
         return F.relu(a).square()
     return F.gelu(a, approximate="tanh")
@@ -97,13 +101,16 @@ def mlp_activation(kind: str, a: Tensor, b: Tensor | None = None) -> Tensor:
 class Block(nn.Module):
     """One Transformer layer: attention then MLP, each with a norm and a residual connection."""
 
-    def __init__(self, config: GPTConfig) -> None:
+    def __init__(self, config: GPTConfig, layer: int = 0) -> None:
         super().__init__()
-        self.pre_norm = config.norm_position == "pre"
+        self.pre_norm = config.norm_position in ("pre", "sandwich")
         self.norm_1 = make_norm(config)
-        self.attn = CausalSelfAttention(config)
+        self.attn = CausalSelfAttention(config, layer)
         self.norm_2 = make_norm(config)
         self.mlp = MLP(config)
+        # sandwich (Gemma 2 and 3): each sublayer's output normalized too before it joins the stream
+        self.norm_1_out = make_norm(config) if config.norm_position == "sandwich" else nn.Identity()
+        self.norm_2_out = make_norm(config) if config.norm_position == "sandwich" else nn.Identity()
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(
@@ -119,8 +126,8 @@ class Block(nn.Module):
         # new representation, and gives gradients a direct path through a deep stack.
         if self.pre_norm:
             a, weights = self.attn(self.norm_1(h), rope, key_padding_mask, kv_cache, need_weights, ve)
-            h = h + self.dropout(a)  # (B, T, d)
-            h = h + self.dropout(self.mlp(self.norm_2(h)))  # (B, T, d)
+            h = h + self.dropout(self.norm_1_out(a))  # (B, T, d)
+            h = h + self.dropout(self.norm_2_out(self.mlp(self.norm_2(h))))  # (B, T, d)
         else:
             a, weights = self.attn(h, rope, key_padding_mask, kv_cache, need_weights, ve)
             h = self.norm_1(h + self.dropout(a))  # (B, T, d)
@@ -139,16 +146,19 @@ class GPT(nn.Module):
         self.E = nn.Embedding(config.vocab_size, d)  # token embedding: row x is token x's vector
         self.pos_emb: nn.Module | None = None  # added to E[x] ("learned", "sinusoidal")
         self.rope: RotaryPositions | None = None  # applied to q and k in every layer ("rope")
+        self.rope_local: RotaryPositions | None = None  # the windowed layers' own, with rope_local_theta
         if config.positions == "learned":
             self.pos_emb = LearnedPositions(config.block_size, d)
         elif config.positions == "sinusoidal":
             self.pos_emb = SinusoidalPositions(d)
         elif config.positions == "rope":
             self.rope = RotaryPositions(config.head_dim, config.rope_theta, RopeScaling.of(config))
+            if config.rope_local_theta is not None:
+                self.rope_local = RotaryPositions(config.head_dim, config.rope_local_theta)
         self.dropout = nn.Dropout(config.dropout)
-        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
-        # post-norm blocks already end in a norm; pre-norm leaves the stream unnormalized
-        self.norm_f = make_norm(config) if config.norm_position == "pre" else nn.Identity()
+        self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layer))
+        # post-norm blocks already end in a norm; pre-norm (and sandwich) leave the stream unnormalized
+        self.norm_f = make_norm(config) if config.norm_position != "post" else nn.Identity()
         # optional extra embeddings: the token's value vector (shared by all layers), the hashed pair
         self.V_emb = nn.Embedding(config.vocab_size, config.kv_heads * config.head_dim) if config.value_embed else None
         self.bigram = nn.Embedding(config.bigram_hash, d) if config.bigram_hash else None
@@ -301,6 +311,9 @@ class GPT(nn.Module):
             position_ids = position_ids[None]  # (1, T), broadcast over the batch
 
         h = self.E(idx)  # (B, T, d)
+        if self.config.embed_scale:
+            # Gemma: rows of E have about the head's scale; sqrt(d) brings them to the stream's
+            h = h * math.sqrt(self.config.d_model)
         if self.bigram is not None:
             h = h + self.bigram(self.bigram_ids(idx, key_padding_mask, kv_cache))  # (B, T, d)
         ve = self.V_emb(idx) if self.V_emb is not None else None  # (B, T, n_kv * hs)
@@ -308,6 +321,7 @@ class GPT(nn.Module):
             h = h + self.pos_emb(position_ids)  # (B, T, d)
         h = self.dropout(h)
         rope = self.rope(position_ids) if self.rope is not None else None  # 2 x (B or 1, 1, T, hs)
+        rope_local = self.rope_local(position_ids) if self.rope_local is not None else rope
         if self.bigram is not None and kv_cache is not None:
             # the next call's first pair starts with each row's last token (rows are left-padded:
             # the last column is real)
@@ -315,7 +329,8 @@ class GPT(nn.Module):
         all_weights: list[Tensor] = []
         for i, block in enumerate(self.blocks):
             layer_cache = kv_cache[i] if kv_cache is not None else None
-            h, weights = block(h, rope, key_padding_mask, layer_cache, need_weights, ve)
+            layer_rope = rope_local if block.attn.window is not None else rope
+            h, weights = block(h, layer_rope, key_padding_mask, layer_cache, need_weights, ve)
             if weights is not None:
                 all_weights.append(weights)
         return self.norm_f(h), all_weights  # (B, T, d)

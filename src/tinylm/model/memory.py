@@ -59,9 +59,9 @@ def attention_layer_params(config: GPTConfig) -> int:
 
 
 def mlp_layer_params(config: GPTConfig) -> int:
-    """Parameters of one MLP: two matrices for gelu, three for swiglu, with biases if any."""
+    """Parameters of one MLP: two matrices for gelu, three for the gated swiglu and geglu, with biases if any."""
     d, d_ff = config.d_model, config.hidden_dim
-    n_in = 2 if config.mlp == "swiglu" else 1  # W_1 (and W_3) map d -> d_ff; gelu and relu2 have no gate
+    n_in = 2 if config.gated else 1  # W_1 (and W_3) map d -> d_ff; gelu and relu2 have no gate
     weights = (n_in + 1) * d * d_ff
     biases = n_in * d_ff + d if config.bias else 0
     return weights + biases
@@ -75,13 +75,14 @@ def norm_params(config: GPTConfig) -> int:
 def param_breakdown(config: GPTConfig) -> dict[str, int]:
     """Parameters by part of the model; the values sum to `count_params`."""
     d, V, L = config.d_model, config.vocab_size, config.n_layer
-    final_norms = 1 if config.norm_position == "pre" else 0
+    final_norms = 0 if config.norm_position == "post" else 1
+    block_norms = 4 if config.norm_position == "sandwich" else 2  # sandwich: each sublayer's output too
     return {
         "token_embedding": V * d,
         "position_embedding": config.block_size * d if config.positions == "learned" else 0,
         "attention": L * attention_layer_params(config),
         "mlp": L * mlp_layer_params(config),
-        "norms": (2 * L + final_norms) * norm_params(config),
+        "norms": (block_norms * L + final_norms) * norm_params(config),
         "lm_head": 0 if config.tie_embeddings else V * d,
         "value_embedding": V * config.kv_heads * config.head_dim if config.value_embed else 0,
         "bigram_embedding": config.bigram_hash * d,
