@@ -36,7 +36,7 @@ VARIANTS = {
                                 rope_high_freq_factor=4.0, rope_original_context=16),
     "Gemma 2: sandwich norms, geglu, capped scores, alternating window": dict(
         norm_position="sandwich", mlp="geglu", embed_scale=True, attn_softcap=2.0, logit_softcap=5.0,
-        attn_scale_dim=24.0, sliding_window=4, sliding_window_pattern=2, n_kv_head=2),
+        attn_scale_dim=24, sliding_window=4, sliding_window_pattern=2, n_kv_head=2),
     "Gemma 3: qk-norm, a local RoPE base on the windowed layers": dict(
         norm_position="sandwich", mlp="geglu", embed_scale=True, qk_norm=True, sliding_window=3,
         sliding_window_pattern=2, rope_theta=1e6, rope_local_theta=100.0),

@@ -113,7 +113,7 @@ class GPTConfig:
     embed_scale: bool = setting(False, "multiply the token embeddings by sqrt(d_model) on the way in (Gemma); the "
                                 "tied head still reads E unscaled")
     # Gemma's query_pre_attn_scalar: its 27B model divides by sqrt(d_model / n_head), not by sqrt(d_h)
-    attn_scale_dim: float | None = setting(
+    attn_scale_dim: int | None = setting(
         None, "the scores are q.k / sqrt(this) (Gemma's query_pre_attn_scalar; unset: d_h, the head size)")
     attn_softcap: float | None = setting(
         None, "c: every attention score s becomes c tanh(s / c) before the softmax (Gemma 2; unset: no cap)")

@@ -1,4 +1,5 @@
-"""Import a local Hugging Face `transformers` checkpoint (GPT-2, Llama, Qwen3, Qwen2 or Mistral) into tinylm.
+"""Import a local Hugging Face `transformers` checkpoint (GPT-2, Llama, Qwen3, Qwen2, Mistral, Phi-3, Gemma 2 or
+Gemma 3 text) into tinylm.
 
 `import_hf` reads config.json (`config_from_hf`), model.safetensors or its shards (`read_hf_weights`;
 never pickle files) and the tokenizer files into a `GPT`, a tokenizer and a `GPTConfig`, with the
@@ -28,7 +29,8 @@ from tinylm.atomic import atomic_write_text
 from tinylm.config import Config, GPTConfig, dump_toml
 from tinylm.errors import TinyLMError
 from tinylm.export.hf import CONFIG_FILE, TOKENIZER_FILE, WEIGHTS_FILE, WEIGHTS_INDEX_FILE
-from tinylm.export.hf_families import HF_CLASSES, Architecture, default_rule, llama_family_config, refusal, required
+from tinylm.export.hf_families import (HF_CLASSES, MODEL_TYPES, Architecture, default_rule, llama_family_config,
+                                      refusal, required)
 from tinylm.export.weights import architecture_for, convert_to_ours, hf_rules
 from tinylm.jsonfile import parse_json
 from tinylm.lock import folder_lock
@@ -66,7 +68,7 @@ def _arch_of(hf: Mapping[str, Any], source: str) -> Architecture:
     model_type = hf.get("model_type")
     classes = hf.get("architectures") or []
     for arch, cls in HF_CLASSES.items():
-        if model_type == arch or cls in classes:
+        if model_type == MODEL_TYPES.get(arch, arch) or cls in classes:
             return arch
     *others, last = HF_CLASSES.values()
     raise TinyLMError(
@@ -76,7 +78,7 @@ def _arch_of(hf: Mapping[str, Any], source: str) -> Architecture:
 
 
 def config_from_hf(hf: Mapping[str, Any], source: str = CONFIG_FILE) -> tuple[GPTConfig, Architecture]:
-    """The `GPTConfig` of a GPT-2, Llama, Qwen3, Qwen2 or Mistral config.json, and which it is; variants
+    """The `GPTConfig` of a GPT-2, Llama, Qwen3, Qwen2, Mistral, Phi-3 or Gemma 2 / 3 config.json, and which it is; variants
     tinylm does not compute are errors (one line naming the key), and so are values that are not numbers
     where a size or rate is read (a string, a list, infinity)."""
     try:

@@ -1,7 +1,7 @@
 """The weight mapping between tinylm's `GPT` and the other formats: which architecture a model is, and how each tensor is named and laid out.
 
-`architecture_for` says which of GPT-2, Llama, Qwen3, Qwen2 and Mistral computes a configuration
-exactly (or refuses, naming each setting that does not map). A `TensorRule` says how one tensor
+`architecture_for` says which of GPT-2, Llama, Qwen3, Qwen2, Mistral, Phi-3, Gemma 2 and Gemma 3
+computes a configuration exactly (or refuses, naming each setting that does not map). A `TensorRule` says how one tensor
 of theirs is made from ours; `hf_rules` lists them for a `transformers` checkpoint (GGUF's
 `gguf_rules` builds on the same engine), and `convert_to_theirs` / `convert_to_ours` apply them.
 docs/export.md has the name table, GPT-2's Conv1D transpose and the RoPE row layouts.
@@ -24,7 +24,8 @@ from torch import Tensor
 
 from tinylm.config import FAMILY_NAMES, GPTConfig
 from tinylm.errors import TinyLMError
-from tinylm.export.hf_families import (GPT2_SHAPE, HF_CLASSES, NAMES, Architecture, llama_family_problems,
+from tinylm.export.hf_families import (GEMMA_SHAPED, GPT2_SHAPE, HF_CLASSES, NAMES, Architecture,
+                                      gemma_family_problems, gemma_only_problems, llama_family_problems,
                                       llama_shaped, shape_problems)
 
 # ----- which architecture ---------------------------------------------------------------------------
@@ -45,14 +46,13 @@ def architecture_problems(config: GPTConfig) -> dict[Architecture, list[str]]:
         gpt2.append(f"sliding_window = {config.sliding_window} (GPT-2 attends to the whole context)")
     if config.rope_scaling != "none":
         gpt2.append(f"rope_scaling = {config.rope_scaling!r} (GPT-2 has no RoPE)")
-    # Llama, Qwen3 (QK-norm, no MLP biases), Qwen2 (q, k, v biases only) and Mistral (a sliding window):
-    # `tinylm.export.hf_families`
-    others = llama_family_problems(config)
+    gpt2 += gemma_only_problems(config, "GPT-2")
+    # Llama, Qwen3 (QK-norm, no MLP biases), Qwen2 (q, k, v biases only), Mistral (a sliding window),
+    # Phi-3 (Llama's network), Gemma 2 and 3: `tinylm.export.hf_families`
+    others = {**llama_family_problems(config), **gemma_family_problems(config)}
     # the recipe's options that no architecture has (zero-init projections and an untied head's init
     # change only the starting weights, so they export)
     unsupported = []
-    if config.logit_softcap is not None:
-        unsupported.append(f"logit_softcap = {config.logit_softcap:g} (neither caps its logits)")
     if config.value_embed:
         unsupported.append("value_embed = true (neither has value embeddings)")
     if config.bigram_hash:
@@ -62,7 +62,8 @@ def architecture_problems(config: GPTConfig) -> dict[Architecture, list[str]]:
 
 def architecture_for(config: GPTConfig) -> Architecture:
     """The `transformers` (and llama.cpp) architecture that computes this model exactly: "gpt2", "llama",
-    "qwen3", "qwen2" or "mistral" (the first that fits, in that order).
+    "qwen3", "qwen2", "mistral", "phi3", "gemma2" or "gemma3" (the first that fits, in that order, or the
+    one ``export_as`` names).
 
     Anything else is a `TinyLMError` that lists, for the closer architecture first, what does not map.
     The refusal weighs GPT-2 against the Llama-shaped architecture the model's switches point to:
@@ -73,6 +74,13 @@ def architecture_for(config: GPTConfig) -> Architecture:
         raise TinyLMError(f"{FAMILY_NAMES[config.family]} model cannot be exported: the transformers and llama.cpp formats hold "
                           "Transformers (family gpt) only; sample, evaluate and serve it with tinylm itself")
     problems = architecture_problems(config)
+    if config.export_as != "auto":
+        wanted = config.export_as
+        if problems[wanted]:
+            raise TinyLMError(f"this model cannot be exported as export_as = {wanted!r}: {HF_CLASSES[wanted]} cannot "
+                              f"express {', '.join(problems[wanted])}; set export_as = 'auto' to take the "
+                              "architecture that fits")
+        return wanted
     for arch, issues in problems.items():
         if not issues:
             return arch
@@ -83,7 +91,8 @@ def architecture_for(config: GPTConfig) -> Architecture:
         f"this model cannot be exported: neither GPT-2 nor {NAMES[candidates[1]]} computes it ({detail}). Export "
         "needs a GPT-2-style configuration (learned positions, LayerNorm, GELU, pre-norm), a Llama-style one "
         "(RoPE, RMSNorm, SwiGLU, pre-norm) or one of its variants without biases: Qwen3 (qk_norm), Qwen2 "
-        "(qkv_bias) or Mistral (sliding_window)"
+        "(qkv_bias) or Mistral (sliding_window), or a Gemma-style one (RoPE, RMSNorm, GeGLU, sandwich norms, "
+        "embed_scale; Gemma 3 with qk_norm)"
     )
 
 
@@ -93,7 +102,7 @@ def architecture_for(config: GPTConfig) -> Architecture:
 # How one tensor of theirs is made from ours. Each takes our tensors (stacked along dim 0 first, which
 # is the output dimension of an nn.Linear weight, so q, k, v stack into one fused projection) and has
 # an inverse, `to_ours`, that `convert_to_ours` applies on import.
-Transform = Literal["copy", "conv1d", "rope_interleave"]
+Transform = Literal["copy", "conv1d", "rope_interleave", "gain_offset"]
 
 
 @dataclass(frozen=True)
@@ -103,7 +112,8 @@ class TensorRule:
     - ``theirs``: the name in their file ("transformer.h.0.attn.c_attn.weight").
     - ``ours``: the tinylm state-dict names, stacked along dim 0 in this order (one name for most).
     - ``transform``: "copy" (as is), "conv1d" (GPT-2's (in, out) layout: a 2-D matrix is transposed,
-      a bias is not), "rope_interleave" (llama.cpp's rotary layout: see `tinylm.export.gguf`).
+      a bias is not), "rope_interleave" (llama.cpp's rotary layout: see `tinylm.export.gguf`),
+      "gain_offset" (Gemma's norms scale by 1 + w, ours by g: w = g - 1).
     - ``heads``: for "rope_interleave", the number of heads the rows fall into.
     """
 
@@ -135,6 +145,8 @@ def to_theirs(rule: TensorRule, tensors: Sequence[Tensor]) -> Tensor:
         t = t.T  # (out, in) -> GPT-2's (in, out)
     elif rule.transform == "rope_interleave":
         t = rope_interleave(t, rule.heads)
+    elif rule.transform == "gain_offset":
+        t = t - 1.0
     return t.contiguous()
 
 
@@ -144,6 +156,8 @@ def to_ours(rule: TensorRule, t: Tensor, sizes: Sequence[int]) -> list[Tensor]:
         t = t.T
     elif rule.transform == "rope_interleave":
         t = rope_deinterleave(t, rule.heads)
+    elif rule.transform == "gain_offset":
+        t = t + 1.0  # what Gemma's norm multiplies by, computed once here instead of at every step
     return [part.contiguous() for part in torch.split(t, list(sizes), dim=0)]
 
 
@@ -177,6 +191,36 @@ def hf_rules(config: GPTConfig, arch: Architecture | None = None) -> list[Tensor
             for k in kinds:
                 rules.append(TensorRule(f"{h}mlp.c_proj.{k}", (f"{b}mlp.W_2.{k}",), "conv1d"))
         rules += [TensorRule(f"transformer.ln_f.{k}", (f"norm_f.{k}",)) for k in kinds]
+    elif arch == "phi3":  # Llama's tensors, with q, k, v stacked in one matrix and gate, up in another
+        rules.append(TensorRule("model.embed_tokens.weight", ("E.weight",)))
+        for i in range(config.n_layer):
+            h, b = f"model.layers.{i}.", f"blocks.{i}."
+            rules += [TensorRule(f"{h}input_layernorm.weight", (f"{b}norm_1.weight",)),
+                      TensorRule(f"{h}self_attn.qkv_proj.weight", tuple(f"{b}attn.{w}.weight" for w in ("W_q", "W_k", "W_v"))),
+                      TensorRule(f"{h}self_attn.o_proj.weight", (f"{b}attn.W_o.weight",)),
+                      TensorRule(f"{h}post_attention_layernorm.weight", (f"{b}norm_2.weight",)),
+                      # gate first: Phi-3 computes up * silu(gate) from the two halves of x W_gate_up
+                      TensorRule(f"{h}mlp.gate_up_proj.weight", (f"{b}mlp.W_1.weight", f"{b}mlp.W_3.weight")),
+                      TensorRule(f"{h}mlp.down_proj.weight", (f"{b}mlp.W_2.weight",))]
+        rules.append(TensorRule("model.norm.weight", ("norm_f.weight",)))
+    elif arch in GEMMA_SHAPED:
+        rules.append(TensorRule("model.embed_tokens.weight", ("E.weight",)))
+        for i in range(config.n_layer):
+            h, b = f"model.layers.{i}.", f"blocks.{i}."
+            rules.append(TensorRule(f"{h}input_layernorm.weight", (f"{b}norm_1.weight",), "gain_offset"))
+            rules += [TensorRule(f"{h}self_attn.{theirs}.weight", (f"{b}attn.{ours}.weight",))
+                      for theirs, ours in (("q_proj", "W_q"), ("k_proj", "W_k"), ("v_proj", "W_v"), ("o_proj", "W_o"))]
+            if arch == "gemma3":
+                rules += [TensorRule(f"{h}self_attn.{n}.weight", (f"{b}attn.{n}.weight",), "gain_offset")
+                          for n in ("q_norm", "k_norm")]
+            # the four norms: input and output of attention, then of the MLP
+            rules += [TensorRule(f"{h}post_attention_layernorm.weight", (f"{b}norm_1_out.weight",), "gain_offset"),
+                      TensorRule(f"{h}pre_feedforward_layernorm.weight", (f"{b}norm_2.weight",), "gain_offset"),
+                      TensorRule(f"{h}post_feedforward_layernorm.weight", (f"{b}norm_2_out.weight",), "gain_offset")]
+            # GeGLU: (GELU(x W_1) * x W_3) W_2, and Gemma's down(gelu(gate(x)) * up(x))
+            rules += [TensorRule(f"{h}mlp.{theirs}.weight", (f"{b}mlp.{ours}.weight",))
+                      for theirs, ours in (("gate_proj", "W_1"), ("up_proj", "W_3"), ("down_proj", "W_2"))]
+        rules.append(TensorRule("model.norm.weight", ("norm_f.weight",), "gain_offset"))
     else:
         kinds = ("weight", "bias") if config.bias else ("weight",)
         qkv_kinds = ("weight", "bias") if config.bias or config.qkv_bias else ("weight",)
