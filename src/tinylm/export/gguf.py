@@ -2,7 +2,8 @@
 
 `export_gguf` writes the hyperparameters, the tokenizer (`tinylm.export.gguf_vocab`) and the
 tensors (`gguf_rules`, on the rule engine of `tinylm.export.weights`) of a GPT-2, Llama, Qwen3,
-Qwen2 or Mistral-shaped model as llama.cpp's "gpt2", "llama", "qwen3" or "qwen2" graph;
+Qwen2, Mistral-shaped, Phi-3, Gemma 2 or Gemma 3 model as llama.cpp's "gpt2", "llama", "qwen3", "qwen2",
+"phi3", "gemma2" or "gemma3" graph;
 `gguf_problems` refuses what llama.cpp cannot run. Llama's W_q and W_k rows are permuted to
 llama.cpp's neighbour-pair RoPE, Qwen3's are not: docs/export.md tells that story and has the
 tensor-name table.
@@ -22,6 +23,7 @@ same arithmetic as ggml's.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
 
@@ -31,6 +33,8 @@ import torch
 from tinylm.atomic import atomic_path, disk_writes
 from tinylm.config import GPTConfig
 from tinylm.errors import TinyLMError
+from tinylm.export.hf import declared_start
+from tinylm.export.hf_families import GEMMA_SHAPED
 from tinylm.export.weights import Architecture, TensorRule, architecture_for, convert_to_theirs
 from tinylm.model.gpt import GPT
 from tinylm.model.positions import RopeScaling, rope_inverse_frequencies
@@ -43,6 +47,9 @@ GGUF_DTYPES: tuple[str, ...] = ("f32", "f16", "q8_0")
 
 # llama.cpp's graph for each architecture, where the name differs (its converter writes Mistral as Llama)
 LLAMA_CPP_ARCH: dict[str, str] = {"mistral": "llama"}
+
+# llama.cpp fixes which Gemma layers are windowed: every N-th one sees the whole context
+LLAMA_CPP_GEMMA_PATTERN = {"gemma2": 2, "gemma3": 6}
 
 
 def _name(tensor: str, block: int | None = None, kind: str = "weight") -> str:
@@ -62,14 +69,44 @@ def gguf_problems(config: GPTConfig) -> list[str]:
     """What llama.cpp cannot run of a model that `transformers` can (empty: the file computes the model)."""
     arch = llama_cpp_arch(config)
     problems = []
+    if arch in GEMMA_SHAPED:
+        return _gemma_problems(config, arch)
     if config.sliding_window is not None and config.sliding_window < config.block_size:
         problems.append(f"sliding_window = {config.sliding_window} is shorter than block_size = {config.block_size}, "
-                        "and llama.cpp's llama graph attends to the whole context")
+                        f"and llama.cpp's {arch} graph attends to the whole context")
     if config.d_head is not None and config.head_dim * config.n_head != config.d_model and arch == "qwen2":
         # llama.cpp's qwen2 graph sizes q, k and v from n_embd / n_head and refuses the file (measured)
         problems.append(f"d_head = {config.d_head} differs from d_model / n_head, and llama.cpp's qwen2 graph "
                         "takes its head size from those")
     if config.rope_scaling == "llama3" and arch != "llama":
+        problems.append(f"rope_scaling = 'llama3' needs llama.cpp's rope_freqs tensor, which its {arch} graph "
+                        "does not read")
+    return problems
+
+
+def _gemma_problems(config: GPTConfig, arch: str) -> list[str]:
+    """What llama.cpp's gemma2 and gemma3 graphs fix that ``config`` sets otherwise."""
+    problems = []
+    every = LLAMA_CPP_GEMMA_PATTERN[arch]
+    windowed = [config.layer_window(i) is not None for i in range(config.n_layer)]
+    theirs = [(i + 1) % every != 0 for i in range(config.n_layer)]
+    # without a window (or one as long as the context) the pattern changes nothing
+    if config.sliding_window is not None and config.sliding_window < config.block_size and windowed != theirs:
+        problems.append(f"sliding_window_pattern = {config.sliding_window_pattern} windows other layers than llama.cpp's "
+                        f"{arch} graph, which gives every {every}th layer the whole context")
+    if config.attn_scale_dim is not None and config.attn_scale_dim != config.head_dim:
+        problems.append(f"attn_scale_dim = {config.attn_scale_dim} differs from d_h = {config.head_dim}, and "
+                        f"llama.cpp's {arch} graph divides the scores by sqrt(d_h)")
+    if arch == "gemma2":
+        for name in ("attn_softcap", "logit_softcap"):
+            if getattr(config, name) is None:
+                problems.append(f"{name} is unset, and llama.cpp's gemma2 graph always caps (at 50 and 30 "
+                                "when the file says nothing)")
+        if not config.tie_embeddings:
+            problems.append("tie_embeddings = false, and llama.cpp's gemma2 graph reads the embedding as its head")
+    elif config.attn_softcap is not None:
+        problems.append(f"attn_softcap = {config.attn_softcap:g}, and llama.cpp's gemma3 graph does not cap scores")
+    if config.rope_scaling == "llama3":
         problems.append(f"rope_scaling = 'llama3' needs llama.cpp's rope_freqs tensor, which its {arch} graph "
                         "does not read")
     return problems
@@ -104,6 +141,40 @@ def gguf_rules(config: GPTConfig, arch: Architecture | None = None) -> list[Tens
                           R(_name("FFN_UP", i, k), (f"{b}mlp.W_1.{k}",)),
                           R(_name("FFN_DOWN", i, k), (f"{b}mlp.W_2.{k}",))]
         rules += [R(_name("OUTPUT_NORM", kind=k), (f"norm_f.{k}",)) for k in kinds]
+    elif arch == "phi3":  # fused as Phi-3's own files: q, k, v rows in one matrix, gate then up in ffn_up
+        rules = [R(_name("TOKEN_EMBD"), ("E.weight",))]
+        for i in range(config.n_layer):
+            b = f"blocks.{i}."
+            rules += [R(_name("ATTN_NORM", i), (f"{b}norm_1.weight",)),
+                      R(_name("ATTN_QKV", i), tuple(f"{b}attn.{w}.weight" for w in ("W_q", "W_k", "W_v"))),
+                      R(_name("ATTN_OUT", i), (f"{b}attn.W_o.weight",)),
+                      R(_name("FFN_NORM", i), (f"{b}norm_2.weight",)),
+                      R(_name("FFN_UP", i), (f"{b}mlp.W_1.weight", f"{b}mlp.W_3.weight")),
+                      R(_name("FFN_DOWN", i), (f"{b}mlp.W_2.weight",))]
+        rules.append(R(_name("OUTPUT_NORM"), ("norm_f.weight",)))
+        # llama.cpp's phi3 graph needs an output tensor even when the head is E
+        rules.append(R(_name("OUTPUT"), ("E.weight" if config.tie_embeddings else "lm_head.weight",)))
+        return rules
+    elif arch in GEMMA_SHAPED:
+        # the norms' gains as we hold them, 1 + w (llama.cpp's converter adds the 1 too); RoPE rotates halves
+        rules = [R(_name("TOKEN_EMBD"), ("E.weight",))]
+        for i in range(config.n_layer):
+            b = f"blocks.{i}."
+            rules += [R(_name("ATTN_NORM", i), (f"{b}norm_1.weight",)),
+                      R(_name("ATTN_Q", i), (f"{b}attn.W_q.weight",)),
+                      R(_name("ATTN_K", i), (f"{b}attn.W_k.weight",)),
+                      R(_name("ATTN_V", i), (f"{b}attn.W_v.weight",)),
+                      R(_name("ATTN_OUT", i), (f"{b}attn.W_o.weight",))]
+            if arch == "gemma3":
+                rules += [R(_name("ATTN_Q_NORM", i), (f"{b}attn.q_norm.weight",)),
+                          R(_name("ATTN_K_NORM", i), (f"{b}attn.k_norm.weight",))]
+            rules += [R(_name("ATTN_POST_NORM", i), (f"{b}norm_1_out.weight",)),
+                      R(_name("FFN_NORM", i), (f"{b}norm_2.weight",)),
+                      R(_name("FFN_GATE", i), (f"{b}mlp.W_1.weight",)),
+                      R(_name("FFN_UP", i), (f"{b}mlp.W_3.weight",)),
+                      R(_name("FFN_DOWN", i), (f"{b}mlp.W_2.weight",)),
+                      R(_name("FFN_POST_NORM", i), (f"{b}norm_2_out.weight",))]
+        rules.append(R(_name("OUTPUT_NORM"), ("norm_f.weight",)))
     else:
         kinds = ("weight", "bias") if config.bias else ("weight",)  # only llama has them (architecture_for)
         qkv_kinds = ("weight", "bias") if config.bias or config.qkv_bias else ("weight",)  # qwen2: q, k, v
@@ -142,13 +213,16 @@ def export_gguf(
     name: str = "tinylm",
     pre_tokenizer: str | None = None,
     overwrite: bool = False,
+    start_ids: Sequence[int] | None = None,
 ) -> Path:
     """Write ``model`` and its byte-level BPE ``tokenizer`` as a GGUF file for llama.cpp; returns the path.
 
     ``dtype`` "f32" (exact), "f16" (matrices in half precision) or "q8_0" (matrices in blocks of 32
     int8 values with a float16 scale; see the module docstring for what stays float32); ``name`` goes in
     general.name; ``pre_tokenizer`` overrides the llama.cpp pre-tokenizer name chosen from the
-    tokenizer's split pattern (see the module docstring).
+    tokenizer's split pattern (see the module docstring). ``start_ids`` is what the model's texts start
+    with (a run's `tinylm.run.Run.start_ids`; by default `tinylm.export.hf.declared_start`'s): the file
+    names it the BOS llama.cpp adds to a prompt.
     """
     g = _require_gguf()
     config = model.config
@@ -162,6 +236,7 @@ def export_gguf(
     if dtype not in GGUF_DTYPES:
         raise TinyLMError(f"unknown GGUF dtype {dtype!r}; expected one of {', '.join(GGUF_DTYPES)}")
     check_tokenizer(tokenizer, pre_tokenizer)  # before anything is written
+    start = declared_start(tokenizer, start_ids)
     path = Path(path)
     if path.is_dir():
         raise TinyLMError(f"{path} is a folder; give the GGUF file to write, e.g. {path / 'model.gguf'}")
@@ -197,7 +272,16 @@ def export_gguf(
             if config.rope_scaling == "linear":
                 writer.add_rope_scaling_type(g.RopeScalingType.LINEAR)
                 writer.add_rope_scaling_factor(config.rope_factor)
-        write_tokenizer(writer, tokenizer, config.vocab_size, pre_tokenizer)
+        if arch in GEMMA_SHAPED:
+            # no window: one as long as the context (gemma2's graph always windows its even layers)
+            writer.add_sliding_window(config.sliding_window or config.block_size)
+            if config.attn_softcap is not None:
+                writer.add_attn_logit_softcapping(config.attn_softcap)
+            if config.logit_softcap is not None:
+                writer.add_final_logit_softcapping(config.logit_softcap)
+            # the windowed layers' base (llama.cpp's gemma3 graph takes 10000 when the file says nothing)
+            writer.add_rope_freq_base_swa(config.rope_local_theta or config.rope_theta)
+        write_tokenizer(writer, tokenizer, config.vocab_size, pre_tokenizer, start)
         if config.rope_scaling == "llama3":  # a vector: float32 in every file type
             writer.add_tensor(_name("ROPE_FREQS"), rope_freqs(config))
         for tensor_name, t in tensors.items():
