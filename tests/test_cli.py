@@ -165,21 +165,21 @@ def test_a_config_file_without_a_preset_starts_from_tiny_as_the_command_does(tmp
     from tinylm.config import dump_toml, resolve_config
 
     plain = tmp_path / "my-run.toml"
-    plain.write_text("[train]\nlr = 1e-3\n")
+    plain.write_text("[train]\nwarmup_steps = 7\n")
     done = run("train", "--config", str(plain), "--print-config")
     assert done.returncode == 0, done.stderr
     printed = tomllib.loads(done.stdout)
-    expected = resolve_config(preset="tiny", overrides={"lr": 1e-3}).to_dict()
+    expected = resolve_config(preset="tiny", overrides={"warmup_steps": 7}).to_dict()
     assert printed == tomllib.loads(dump_toml(expected))
     assert printed["model"]["n_layer"] == 4 and printed["model"]["d_model"] == 192  # tiny's, not GPT-2 small's
     # a preset named in the file, on the command line, or by --model wins over tiny
     named = tmp_path / "small-run.toml"
-    named.write_text('preset = "small"\n[train]\nlr = 1e-3\n')
+    named.write_text('preset = "small"\n[train]\nwarmup_steps = 7\n')
     for argv, preset in ((["--config", str(named)], "small"), (["--config", str(plain), "--preset", "classic"], "classic"),
                          (["--config", str(plain), "--model", "lstm"], "lstm")):
         done = run("train", *argv, "--print-config")
         assert done.returncode == 0, done.stderr
-        assert tomllib.loads(done.stdout) == tomllib.loads(dump_toml(resolve_config(preset=preset, overrides={"lr": 1e-3}).to_dict())), argv
+        assert tomllib.loads(done.stdout) == tomllib.loads(dump_toml(resolve_config(preset=preset, overrides={"warmup_steps": 7}).to_dict())), argv
 
 
 

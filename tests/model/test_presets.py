@@ -221,8 +221,8 @@ def test_the_model_flag_alone_starts_from_its_family_s_preset(capsys, family, pr
     assert (config.model, config.train) == (expected.model, expected.train)
     assert resolve_config(overrides={"family": family}) == config  # Python starts where the command does
     assert default_run_dir(overrides={"family": family}).name == f"{'tiny' if family == 'gpt' else family}-shakespeare"
-    flagged = _command_config(capsys, "--model", family, "--lr", "0.002")
-    assert flagged.train.lr == 0.002 and flagged.model == expected.model  # flags still override the preset
+    flagged = _command_config(capsys, "--model", family, "--warmup-steps", "7")
+    assert flagged.train.warmup_steps == 7 and flagged.model == expected.model  # flags still override the preset
 
 
 def test_naming_the_family_changes_neither_fine_tuning_settings_nor_the_folder_twice(tmp_path, capsys):
@@ -239,3 +239,25 @@ def test_naming_the_family_changes_neither_fine_tuning_settings_nor_the_folder_t
     assert named.model == unnamed.model and named.model.family == "rnn"
     assert resolve_config(overrides={"family": "rnn"}, init_from=source) == named
     assert default_run_dir(preset="rnn", overrides={"family": "rnn"}).name == "rnn-shakespeare"
+
+
+def test_lr_alone_is_refused_where_another_group_keeps_its_own_rate(capsys, tmp_path):
+    """Under tiny's Muon, `--lr` is the AdamW groups' rate only: given alone, it would leave the matrices at
+    muon_lr and the head at head_lr. It is refused in one line naming the flags (and keys) to set too; with
+    them every group's rate is the one given, and where no group keeps its own rate `--lr` alone is fine."""
+    from tinylm.cli import main
+
+    assert main(["train", "--lr", "2e-3", "--print-config"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--muon-lr" in err[0] and "--head-lr" in err[0] and "muon_lr" in err[0], err
+    with pytest.raises(TinyLMError, match="head_lr 0.005 .--head-lr."):  # a Python caller reads the key too
+        resolve_config(overrides={"lr": 2e-3, "muon_lr": 2e-3})
+    mine = tmp_path / "mine.toml"  # the caller's own file is the caller's setting, as a flag is
+    mine.write_text("[train]\nlr = 2e-3\n")
+    with pytest.raises(TinyLMError, match="muon_lr"):
+        resolve_config(path=mine)
+    every = _command_config(capsys, "--lr", "2e-3", "--muon-lr", "2e-3", "--head-lr", "2e-3")
+    assert every.train.lr == every.train.muon_lr == every.train.head_lr == 2e-3
+    sgd = _command_config(capsys, "--optimizer", "sgd", "--lr", "0.1", "--head-lr", "0.1")
+    assert sgd.train.lr == sgd.train.head_lr == 0.1
+    assert resolve_config(preset="classic", overrides={"lr": 1e-3}).train.lr == 1e-3  # AdamW, one rate: fine

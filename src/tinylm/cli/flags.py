@@ -184,7 +184,7 @@ def add_setting_flags(p: argparse.ArgumentParser) -> None:
         group = p.add_argument_group(
             f"[{section}] settings",
             "override the preset and --config file, e.g. --n-layer 6" if section == "model"
-            else "override the preset and --config file, e.g. --lr 2e-3 --max-steps 500",
+            else "override the preset and --config file, e.g. --max-steps 500 --eval-interval 100",
         )
         types = field_types(cls)
         for f in dataclasses.fields(cls):

@@ -4,7 +4,7 @@
 script calling them with the same arguments gets the same configuration and the same folder:
 
     config = resolve_config(overrides={"family": "lstm"})       # = tinylm train --model lstm
-    config = resolve_config(path="my-run.toml", overrides=["--lr", "2e-3"], init_from="runs/base")
+    config = resolve_config(path="my-run.toml", overrides=["--warmup-steps", "50"], init_from="runs/base")
     out = default_run_dir(overrides={"family": "lstm"})          # runs/lstm-shakespeare
 """
 
@@ -73,7 +73,37 @@ def resolve_config(
         if path is not None:
             # a file without a preset = line starts where the command does, not from the dataclass defaults
             base = merge_tables(base, load_config_file(path, default_preset=None if preset else default))
-    return build_config(tie_without_head_settings(apply_overrides(base, overrides), apply_overrides(mine, overrides)))
+    config = build_config(tie_without_head_settings(apply_overrides(base, overrides), apply_overrides(mine, overrides)))
+    check_lr_alone(config, mine, overrides)
+    return config
+
+
+def check_lr_alone(config: Config, mine: Mapping[str, Mapping[str, Any]], overrides: Overrides) -> None:
+    """Refuse ``lr`` set (by a flag, an override or the caller's own file) while a group that does not follow it
+    keeps the preset's rate: under Muon the blocks' matrices train at ``muon_lr``, and a preset's ``head_lr`` or
+    ``embed_lr`` holds the head or the embeddings at their own rate, so lowering ``lr`` alone would leave most of
+    the weights where they were, which is not what "the learning rate" means to anyone coming from AdamW."""
+    if config.model.family == "ngram":
+        return
+    given = {name for section, name in override_keys(overrides) if section == "train"}
+    given |= set(mine.get("train", {}))
+    if "lr" not in given:
+        return
+    tc = config.train
+    separate = []
+    if tc.optimizer == "muon":
+        separate.append(("muon_lr", tc.muon_lr, "the blocks' weight matrices"))
+    if tc.head_lr is not None and not getattr(config.model, "tie_embeddings", True):
+        separate.append(("head_lr", tc.head_lr, "the untied head"))
+    if tc.embed_lr is not None:
+        separate.append(("embed_lr", tc.embed_lr, "the embeddings"))
+    missing = [(name, value, what) for name, value, what in separate if name not in given]
+    if not missing:
+        return
+    # the same words for `tinylm train` and for a Python caller: the key, then its flag
+    groups = " and ".join(f"{name} {value:g} (--{name.replace('_', '-')}) for {what}" for name, value, what in missing)
+    raise TinyLMError(f"lr (--lr) does not set every learning rate of this run: {groups} stay as they were; "
+                      "set them too, so that every group's rate is one you chose")
 
 
 def tie_without_head_settings(cfg: dict[str, dict[str, Any]], mine: Mapping[str, Mapping[str, Any]]) -> dict:
