@@ -257,3 +257,30 @@ def test_the_inside_view_shows_the_tokens_and_draws_the_attention_heatmap(browse
                 assert max(abs(a - b) for a, b in zip(pixel, expected)) <= 2, (i, j, pixel, expected)
     assert errors == [] and elsewhere == []
     page.close()
+
+
+def test_the_api_docs_render_offline_from_the_package(browser, server):
+    """/docs draws the API with Swagger UI's files served by tinylm itself: with every request off this server
+    refused (no internet), the page still lists the endpoints and throws nothing."""
+    page = browser.new_page()
+    local = server.base_url.rstrip("/")
+    outside: list[str] = []
+    errors: list[str] = []
+
+    def route(r) -> None:
+        if r.request.url.startswith(local):
+            r.continue_()
+        else:
+            outside.append(r.request.url)
+            r.abort()
+
+    page.route("**/*", route)
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    try:
+        page.goto(local + "/docs")
+        page.wait_for_selector(".opblock-summary-path", timeout=30_000)
+        paths = {p.strip().replace("\u200b", "") for p in page.locator(".opblock-summary-path").all_inner_texts()}
+    finally:
+        page.close()
+    assert {"/v1/completions", "/v1/chat/completions"} <= paths, paths
+    assert errors == [] and outside == [], (errors, outside)

@@ -65,6 +65,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import hmac
+import importlib.resources
 import logging
 import math
 import sys
@@ -78,6 +79,7 @@ import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from fastapi.staticfiles import StaticFiles
 from starlette.concurrency import run_in_threadpool
@@ -103,6 +105,9 @@ from tinylm.serve.limits import BODY_TIMEOUT, MAX_BODY_BYTES, BodyGuard, HeavyLa
 from tinylm.serve.scheduler import Scheduler
 
 STATIC = Path(__file__).parent / "static"
+# Swagger UI's and ReDoc's own files, for /docs and /redoc, from the fastapi-offline package (which ships them)
+DOCS_ASSETS = Path(importlib.resources.files("fastapi_offline") / "static")
+DOCS_ASSETS_URL = "/static/docs"
 # no API key needed: the page, its files, liveness (not the docs: they and /openapi.json lay the API out, so a
 # key guards them as it guards the API)
 OPEN_PATHS = {"/", "/health"}
@@ -184,8 +189,10 @@ def create_app(run: Any, *, model_name: str | None = None, api_key: str | None =
             heavy.close()
             await run_in_threadpool(scheduler.close)
 
+    # FastAPI's own /docs and /redoc pages load their scripts from a CDN, so offline they are blank; ours below
+    # are the same pages with the scripts served from the installed package
     app = FastAPI(title="tinylm", summary="An OpenAI-compatible server for a tinylm run", lifespan=lifespan,
-                  default_response_class=_JSON)
+                  default_response_class=_JSON, docs_url=None, redoc_url=None)
     app.state.scheduler = scheduler
     app.state.model = served
     app.state.heavy = heavy
@@ -304,6 +311,21 @@ def create_app(run: Any, *, model_name: str | None = None, api_key: str | None =
     async def page() -> FileResponse:
         return FileResponse(STATIC / "index.html")
 
+    @app.get("/docs", include_in_schema=False)
+    async def docs() -> Response:
+        return get_swagger_ui_html(openapi_url=app.openapi_url, title="tinylm: the API",
+                                   swagger_js_url=f"{DOCS_ASSETS_URL}/swagger-ui-bundle.js",
+                                   swagger_css_url=f"{DOCS_ASSETS_URL}/swagger-ui.css",
+                                   swagger_favicon_url=f"{DOCS_ASSETS_URL}/favicon.png")
+
+    @app.get("/redoc", include_in_schema=False)
+    async def redoc() -> Response:
+        return get_redoc_html(openapi_url=app.openapi_url, title="tinylm: the API",
+                              redoc_js_url=f"{DOCS_ASSETS_URL}/redoc.standalone.js",
+                              redoc_favicon_url=f"{DOCS_ASSETS_URL}/favicon.png", with_google_fonts=False)
+
+    # under /static/, which the API key leaves open like the page's own files; mounted first, so it wins
+    app.mount(DOCS_ASSETS_URL, StaticFiles(directory=DOCS_ASSETS), name="docs-assets")
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
     return app
 
