@@ -368,8 +368,12 @@ def evaluate_model(
     stride: int | None = None,
     device: str = "cpu",
     progress: bool = False,
+    start_id: int | None = None,
 ) -> EvalResult:
     """Evaluate any family: a network (`GPT`, `RecurrentLM`) by windows, an n-gram (`NGramLM`) by its own scorer.
+
+    ``start_id`` is the token the text's first token is read after (a run's last `start_ids`: the BOS an
+    imported tokenizer puts first); None is EOS, the separator every later document follows too.
 
     The n-gram model scores the whole text in a few vectorised passes, its context restarting
     after each EOS as in counting (``max_tokens`` does not apply: it is fast enough for all of it;
@@ -386,7 +390,8 @@ def evaluate_model(
         n_unk, unk_bytes = unknown_pieces(text.tokens, text.bytes, tokenizer)
         return EvalResult(text.name, result.loss_sum, n, float(text.bytes), False, np.zeros(1, dtype=np.int64),
                           np.array([result.loss_sum]), np.array([n]), time.perf_counter() - started, n_unk, unk_bytes)
-    return evaluate_tokens(model, text.tokens, text.bytes, tokenizer.eos_id, split=text.name, block_size=block_size,
+    first = tokenizer.eos_id if start_id is None else start_id
+    return evaluate_tokens(model, text.tokens, text.bytes, first, split=text.name, block_size=block_size,
                            batch_size=batch_size or eval_batch_size(block_size), max_tokens=max_tokens,
                            stride=stride, device=device, tokenizer=tokenizer, progress=progress)
 
@@ -421,12 +426,14 @@ def evaluate_run(
     if path.suffix == ".npz":
         model, tok = _ngram_file(path, data_dir, tokenizer)
         block_size, recorded = model.config.block_size, None  # an n-gram scores without windows
+        start_id = None
     else:
         if tokenizer is not None:
             raise TinyLMError("--tokenizer is for a bare n-gram .npz file; a run folder evaluates with its own "
                               "tokenizer")
         run = load_run(path, checkpoint=checkpoint, device=device)
         model, tok = run.model, run.tokenizer
+        start_id = run.start_ids[-1] if run.start_ids else None
         block_size = run.config.model.block_size
         recorded = run.info.get("data", {}).get("dir")
     check_stride(stride, window_size(model, block_size), f" of {run_dir}")  # before the text is read
@@ -446,7 +453,7 @@ def evaluate_run(
                               "give the run's own data folder, or evaluate on a corpus with --corpus")
         text = split_text(shards, split)
     return evaluate_model(model, text, tok, block_size=block_size, batch_size=batch_size,
-                          max_tokens=max_tokens, stride=stride, device=device, progress=progress)
+                          max_tokens=max_tokens, stride=stride, device=device, progress=progress, start_id=start_id)
 
 
 def _ngram_file(path: Path, data_dir: str | None, tokenizer: str | None):

@@ -129,9 +129,25 @@ def write_run_info(run_dir: str | os.PathLike, info: Mapping[str, Any]) -> None:
 
 
 def start_ids(config: Config, tokenizer: Tokenizer) -> list[int]:
-    """The token a document starts after in training: BOS in document mode, EOS (the separator) when packed;
-    BOS for a tokenizer whose own pipeline starts every text with it (an imported Llama's "<s>")."""
-    return [tokenizer.bos_id if config.train.batch_mode == "documents" or tokenizer.add_bos else tokenizer.eos_id]
+    """What a prompt starts with, as documents started in training: BOS in document mode; otherwise what an
+    imported tokenizer's own pipeline puts first (its BOS, or nothing: the model was trained on exactly
+    that), and EOS (the separator a packed document follows) for tinylm's own tokenizers. Every command
+    that builds a prompt (sample, next-token, eval, serve, explain, the samples of training) takes it from here."""
+    return text_start_ids(tokenizer, documents=config.train.batch_mode == "documents")
+
+
+def text_start_ids(tokenizer: Tokenizer, *, documents: bool = False) -> list[int]:
+    """`start_ids` for a model trained in document mode (``documents``) or packed, whatever its configuration."""
+    if documents:
+        return [tokenizer.bos_id]
+    own = tokenizer.pipeline_start_ids()
+    return [tokenizer.eos_id] if own is None else list(own)
+
+
+def empty_prompt_ids(config: Config, tokenizer: Tokenizer) -> list[int]:
+    """What a sample without a prompt starts from: `start_ids`, or BOS where those are empty (a tokenizer that
+    puts nothing first), as `transformers`' ``generate`` starts without input ids."""
+    return start_ids(config, tokenizer) or [tokenizer.bos_id]
 
 
 @dataclass
@@ -158,6 +174,11 @@ class Run:
     def start_ids(self) -> list[int]:
         """The prompt that starts a fresh document, as the model saw documents start in training."""
         return start_ids(self.config, self.tokenizer)
+
+    @property
+    def empty_prompt_ids(self) -> list[int]:
+        """What a sample without a prompt starts from (`empty_prompt_ids`)."""
+        return empty_prompt_ids(self.config, self.tokenizer)
 
 
 def check_run_dir(run_dir: str | os.PathLike) -> Path:
@@ -384,7 +405,8 @@ def data_info(shards: ShardSet) -> dict[str, Any]:
 __all__ = [
     # the run folder
     "RUN_FILE", "METRICS_FILE", "PLOT_FILE", "SCHEDULE_FILE", "NGRAM_FILE", "CONFIG_FILE", "TOKENIZER_FILE",
-    "read_metrics", "write_metrics", "read_run_info", "write_run_info", "start_ids", "Run", "check_run_dir",
+    "read_metrics", "write_metrics", "read_run_info", "write_run_info", "start_ids", "text_start_ids",
+    "empty_prompt_ids", "Run", "check_run_dir",
     "load_run", "RunResult", "check_new_run_folder", "is_run_folder", "clear_run_folder", "RUN_ENTRIES",
     "COST_FILE", "NGRAM_DRAFT_FILE", "TENSORBOARD_DIR", "WANDB_DIR", "run_family", "check_same_family",
     "checkpoint_to_resume", "update_run_info", "write_run_files", "data_info",

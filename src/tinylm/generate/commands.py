@@ -107,9 +107,11 @@ def cmd_sample(args: Any, out: TextIO | None = None) -> int:
         raise TinyLMError("--compile speeds up sampling and greedy decoding; beam search runs through the model's "
                           "own forward: drop --compile or --num-beams")
     run = load_run(args.run, checkpoint=getattr(args, "checkpoint", "best"))  # --checkpoint where parsed
+    # no prompt at all: sample from the start of a document (BOS where the tokenizer puts nothing first)
+    start = run.start_ids if any(prompts) else run.empty_prompt_ids
     if getattr(args, "draft", None):
         draft = load_draft(args.draft, run, log=lambda line: print(line, file=sys.stderr))
-        ids = encode_prompts(run.tokenizer, prompts, run.start_ids)[0]
+        ids = encode_prompts(run.tokenizer, prompts, start)[0]
         if args.stream:
             stats = SpeculativeStats()
             out.write(prompts[0])
@@ -128,13 +130,13 @@ def cmd_sample(args: Any, out: TextIO | None = None) -> int:
         if len(prompts) != 1:
             raise TinyLMError("--stream shows one sample as it is written: give one prompt")
         out.write(prompts[0])
-        for piece in stream(run.model, run.tokenizer, prompts[0], params, start_ids=run.start_ids,
+        for piece in stream(run.model, run.tokenizer, prompts[0], params, start_ids=start,
                             compile=compile_flag(args)):
             out.write(piece)
             out.flush()
         out.write("\n")
         return 0
-    completions = generate(run.model, run.tokenizer, prompts, params, start_ids=run.start_ids,
+    completions = generate(run.model, run.tokenizer, prompts, params, start_ids=start,
                            compile=compile_flag(args))
     out.write(format_completions(prompts, completions, params.num_samples))
     return 0

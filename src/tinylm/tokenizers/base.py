@@ -161,6 +161,11 @@ class Tokenizer(ABC):
     # tinylm's own tokenizers leave the start token to `tinylm.run.start_ids`.
     add_bos: bool = False
 
+    def pipeline_start_ids(self) -> list[int] | None:
+        """The ids this tokenizer's own pipeline puts before every text (an imported tokenizer's post-processor:
+        its BOS, or nothing); None for tinylm's own tokenizers, whose start token the run decides."""
+        return None
+
     def is_special(self, token_id: int) -> bool:
         """A special token (or an id no token uses): no text, never counted as bytes, not sampled as text."""
         return token_id in self._special_bytes

@@ -6,9 +6,10 @@ A checkpoint folder made by `transformers` holds its tokenizer in one of two way
   post-processor, decoder, added tokens), usually with ``tokenizer_config.json`` beside it;
 - or the older ``vocab.json`` + ``merges.txt`` (GPT-2's own files), with the same side files.
 
-``tokenizer_config.json`` (or ``special_tokens_map.json``) names the bos, eos, pad and unk tokens,
-says whether a text starts with BOS (``add_bos_token``), and holds the ``chat_template``
-(transformers 4.47+ may write it to ``chat_template.jinja`` instead). The model's
+``tokenizer_config.json`` (or ``special_tokens_map.json``) names the bos, eos, pad and unk tokens and
+holds the ``chat_template`` (transformers 4.47+ may write it to ``chat_template.jinja`` instead).
+Whether a text starts with BOS is up to tokenizer.json's post-processor (as in `transformers` 5;
+GPT-2's vocab.json + merges.txt have none, and there ``add_bos_token`` says). The model's
 ``generation_config.json`` lists the ids that end a generation (``eos_token_id``: Llama 3 Instruct's
 ``<|eot_id|>`` besides eos); they and the token the chat template ends an assistant's turn with
 become the tokenizer's ``stop_ids``.
@@ -165,6 +166,9 @@ def tokenizer_from_any_hf_json(data: dict[str, Any], side: dict[str, Any], roles
     merges = hf_merges(model.get("merges"), vocab, source)
     specials, words = hf_added_tokens(data.get("added_tokens"), source)
     size = checked_vocab_size([*vocab.items(), *specials.items(), *words.items()], source=source)
+    add_bos, first = _template_start(data)
+    if first is not None and "bos" not in roles and (first in specials or first in vocab):
+        roles = {**roles, "bos": first}  # the token the pipeline starts a text with is the BOS the model saw
     byte_level = _is_byte_level(data)
     if byte_level:
         pattern, prefix_space = byte_level_pre_tokenizer(data.get("pre_tokenizer"), fail)
@@ -173,8 +177,8 @@ def tokenizer_from_any_hf_json(data: dict[str, Any], side: dict[str, Any], roles
             raise fail("a byte-level BPE with byte_fallback")
         return _byte_level(vocab, merges, size, pattern, specials, words, side, roles, fail,
                            add_prefix_space=prefix_space, normalizer=normalizer,
-                           ignore_merges=bool(model.get("ignore_merges")), add_bos=_adds_bos(data, side, specials))
-    return _sentencepiece(data, vocab, merges, size, specials, words, side, roles, fail)
+                           ignore_merges=bool(model.get("ignore_merges")), add_bos=add_bos)
+    return _sentencepiece(data, vocab, merges, size, specials, words, side, roles, fail, add_bos=add_bos)
 
 
 def _is_byte_level(data: dict[str, Any]) -> bool:
@@ -197,18 +201,25 @@ def _unicode_normalizer(node: Any, fail) -> str | None:
                "NFD or NFKD alone to byte-level BPE")
 
 
-def _adds_bos(data: dict[str, Any], side: dict[str, Any], specials: dict[str, int]) -> bool:
-    """Whether the pipeline starts a text with a special token (TemplateProcessing, or add_bos_token)."""
-    if "add_bos_token" in side:
-        return bool(side["add_bos_token"])
+def _template_start(data: dict[str, Any]) -> tuple[bool, str | None]:
+    """Whether the post-processor starts every text with a special token (a TemplateProcessing whose
+    ``single`` begins with one), and that token's name.
+
+    The post-processor alone decides: `transformers` (5.x) encodes with tokenizer.json's pipeline and
+    ignores tokenizer_config.json's ``add_bos_token``, so a file that says true there but has no
+    TemplateProcessing adds nothing, and the model reads its texts without a BOS."""
     post = data.get("post_processor") or {}
     steps = post.get("processors", []) if post.get("type") == "Sequence" else [post]
     for step in steps:
         if step.get("type") == "TemplateProcessing":
             single = step.get("single")
-            return isinstance(single, list) and bool(single) and isinstance(single[0], dict) and \
-                "SpecialToken" in single[0]
-    return False
+            first = single[0] if isinstance(single, list) and single and isinstance(single[0], dict) else {}
+            token = first.get("SpecialToken")
+            if not isinstance(token, dict):
+                return False, None
+            name = token.get("id")
+            return True, name if isinstance(name, str) else None
+    return False, None
 
 
 def _resolve_roles(specials: dict[str, int], vocab_ids: dict[str, int], side: dict[str, Any],
@@ -313,7 +324,7 @@ def _from_vocab_and_merges(vocab_path: Path, merges_path: Path, side: dict[str, 
 
 def _sentencepiece(data: dict[str, Any], vocab: dict[str, int], merges: list[tuple[str, str]], size: int,
                    specials: dict[str, int], words: dict[str, int], side: dict[str, Any], roles: dict[str, str],
-                   fail) -> SentencePieceBPETokenizer:
+                   fail, *, add_bos: bool) -> SentencePieceBPETokenizer:
     prefix, split = _sentencepiece_prefix(data.get("normalizer"), data.get("pre_tokenizer"), fail)
     names, specials = _resolve_roles(specials, vocab, side, roles, fail)
     pieces: list[str | None] = [None] * size
@@ -329,7 +340,7 @@ def _sentencepiece(data: dict[str, Any], vocab: dict[str, int], merges: list[tup
             pieces, pairs, specials=specials, roles=names, unk=model.get("unk_token"),
             byte_fallback=bool(model.get("byte_fallback")), fuse_unk=bool(model.get("fuse_unk")), prefix=prefix,
             split=split, strip_leading_space=_strips_leading_space(data.get("decoder")), vocab_size=size,
-            add_bos=_adds_bos(data, side, specials), added_words=words, chat_template=side.get("chat_template"),
+            add_bos=add_bos, added_words=words, chat_template=side.get("chat_template"),
             stop_ids=_stop_ids(side, specials, names, size))
     except ValueError as e:
         raise fail(str(e)) from None

@@ -91,6 +91,11 @@ class ImportedTokenizer(Tokenizer):
     def base_vocab_size(self) -> int:
         return self._vocab_size
 
+    def pipeline_start_ids(self) -> list[int]:
+        # the model was trained on what its tokenizer makes of a text: BOS first where the post-processor
+        # puts it there, nothing where it puts nothing (Qwen2, GPT-2, many Mistral files)
+        return [self.bos_id] if self.add_bos else []
+
     def is_special(self, token_id: int) -> bool:
         return token_id in self._special_bytes or not self._has_token(token_id)
 
@@ -287,6 +292,18 @@ class SentencePieceBPETokenizer(ImportedTokenizer):
                                          *specials.items(), *(added_words or {}).items()],
                                         max(vocab_size or 0, len(self.pieces)))
         self.pieces += [None] * (vocab_size - len(self.pieces))
+        # A byte token ("<0xC3>") that the file also lists as a special added token (as a `tokenizers` trainer
+        # given them as special_tokens writes it) is still a byte: `tokenizers` finds byte fallback's tokens in
+        # the model's vocabulary whatever else it says about them, and its decoder turns them into bytes. So it
+        # is kept as an added word here (cut out of text like any added token, never a special to skip).
+        byte_specials = {name: i for name, i in specials.items() if _is_byte_piece(name)
+                         and name not in roles.values()}
+        if byte_specials:
+            specials = {name: i for name, i in specials.items() if name not in byte_specials}
+            added_words = {**(added_words or {}), **byte_specials}
+            for name, i in byte_specials.items():
+                if i < len(self.pieces):
+                    self.pieces[i] = name
         self.prefix, self.split_on_mark = prefix, bool(split)
         self.byte_fallback, self.fuse_unk = bool(byte_fallback), bool(fuse_unk)
         self.strip_leading_space = bool(strip_leading_space)
@@ -306,8 +323,10 @@ class SentencePieceBPETokenizer(ImportedTokenizer):
                 continue
             m = _BYTE_PIECE.fullmatch(p)
             if m:
-                self._bytes_of[i] = bytes([int(m.group(1), 16)])
-                self._byte_token[int(m.group(1), 16)] = i
+                b = int(m.group(1), 16)
+                self._bytes_of[i] = bytes([b])
+                if _is_byte_piece(p) and self._byte_token[b] < 0:  # byte fallback looks up "<0x%02X>" only
+                    self._byte_token[b] = i
             else:
                 self._bytes_of[i] = p.replace(SPACE_MARK, " ").encode("utf-8")
         self.merges = [(int(a), int(b)) for a, b in merges]
@@ -415,6 +434,14 @@ class SentencePieceBPETokenizer(ImportedTokenizer):
 
 
 _BYTE_PIECE = regex.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _is_byte_piece(name: str) -> bool:
+    """Whether ``name`` is the token byte fallback spells a byte with: "<0x" two upper-case hex digits ">"."""
+    m = _BYTE_PIECE.fullmatch(name)
+    return m is not None and name == f"<0x{int(m.group(1), 16):02X}>"
+
+
 _MARK_INSIDE = regex.compile(f"[^{SPACE_MARK}]{SPACE_MARK}")
 # words: a run of "▁" and what follows it up to the next "▁" after another character
 _WORDS = regex.compile(f"{SPACE_MARK}*[^{SPACE_MARK}]*")

@@ -65,7 +65,7 @@ from tinylm.lock import folder_lock
 from tinylm.model.gpt import IGNORE_INDEX
 from tinylm.run import METRICS_FILE, PLOT_FILE, SCHEDULE_FILE, Checkpoint, RunResult, checkpoint_path
 from tinylm.run import check_new_run_folder, check_same_family, checkpoint_to_resume, clear_run_folder, copy_checkpoint, data_info
-from tinylm.run import read_metrics, run_family, start_ids, update_run_info, write_run_files
+from tinylm.run import empty_prompt_ids, read_metrics, run_family, update_run_info, write_run_files
 from tinylm.train.batches import BatchSource, micro_batches
 from tinylm.train.cost import cost_lines, run_cost, write_cost_table
 from tinylm.train.distributed import Distributed, gradient_sync
@@ -471,7 +471,8 @@ class _Trainer:
         model = self.eval_model if self.fsdp else self.model
         with warnings.catch_warnings():  # a sample longer than the context slides its window; expected here
             warnings.simplefilter("ignore", UserWarning)
-            (completion,) = reference_generate(model, [start_ids(self.config, self.tokenizer)], params, self.tokenizer)
+            (completion,) = reference_generate(model, [empty_prompt_ids(self.config, self.tokenizer)], params,
+                                               self.tokenizer)
         return completion.text
 
     def _result(self, status: str, train_loss: float | None, val: dict[str, Any] | None, sample: str) -> RunResult:

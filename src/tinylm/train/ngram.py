@@ -38,7 +38,7 @@ from tinylm.run import (
     check_new_run_folder,
     clear_run_folder,
     data_info,
-    start_ids,
+    empty_prompt_ids,
     write_metrics,
     write_run_info,
 )
@@ -118,5 +118,5 @@ def _sample(model: NGramLM, config: Config, tokenizer) -> str:
         return ""
     params = SamplingParams(max_new_tokens=tc.sample_tokens, temperature=tc.sample_temperature,
                             top_k=tc.sample_top_k or None, seed=tc.seed)
-    (completion,) = Engine(model, params, tokenizer).generate([start_ids(config, tokenizer)])
+    (completion,) = Engine(model, params, tokenizer).generate([empty_prompt_ids(config, tokenizer)])
     return completion.text
