@@ -138,9 +138,10 @@ def test_the_metadata_llama_cpp_reads(tmp_path, tokenizer, name):
         f"{arch}.block_count": 2, f"{arch}.feed_forward_length": c.hidden_dim, f"{arch}.attention.head_count": 4,
         f"{arch}.attention.head_count_kv": c.kv_heads,
         "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "dbrx",
-        "tokenizer.ggml.bos_token_id": tokenizer.bos_id, "tokenizer.ggml.eos_token_id": tokenizer.eos_id,
+        # the BOS llama.cpp puts before a prompt: the separator tinylm puts there for a packed run
+        "tokenizer.ggml.bos_token_id": tokenizer.eos_id, "tokenizer.ggml.eos_token_id": tokenizer.eos_id,
         "tokenizer.ggml.padding_token_id": tokenizer.pad_id,
-        "tokenizer.ggml.add_bos_token": False, "tokenizer.ggml.add_eos_token": False,
+        "tokenizer.ggml.add_bos_token": True, "tokenizer.ggml.add_eos_token": False,
     }
     if arch == "gpt2":
         expected["gpt2.attention.layer_norm_epsilon"] = pytest.approx(1e-5)
@@ -255,7 +256,7 @@ def test_export_run_writes_a_runs_model_as_gguf(tmp_path, tokenizer):
 def test_refusals(tmp_path, tokenizer):
     with pytest.raises(TinyLMError, match="positions = 'sinusoidal'"):
         export_gguf(tiny_model("gpt2", positions="sinusoidal"), tokenizer, tmp_path / "a.gguf")
-    for option, words in ((dict(logit_softcap=15.0), "logit_softcap = 15 \\(neither"),
+    for option, words in ((dict(logit_softcap=15.0), "logit_softcap = 15 \\(Llama does not cap its logits"),
                           (dict(value_embed=True), "value_embed = true \\(neither"),
                           (dict(bigram_hash=8), "bigram_hash = 8 \\(neither"),
                           # llama.cpp's qwen3 graph has no biases at all, and transformers' Qwen3 none in its MLP

@@ -85,17 +85,20 @@ def test_transformers_loads_the_export_and_computes_the_same_logits_and_greedy_t
 def test_the_exported_tokenizer_gives_the_same_ids_and_special_tokens(tmp_path, tokenizer, cls):
     export_hf(tiny_model("gpt2"), tokenizer, tmp_path / "hf")
     hf_tok = cls.from_pretrained(tmp_path / "hf")
+    # the BOS it declares (and adds) is the separator tinylm puts before a prompt of a packed run
     assert (hf_tok.bos_token_id, hf_tok.eos_token_id, hf_tok.pad_token_id) == (
-        tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id)
+        tokenizer.eos_id, tokenizer.eos_id, tokenizer.pad_id)
     texts = [PROMPT, "Hello, world!  It's 2024...\n\n\ttabs and naïve café 中文 🙂", " leading and trailing  "]
     for text in texts:
         ids = hf_tok(text)["input_ids"]
-        assert ids == tokenizer.encode(text)  # no BOS added: tinylm puts its start token itself
-        assert hf_tok.decode(ids) == text
+        assert ids == [tokenizer.eos_id] + tokenizer.encode(text)
+        assert hf_tok(text, add_special_tokens=False)["input_ids"] == tokenizer.encode(text)
+        assert hf_tok.decode(ids[1:]) == text and hf_tok.decode(ids, skip_special_tokens=True) == text
     # HF always reads special-token names as the specials, as tinylm does when they are allowed
-    assert hf_tok("a<|eos|>b")["input_ids"] == tokenizer.encode("a<|eos|>b", allowed_special="all")
+    assert hf_tok("a<|eos|>b", add_special_tokens=False)["input_ids"] == tokenizer.encode("a<|eos|>b",
+                                                                                          allowed_special="all")
     generation = json.loads((tmp_path / "hf" / "generation_config.json").read_text())
-    assert generation == {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id,
+    assert generation == {"bos_token_id": tokenizer.eos_id, "eos_token_id": tokenizer.eos_id,
                           "pad_token_id": tokenizer.pad_id, "suppress_tokens": generation_excluded(tokenizer)}
 
 
@@ -247,8 +250,11 @@ def test_export_refuses_to_overwrite_and_refuses_non_bpe_tokenizers(tmp_path, to
         (dict(qk_norm=True, mlp="swiglu", norm="rmsnorm", positions="rope", bias=False, norm_position="post"),
          ["norm_position = 'post' (Qwen3 normalizes each sublayer's input: 'pre')"]),
         (dict(qk_norm=True, mlp="swiglu", norm="rmsnorm", positions="rope", bias=False, logit_softcap=30.0),
-         ["as Qwen3ForCausalLM: logit_softcap = 30 (neither caps its logits)"]),
-        (dict(logit_softcap=30.0), ["logit_softcap = 30 (neither caps its logits)"]),
+         ["as Qwen3ForCausalLM: logit_softcap = 30 (Qwen3 does not cap its logits; Gemma 2 does)"]),
+        (dict(logit_softcap=30.0), ["logit_softcap = 30 (GPT-2 does not cap its logits; Gemma 2 does)"]),
+        # Gemma's own settings on a model neither GPT-2 nor Llama computes
+        (dict(attn_softcap=50.0, attn_scale_dim=16), ["attn_softcap = 50 (Llama does not cap its scores; Gemma 2 does)",
+                                                      "attn_scale_dim = 16 (GPT-2 divides the scores by sqrt(d_h))"]),
         (dict(value_embed=True), ["value_embed = true (neither has value embeddings)"]),
         (dict(bigram_hash=64), ["bigram_hash = 64 (neither has a bigram-hash embedding)"]),
     ],
@@ -516,7 +522,7 @@ def test_other_split_patterns_round_trip_through_transformers(tmp_path):
     model = tiny_model("llama-gqa")
     export_hf(model, tok, tmp_path / "hf")
     hf_tok = AutoTokenizer.from_pretrained(tmp_path / "hf")
-    assert hf_tok(PROMPT)["input_ids"] == tok.encode(PROMPT)
+    assert hf_tok(PROMPT)["input_ids"] == [tok.eos_id] + tok.encode(PROMPT)
     assert import_hf(tmp_path / "hf")[1].fingerprint() == tok.fingerprint()
 
 

@@ -64,10 +64,11 @@ def export_run(
         raise TinyLMError(f"{run_dir} is not a tinylm run (no {CONFIG_FILE}); train one with `tinylm train`")
     architecture_for(build_config(load_config_file(config_path)).model)
     run = load_run(run_dir, checkpoint=checkpoint)
+    # the export's tokenizer puts before a text what tinylm puts before a prompt of this run
     if format == "hf":
-        return export_hf(run.model, run.tokenizer, out, overwrite=overwrite)
+        return export_hf(run.model, run.tokenizer, out, overwrite=overwrite, start_ids=run.start_ids)
     return export_gguf(run.model, run.tokenizer, out, dtype=dtype, name=Path(run_dir).resolve().name,
-                       pre_tokenizer=pre_tokenizer, overwrite=overwrite)
+                       pre_tokenizer=pre_tokenizer, overwrite=overwrite, start_ids=run.start_ids)
 
 
 __all__ = [

@@ -8,6 +8,7 @@ merge-order scores and BYTE tokens. docs/export.md ("The GGUF tokenizer") has th
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
@@ -148,7 +149,7 @@ def _sentencepiece(tok: SentencePieceBPETokenizer, vocab_size: int, types_of: An
         elif piece is None:
             tokens.append(f"[PAD{i}]")
             types.append(int(types_of.UNUSED))
-        elif i in tok.added_words.values():
+        elif i in tok.added_words.values() and i not in byte_tokens:  # a byte token is a BYTE, however listed
             tokens.append(piece)
             types.append(int(types_of.USER_DEFINED))
         else:
@@ -161,8 +162,13 @@ def _sentencepiece(tok: SentencePieceBPETokenizer, vocab_size: int, types_of: An
             "add_space_prefix": tok.prefix != "never"}
 
 
-def write_tokenizer(writer: Any, tokenizer: Tokenizer, vocab_size: int, pre_tokenizer: str | None) -> None:
-    """Add ``tokenizer`` to a `gguf.GGUFWriter`: its model, pre-tokenizer, tokens, merges or scores, and ids."""
+def write_tokenizer(writer: Any, tokenizer: Tokenizer, vocab_size: int, pre_tokenizer: str | None,
+                    start: Sequence[int] | None = None) -> None:
+    """Add ``tokenizer`` to a `gguf.GGUFWriter`: its model, pre-tokenizer, tokens, merges or scores, and ids.
+    ``start`` (none or one special id; default: the tokenizer's own BOS where it adds one) is the BOS the file
+    tells llama.cpp to put before a prompt."""
+    if start is None:
+        start = [tokenizer.bos_id] if tokenizer.add_bos else []
     vocab = tokenizer_metadata(tokenizer, vocab_size)
     writer.add_tokenizer_model(vocab["model"])
     if vocab["model"] == "gpt2":
@@ -176,7 +182,7 @@ def write_tokenizer(writer: Any, tokenizer: Tokenizer, vocab_size: int, pre_toke
     if "scores" in vocab:
         writer.add_token_scores(vocab["scores"])
         writer.add_add_space_prefix(vocab["add_space_prefix"])
-    writer.add_bos_token_id(tokenizer.bos_id)
+    writer.add_bos_token_id(start[0] if start else tokenizer.bos_id)
     writer.add_eos_token_id(tokenizer.eos_id)
     writer.add_pad_token_id(tokenizer.pad_id)
     stop_ids = [i for i in getattr(tokenizer, "stop_ids", ()) if i != tokenizer.eos_id]
@@ -185,8 +191,9 @@ def write_tokenizer(writer: Any, tokenizer: Tokenizer, vocab_size: int, pre_toke
     unk = getattr(tokenizer, "unk_id", None)
     if isinstance(tokenizer, ImportedTokenizer) and unk is not None:
         writer.add_unk_token_id(unk)
-    # tinylm's own tokenizers leave the start token to the caller; an imported Llama's puts its "<s>" first
-    writer.add_add_bos_token(bool(tokenizer.add_bos))
+    # the token tinylm puts before a prompt (run.start_ids: a tinylm model's separator, an imported Llama's
+    # "<s>", or none), as the BOS llama.cpp adds
+    writer.add_add_bos_token(bool(start))
     writer.add_add_eos_token(False)
     template = getattr(tokenizer, "chat_template", None)
     if template:

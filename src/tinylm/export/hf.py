@@ -29,10 +29,10 @@ from tinylm.errors import TinyLMError
 from tinylm.export.hf_families import HF_CLASSES, llama_family_fields
 from tinylm.export.weights import architecture_for, convert_to_theirs, hf_rules
 from tinylm.model.gpt import GPT
-from tinylm.run import save_safetensors
+from tinylm.run import save_safetensors, text_start_ids
 from tinylm.tokenizers.base import Tokenizer, generation_excluded
 from tinylm.tokenizers.bpe import BPETokenizer
-from tinylm.tokenizers.files import export_tokenizer
+from tinylm.tokenizers.files import tokenizer_to_hf_json
 from tinylm.tokenizers.imported import ImportedTokenizer
 
 # what `from_pretrained` reads; `export_hf` writes all of them
@@ -47,14 +47,16 @@ EXPORTED_FILES = (CONFIG_FILE, WEIGHTS_FILE, TOKENIZER_FILE, TOKENIZER_CONFIG_FI
                   GENERATION_CONFIG_FILE)
 
 
-def hf_config(config: GPTConfig, tokenizer: Tokenizer | None = None, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+def hf_config(config: GPTConfig, tokenizer: Tokenizer | None = None, dtype: torch.dtype = torch.float32, *,
+              start_ids: Sequence[int] | None = None) -> dict[str, Any]:
     """config.json for ``config``: the `transformers` GPT2Config, LlamaConfig, Qwen3Config, Qwen2Config or
-    MistralConfig fields that say the same."""
+    MistralConfig fields that say the same. Its bos_token_id is the token every text starts with
+    (`declared_start`)."""
     arch = architecture_for(config)
     specials: dict[str, Any] = {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
     if tokenizer is not None:
-        specials = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id,
-                    "pad_token_id": tokenizer.pad_id}
+        specials = {"bos_token_id": _bos_name_and_id(tokenizer, declared_start(tokenizer, start_ids))[1],
+                    "eos_token_id": tokenizer.eos_id, "pad_token_id": tokenizer.pad_id}
     dtype_name = str(dtype).removeprefix("torch.")
     common = {"architectures": [HF_CLASSES[arch]], "model_type": arch, "vocab_size": config.vocab_size,
               "initializer_range": config.init_std, "tie_word_embeddings": config.tie_embeddings,
@@ -75,10 +77,43 @@ def hf_config(config: GPTConfig, tokenizer: Tokenizer | None = None, dtype: torc
     return {**common, **llama_family_fields(config, arch)}
 
 
-def _tokenizer_files(tokenizer: Tokenizer, block_size: int, model_vocab: int) -> dict[str, dict[str, Any]]:
+def declared_start(tokenizer: Tokenizer, start_ids: Sequence[int] | None) -> list[int]:
+    """The ids every text starts with in the export: ``start_ids`` (a run's `tinylm.run.Run.start_ids`), or by
+    default what a packed run of ``tokenizer`` starts with (EOS, the separator, for tinylm's own tokenizers;
+    an imported one's own BOS, or nothing). At most one token: the BOS that transformers and llama.cpp add."""
+    start = text_start_ids(tokenizer) if start_ids is None else [int(i) for i in start_ids]
+    if len(start) > 1 or any(not tokenizer.is_special(i) for i in start):
+        raise TinyLMError(f"the export can declare one special start token before every text, not {start}")
+    return start
+
+
+def _bos_name_and_id(tokenizer: Tokenizer, start: Sequence[int]) -> tuple[str, int]:
+    """The BOS the export declares: the start token where texts have one, else the tokenizer's own."""
+    if not start:
+        return tokenizer.roles["bos"], tokenizer.bos_id
+    names = {i: name for name, i in tokenizer.special_tokens.items()}
+    return names[start[0]], start[0]
+
+
+def start_post_processor(tokenizer: Tokenizer, start: Sequence[int]) -> dict[str, Any] | None:
+    """tokenizer.json's post-processor that puts ``start`` (one special token) before every text; None: nothing."""
+    if not start:
+        return None
+    name, i = _bos_name_and_id(tokenizer, start)
+    return {"type": "TemplateProcessing",
+            "single": [{"SpecialToken": {"id": name, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+            "pair": [{"SpecialToken": {"id": name, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+                     {"SpecialToken": {"id": name, "type_id": 1}}, {"Sequence": {"id": "B", "type_id": 1}}],
+            "special_tokens": {name: {"id": name, "ids": [i], "tokens": [name]}}}
+
+
+def _tokenizer_files(tokenizer: Tokenizer, block_size: int, model_vocab: int,
+                     start: Sequence[int] = ()) -> dict[str, dict[str, Any]]:
     """tokenizer_config.json, special_tokens_map.json and generation_config.json for ``tokenizer``, with a model
-    of ``model_vocab`` outputs (more than the tokenizer's ids when its output layer is padded)."""
-    bos, eos, pad = (tokenizer.roles[role] for role in ("bos", "eos", "pad"))
+    of ``model_vocab`` outputs (more than the tokenizer's ids when its output layer is padded), whose texts
+    start with ``start`` (`declared_start`)."""
+    eos, pad = (tokenizer.roles[role] for role in ("eos", "pad"))
+    bos, bos_id = _bos_name_and_id(tokenizer, start)
     reserved = [name for name in tokenizer.special_tokens if name not in (bos, eos, pad)]
     added_words = getattr(tokenizer, "added_words", {})
     added = {
@@ -93,9 +128,10 @@ def _tokenizer_files(tokenizer: Tokenizer, block_size: int, model_vocab: int) ->
         "additional_special_tokens": reserved,
         "added_tokens_decoder": added,
         "model_max_length": block_size,
-        # tinylm's own tokenizers add no BOS/EOS while encoding: the caller puts the start token (see
-        # run.start_ids); an imported Llama's tokenizer.json puts its "<s>" in front itself
-        "add_bos_token": tokenizer.add_bos, "add_eos_token": False,
+        # the token tinylm puts before a prompt (run.start_ids: a tinylm model's separator, an imported
+        # Llama's "<s>"), named as the BOS the tokenizer adds: tokenizer.json's post-processor adds it (what
+        # transformers 5 follows), and older transformers read add_bos_token
+        "add_bos_token": bool(start), "add_eos_token": False,
         # transformers' old default strips spaces before punctuation when decoding: not our text
         "clean_up_tokenization_spaces": False,
     }
@@ -108,7 +144,7 @@ def _tokenizer_files(tokenizer: Tokenizer, block_size: int, model_vocab: int) ->
     # suppress_tokens: transformers' generate then never draws what tinylm's samplers never draw (PAD, BOS, ...)
     # eos_token_id as a list when the tokenizer ends a turn with other tokens too (Llama 3's <|eot_id|>)
     stop = [tokenizer.eos_id, *(i for i in getattr(tokenizer, "stop_ids", ()) if i != tokenizer.eos_id)]
-    generation_config = {"bos_token_id": tokenizer.bos_id, "eos_token_id": stop if len(stop) > 1 else stop[0],
+    generation_config = {"bos_token_id": bos_id, "eos_token_id": stop if len(stop) > 1 else stop[0],
                          "pad_token_id": tokenizer.pad_id,
                          "suppress_tokens": generation_excluded(tokenizer) + list(range(tokenizer.vocab_size,
                                                                                          model_vocab))}
@@ -144,17 +180,22 @@ def _write_json(path: Path, data: Mapping[str, Any]) -> None:
     atomic_write_text(path, json.dumps(data, indent=2, ensure_ascii=False) + "\n")
 
 
-def export_hf(model: GPT, tokenizer: Tokenizer | None, out_dir: str | os.PathLike, *, overwrite: bool = False) -> Path:
+def export_hf(model: GPT, tokenizer: Tokenizer | None, out_dir: str | os.PathLike, *, overwrite: bool = False,
+              start_ids: Sequence[int] | None = None) -> Path:
     """Write ``model`` (and ``tokenizer``) as a `transformers` checkpoint folder; returns the folder.
 
     The folder loads with ``AutoModelForCausalLM.from_pretrained(out_dir)`` as GPT2LMHeadModel,
     LlamaForCausalLM or Qwen3ForCausalLM (`architecture_for` decides, or refuses) and with
     ``AutoTokenizer`` when a tokenizer is given (it must be byte-level BPE). ``tokenizer=None``
     writes the weights and config.json alone. Existing files are replaced only with ``overwrite``.
+    ``start_ids`` is what the model's texts start with (a run's `tinylm.run.Run.start_ids`; by default
+    `declared_start`'s): the tokenizer puts it before every text, so ``AutoTokenizer(prompt)`` gives the
+    ids `tinylm sample` reads.
     """
     config = model.config
     arch = architecture_for(config)
     tok = _check_tokenizer(tokenizer, config, "transformers")
+    start = declared_start(tok, start_ids) if tok is not None else []
     out_dir = Path(out_dir)
     names = EXPORTED_FILES if tok is not None else (CONFIG_FILE, WEIGHTS_FILE)
     _check_out_dir(out_dir, names, overwrite)
@@ -172,10 +213,12 @@ def export_hf(model: GPT, tokenizer: Tokenizer | None, out_dir: str | os.PathLik
         try:
             # {"format": "pt"} is what transformers' own save_pretrained writes, and what it checks on load
             save_safetensors(tensors, staging / WEIGHTS_FILE, metadata={"format": "pt"})
-            _write_json(staging / CONFIG_FILE, hf_config(config, tok, state["E.weight"].dtype))
+            _write_json(staging / CONFIG_FILE, hf_config(config, tok, state["E.weight"].dtype, start_ids=start))
             if tok is not None:
-                export_tokenizer(tok, staging / TOKENIZER_FILE, "hf", overwrite=True)
-                for name, data in _tokenizer_files(tok, config.block_size, config.vocab_size).items():
+                tokenizer_json = tokenizer_to_hf_json(tok)
+                tokenizer_json["post_processor"] = start_post_processor(tok, start)
+                _write_json(staging / TOKENIZER_FILE, tokenizer_json)
+                for name, data in _tokenizer_files(tok, config.block_size, config.vocab_size, start).items():
                     _write_json(staging / name, data)
             for name in names:
                 os.replace(staging / name, out_dir / name)

@@ -17,6 +17,7 @@ import base64
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import regex
 
@@ -31,8 +32,8 @@ from tinylm.tokenizers.formats import (
     _read_text,
     _require_bpe,
     load_tiktoken,
-    save_hf_tokenizer_json,
     save_tiktoken,
+    to_hf_tokenizer_json,
 )
 from tinylm.tokenizers.hf_files import imported_to_hf_json, read_hf_tokenizer
 from tinylm.tokenizers.imported import ByteLevelBPETokenizer, ImportedTokenizer
@@ -53,8 +54,8 @@ def export_tokenizer(tok: Tokenizer, path: str | os.PathLike, format: str, *, ov
         raise TinyLMError(f"{path} already exists; choose another output or overwrite it explicitly (--force)")
     if format == "tinylm":
         return tok.save(path)
-    if format == "hf" and isinstance(tok, ImportedTokenizer):
-        return atomic_write_text(path, json.dumps(imported_to_hf_json(tok), ensure_ascii=False, indent=2) + "\n")
+    if format == "hf":
+        return atomic_write_text(path, json.dumps(tokenizer_to_hf_json(tok), ensure_ascii=False, indent=2) + "\n")
     if format == "tiktoken" and isinstance(tok, ByteLevelBPETokenizer):
         # the ranks tiktoken merges with are the ids; the specials and the split pattern have no place in the file
         lines = [f"{base64.b64encode(b).decode('ascii')} {i}\n" for b, i in sorted(tok._token_ids.items(),
@@ -62,9 +63,16 @@ def export_tokenizer(tok: Tokenizer, path: str | os.PathLike, format: str, *, ov
         return atomic_write_text(path, "".join(lines))
     _require_bpe(tok, format)
     assert isinstance(tok, BPETokenizer)
-    if format == "tiktoken":
-        return save_tiktoken(tok, path)
-    return save_hf_tokenizer_json(tok, path)
+    return save_tiktoken(tok, path)
+
+
+def tokenizer_to_hf_json(tok: Tokenizer) -> dict[str, Any]:
+    """``tok`` (tinylm's byte-level BPE, or an imported tokenizer) as a tokenizer.json, as a dict."""
+    if isinstance(tok, ImportedTokenizer):
+        return imported_to_hf_json(tok)
+    _require_bpe(tok, "hf")
+    assert isinstance(tok, BPETokenizer)
+    return to_hf_tokenizer_json(tok)
 
 
 _TIKTOKEN_LINE = regex.compile(r"[A-Za-z0-9+/]+=*\s+\d+")
@@ -139,4 +147,4 @@ def import_tokenizer(
     return read_hf_tokenizer(path, roles=roles)
 
 
-__all__ = ["FORMATS", "export_tokenizer", "detect_format", "import_tokenizer"]
+__all__ = ["FORMATS", "export_tokenizer", "tokenizer_to_hf_json", "detect_format", "import_tokenizer"]

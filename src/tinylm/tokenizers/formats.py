@@ -504,7 +504,7 @@ def tokenizer_from_hf_json(data: dict[str, Any], source: str = "<tokenizer.json>
     if data.get("normalizer"):
         raise fail(f"it has a {data['normalizer'].get('type')} normalizer, which tinylm does not apply")
     post = data.get("post_processor")
-    if post and post.get("type") != "ByteLevel":
+    if post and post.get("type") != "ByteLevel" and not _start_template(post):
         raise fail(f"it has a {post.get('type')} post-processor (it adds tokens), which tinylm does not apply")
     decoder = data.get("decoder")
     if decoder and decoder.get("type") != "ByteLevel":
@@ -553,6 +553,15 @@ def tokenizer_from_hf_json(data: dict[str, Any], source: str = "<tokenizer.json>
             f"at ids {base}, {base + 1}, ..."
         )
     return tok
+
+
+def _start_template(post: dict[str, Any]) -> bool:
+    """Whether a post-processor only puts one special token before a text, as tinylm's exports declare the
+    token their model's texts start with (the run puts it there itself: `tinylm.run.start_ids`)."""
+    single = post.get("single")
+    return (post.get("type") == "TemplateProcessing" and isinstance(single, list) and len(single) == 2
+            and isinstance(single[0], dict) and "SpecialToken" in single[0]
+            and single[1] == {"Sequence": {"id": "A", "type_id": 0}})
 
 
 def _pattern_from_pre_tokenizer(pre: dict[str, Any] | None, fail: Callable[[str], TinyLMError]) -> str:
