@@ -16,6 +16,7 @@ from typing import Any, TextIO
 
 from tinylm.errors import TinyLMError
 from tinylm.generate.engine import Completion, encode_prompts, generate, stream
+from tinylm.generate.opening import opening_of_run
 from tinylm.generate.inspect import format_candidates, left_out, next_token_candidates, temperature_table
 from tinylm.generate.sampling import SamplingParams
 from tinylm.generate.speculative import SpeculativeStats, load_draft, speculative_events, speculative_generate
@@ -107,6 +108,10 @@ def cmd_sample(args: Any, out: TextIO | None = None) -> int:
         raise TinyLMError("--compile speeds up sampling and greedy decoding; beam search runs through the model's "
                           "own forward: drop --compile or --num-beams")
     run = load_run(args.run, checkpoint=getattr(args, "checkpoint", "best"))  # --checkpoint where parsed
+    if prompts == [""]:  # no prompt: start where a speech or a paragraph starts, not at a title page
+        opening = opening_of_run(run.info, params.seed)
+        prompts = [opening.text]
+        print(f"sample: starting from {opening.describe()}", file=sys.stderr)
     # no prompt at all: sample from the start of a document (BOS where the tokenizer puts nothing first)
     start = run.start_ids if any(prompts) else run.empty_prompt_ids
     if getattr(args, "draft", None):

@@ -59,13 +59,14 @@ from tinylm.device import cpu_threads, out_of_memory_explained, threads
 from tinylm.errors import TinyLMError
 from tinylm.evaluate import EvalResult, evaluate, restrict, window_starts
 from tinylm.explain.plots import plot_loss_curve
+from tinylm.generate.opening import opening_of_shards
 from tinylm.generate.reference import reference_generate
 from tinylm.generate.sampling import SamplingParams
 from tinylm.lock import folder_lock
 from tinylm.model.gpt import IGNORE_INDEX
 from tinylm.run import METRICS_FILE, PLOT_FILE, SCHEDULE_FILE, Checkpoint, RunResult, checkpoint_path
 from tinylm.run import check_new_run_folder, check_same_family, checkpoint_to_resume, clear_run_folder, copy_checkpoint, data_info
-from tinylm.run import empty_prompt_ids, read_metrics, run_family, update_run_info, write_run_files
+from tinylm.run import empty_prompt_ids, read_metrics, run_family, start_ids, update_run_info, write_run_files
 from tinylm.train.batches import BatchSource, micro_batches
 from tinylm.train.cost import cost_lines, run_cost, write_cost_table
 from tinylm.train.distributed import Distributed, gradient_sync
@@ -443,7 +444,7 @@ class _Trainer:
         if self.ctx.is_main:
             plot = plot_loss_curve(read_metrics(out / METRICS_FILE), out / PLOT_FILE,
                                    title=f"{out.name}: {final.bits_per_byte:.3f} bits per byte on validation")
-        sample = self._sample()
+        sample, start = self._sample()
         cost = run_cost(out, self.config, self.device, self.ctx.world_size) if self.ctx.is_main else None
         val = {"loss": final.loss, "perplexity": final.perplexity, "bits_per_byte": final.bits_per_byte,
                "tokens": final.tokens, "prorated": final.prorated}
@@ -453,17 +454,23 @@ class _Trainer:
                  *closing_lines(step=self.step, tokens=self.tokens, elapsed=self._elapsed(),
                                 latest=checkpoint_path(out, "latest"), best=checkpoint_path(out, "best"),
                                 best_step=self.best_step, plot=plot),
-                 *cost_lines(cost), *sample_lines(tc, sample)]
+                 *cost_lines(cost), *sample_lines(tc, sample, start)]
         for line in lines:
             self.log_main(line)
         result = self._result("complete", last_loss, val, sample)
         result.plot = plot
         return result
 
-    def _sample(self) -> str:
+    def _sample(self) -> tuple[str, str]:
+        """The closing sample (its opening line included) and what it started from: a line drawn from the
+        validation split by the run's seed (`tinylm.generate.opening`), so that it shows the text the model
+        writes rather than the title page a new document opens with."""
         tc = self.tc
         if not tc.sample_tokens:
-            return ""
+            return "", ""
+        opening = opening_of_shards(self.shards, tc.seed)
+        prompt = (start_ids(self.config, self.tokenizer) + self.tokenizer.encode(opening.text) if opening.text
+                  else empty_prompt_ids(self.config, self.tokenizer))
         # every process samples (a sharded model needs all of them for each forward pass); the same
         # seed gives each the same text
         params = SamplingParams(max_new_tokens=tc.sample_tokens, temperature=tc.sample_temperature,
@@ -471,9 +478,8 @@ class _Trainer:
         model = self.eval_model if self.fsdp else self.model
         with warnings.catch_warnings():  # a sample longer than the context slides its window; expected here
             warnings.simplefilter("ignore", UserWarning)
-            (completion,) = reference_generate(model, [empty_prompt_ids(self.config, self.tokenizer)], params,
-                                               self.tokenizer)
-        return completion.text
+            (completion,) = reference_generate(model, [prompt], params, self.tokenizer)
+        return opening.text + completion.text, opening.describe()
 
     def _result(self, status: str, train_loss: float | None, val: dict[str, Any] | None, sample: str) -> RunResult:
         return RunResult.of_folder(self.out, status, self.step, self.total, self.tokens, train_loss, val, sample,

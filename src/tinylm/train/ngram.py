@@ -27,6 +27,7 @@ from tinylm.data.prepare_run import prepare_data
 from tinylm.errors import TinyLMError
 from tinylm.evaluate import evaluate_model, split_text
 from tinylm.generate.engine import Engine
+from tinylm.generate.opening import opening_of_shards
 from tinylm.generate.sampling import SamplingParams
 from tinylm.model import NGramLM, NGramModel
 from tinylm.run import (
@@ -39,6 +40,7 @@ from tinylm.run import (
     clear_run_folder,
     data_info,
     empty_prompt_ids,
+    start_ids,
     write_metrics,
     write_run_info,
 )
@@ -95,7 +97,7 @@ def count_ngram(
     final = {"loss": val.loss, "perplexity": val.perplexity, "bits_per_byte": val.bits_per_byte,
              "tokens": val.tokens, "prorated": False}
     write_metrics(out / METRICS_FILE, [{"kind": "final", "step": 0, **val.as_dict(), "elapsed": elapsed}])
-    sample = _sample(model, config, tokenizer)
+    sample, start = _sample(model, config, tokenizer, shards)
     write_run_info(out, {"status": "complete", "step": 0, "total_steps": 0, "family": "ngram",
                          "data": data_info(shards), "train_tokens": ngram.train_tokens, "final": final,
                          "sample": sample, "elapsed": elapsed})
@@ -105,18 +107,22 @@ def count_ngram(
         log(f"  ({val.unknown_tokens:,} <unk> tokens stand for {val.unknown_bytes:,.0f} bytes the tokenizer cannot "
             "spell: bits per byte charges them 8 bits each)")
     log(f"model: {out / NGRAM_FILE}")
-    for line in sample_lines(tc, sample):
+    for line in sample_lines(tc, sample, start):
         log(line)
     return RunResult(out, "complete", 0, 0, ngram.train_tokens, None, final, out / NGRAM_FILE, None, None, sample,
                      elapsed)
 
 
-def _sample(model: NGramLM, config: Config, tokenizer) -> str:
-    """The closing sample, drawn by the same engine and settings as a Transformer run's."""
+def _sample(model: NGramLM, config: Config, tokenizer, shards) -> tuple[str, str]:
+    """The closing sample and what it started from, drawn by the same engine, settings and opening line as a
+    Transformer run's."""
     tc = config.train
     if not tc.sample_tokens:
-        return ""
+        return "", ""
+    opening = opening_of_shards(shards, tc.seed)
+    prompt = (start_ids(config, tokenizer) + tokenizer.encode(opening.text) if opening.text
+              else empty_prompt_ids(config, tokenizer))
     params = SamplingParams(max_new_tokens=tc.sample_tokens, temperature=tc.sample_temperature,
                             top_k=tc.sample_top_k or None, seed=tc.seed)
-    (completion,) = Engine(model, params, tokenizer).generate([empty_prompt_ids(config, tokenizer)])
-    return completion.text
+    (completion,) = Engine(model, params, tokenizer).generate([prompt])
+    return opening.text + completion.text, opening.describe()

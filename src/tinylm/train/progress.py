@@ -167,12 +167,14 @@ def closing_lines(*, step: int, tokens: int, elapsed: float, latest: Any, best: 
     return lines
 
 
-def sample_lines(tc: TrainConfig, sample: str) -> list[str]:
-    """The closing sample of any family's run, with how it was drawn (nothing when no sample was asked for)."""
+def sample_lines(tc: TrainConfig, sample: str, start: str | None = None) -> list[str]:
+    """The closing sample of any family's run, with how it was drawn and, given ``start``, what it started from
+    (`tinylm.generate.opening.Opening.describe`); nothing when no sample was asked for."""
     if not tc.sample_tokens:
         return []
     return [f"sample ({tc.sample_tokens} tokens at most, temperature {tc.sample_temperature:g}"
-            f"{f', top-k {tc.sample_top_k}' if tc.sample_top_k else ''}):", sample]
+            f"{f', top-k {tc.sample_top_k}' if tc.sample_top_k else ''}"
+            f"{f'; starting from {start}' if start else ''}):", sample]
 
 
 def plot_schedule_of(optimizers: Sequence[Any], tc: TrainConfig, total: int, path: Path, run_name: str) -> Path:
