@@ -403,8 +403,10 @@ def test_a_shard_missing_from_a_sharded_checkpoint_is_named(tmp_path, tokenizer)
     [
         (dict(model_type="bert", architectures=["BertForMaskedLM"]), "describes a bert model .* tinylm imports "
                                                                      "GPT2LMHeadModel, LlamaForCausalLM, "
-                                                                     "Qwen3ForCausalLM, Qwen2ForCausalLM and "
-                                                                     "MistralForCausalLM checkpoints only"),
+                                                                     "Qwen3ForCausalLM, Qwen2ForCausalLM, "
+                                                                     "MistralForCausalLM, Phi3ForCausalLM, "
+                                                                     "Gemma2ForCausalLM and Gemma3ForCausalLM "
+                                                                     "checkpoints only"),
         (dict(activation_function="gelu"), "activation_function is 'gelu'"),
         (dict(scale_attn_by_inverse_layer_idx=True), "scale_attn_by_inverse_layer_idx"),
         (dict(n_embd=48), r"'transformer.wte.weight' is \(302, 32\), but config.json implies \(302, 48\)"),
