@@ -286,3 +286,18 @@ def test_train_reads_its_corpus_in_the_encoding_of_its_config(tmp_path):
     assert 'encoding = "latin-1"' in (tmp_path / "runs" / "old" / "config.toml").read_text()
     data = tmp_path / "data" / "old-char"
     assert _decoded_shards(data) == LATIN1_TEXT
+
+
+def test_a_mistyped_flag_gets_the_closest_one_and_the_help_names_every_command(capsys):
+    for argv, hint in ((["train", "--max-step", "3"], "(did you mean '--max-steps'?)"),
+                       (["sample", "--run", "r", "--temprature=1"], "(did you mean '--temperature'?)")):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and len(err) == 1 and hint in err[0], err
+    with pytest.raises(SystemExit):
+        main(["train", "--zzzzzz", "1"])
+    assert "did you mean" not in capsys.readouterr().err  # nothing close: no guess
+    description = build_parser().description  # the summary at the top of `tinylm --help`
+    for command in ("train", "compare", "sample", "serve", "export", "import", "explain"):
+        assert command in description, command

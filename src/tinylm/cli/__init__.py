@@ -9,7 +9,7 @@ stderr with exit status 2 and no traceback; so is a bad flag value.
     tinylm tokenizer info --tokenizer tok.json
     tinylm prepare --corpus shakespeare --out data/shakespeare
     tinylm train                                   # the tiny preset on Shakespeare, into runs/tiny-shakespeare
-    tinylm train --preset tiny --max-steps 200 --lr 2e-3 --out runs/quick
+    tinylm train --preset tiny --max-steps 100 --out runs/quick
     tinylm eval runs/quick
     tinylm eval runs/quick --stride 64             # sliding windows: more context for every target
 
@@ -35,6 +35,7 @@ from tinylm import __version__
 from tinylm.atomic import disk_failure
 from tinylm.cli import data, evaluate, explain, export, generate, tokenizer, train
 from tinylm.cli.flags import Parser, show_help
+from tinylm.config.fields import did_you_mean
 from tinylm.errors import Stopped, TinyLMError
 
 
@@ -42,13 +43,25 @@ def build_parser() -> argparse.ArgumentParser:
     parser = Parser(
         prog="tinylm",
         description="Autoregressive Transformer language models end to end: tokenize, prepare data, "
-        "train, evaluate, generate.",
+        "train, evaluate and compare, sample, serve, export and import, explain.",
     )
     parser.add_argument("--version", action="version", version=f"tinylm {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
     for commands in (tokenizer, data, train, evaluate, generate, export, explain):  # the order of `tinylm --help`
         commands.add_commands(sub)
     return parser
+
+
+def _closest_flag(command: argparse.ArgumentParser, extra: Sequence[str]) -> str:
+    """`` (did you mean '--max-steps'?)`` for the first unknown flag in ``extra`` close to one of ``command``'s
+    (a typo, or a flag abbreviated where abbreviations are off); "" when none is close."""
+    flags = [flag for flag in command._option_string_actions if flag.startswith("--")]
+    for word in extra:
+        if word.startswith("--"):
+            hint = did_you_mean(word.split("=", 1)[0], flags)
+            if hint:
+                return hint
+    return ""
 
 
 def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:
@@ -91,7 +104,8 @@ def _run(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra:  # said by the subcommand's parser, so the hint is `tinylm train --help`, not `tinylm --help`
-        getattr(args, "parser", parser).error(f"unrecognized arguments: {' '.join(extra)}")
+        command = getattr(args, "parser", parser)
+        command.error(f"unrecognized arguments: {' '.join(extra)}{_closest_flag(command, extra)}")
     func: Callable[[argparse.Namespace], int] = getattr(args, "func", show_help(parser))
     try:
         return func(args)
