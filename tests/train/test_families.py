@@ -519,3 +519,19 @@ def test_compare_with_a_stride_says_so_in_the_table_the_json_and_the_chart(tmp_p
     assert rows["lstm"]["loss"] == eval_json(capsys, "--run", str(runs["lstm"]), "--stride", "8")["loss"]
     assert titles == ["bits per byte on the val split (disjoint windows)"] + \
         ["bits per byte on the val split (sliding windows, stride 8)"] * 2
+
+
+def test_compare_draws_beside_the_runs_and_eval_picks_the_device_as_train_does(tmp_path, runs, monkeypatch, capsys):
+    """Without --plot the chart goes beside the runs (runs/compare.png, which git ignores), not into the
+    folder the command runs in; and eval's and compare's --device default is train's: auto."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["compare", str(runs["ngram"]), "--tokens", "256"]) == 0
+    chart = runs["ngram"].parent / "compare.png"
+    assert f"chart: {chart}" in capsys.readouterr().out
+    assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and not (tmp_path / "compare.png").exists()
+    chart.unlink()
+    from tinylm.cli import build_parser
+    from tinylm.config import resolve_config
+
+    for argv in (["eval", "--run", "r"], ["compare", "r"]):
+        assert build_parser().parse_args(argv).device == resolve_config().train.device == "auto"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from tinylm.cli.flags import add_corpus_flags, integer, load_corpus_from, positive_int
 from tinylm.errors import TinyLMError
@@ -15,6 +16,13 @@ STRIDE_HELP = (
     "context; costs about block_size / S times more (default: disjoint windows, the same as S = block_size). An "
     "LSTM or RNN restarts its state in each window, so it gains context too; an n-gram model reads its own "
     "context whatever S. With --tokens: evenly spaced windows of S scored targets each")
+
+
+def _device(setting: str) -> str:
+    """--device as the library takes it: "auto" resolved to the GPU when there is one, else the CPU."""
+    from tinylm.device import resolve_device
+
+    return str(resolve_device(setting))
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -29,7 +37,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         raise TinyLMError("--split picks a split of the run's shards; --corpus evaluates on a whole corpus instead")
     result = evaluate_run(run, args.split, checkpoint=args.checkpoint, max_tokens=args.tokens or 0,
                           stride=args.stride, batch_size=args.batch_size, data_dir=args.data_dir,
-                          corpus=load_corpus_from(args), tokenizer=args.tokenizer, device=args.device,
+                          corpus=load_corpus_from(args), tokenizer=args.tokenizer, device=_device(args.device),
                           progress=sys.stderr.isatty())
     if args.json:
         print(json.dumps({"run": str(run), **result.report()}))
@@ -50,10 +58,12 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
     if args.corpus and args.split != "val":
         raise TinyLMError("--split picks a split of each run's shards; --corpus evaluates on a whole corpus instead")
-    check_plot_path(args.plot)
+    # beside the runs (runs/compare.png), where git ignores it as it ignores the runs, not in the working folder
+    plot = args.plot if args.plot is not None else str(Path(args.runs[0]).parent / "compare.png")
+    check_plot_path(plot)
     rows = compare_runs(args.runs, split=args.split, corpus=load_corpus_from(args), max_tokens=args.tokens or 0,
-                        stride=args.stride, device=args.device)
-    chart = plot_comparison(rows, args.plot)
+                        stride=args.stride, device=_device(args.device))
+    chart = plot_comparison(rows, plot)
     if args.json:
         print(json.dumps({"chart": str(chart), "runs": [
             {"run": r.name, "family": r.family, "size": r.size, "tokenizer": r.tokenizer, **r.result.report()}
@@ -86,7 +96,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-size", type=positive_int, help="windows per forward pass (default: about 1024 tokens' "
                    "worth, the fastest on a CPU)")
     p.add_argument("--data-dir", help="the run's shard folder, if it has moved since training")
-    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps (default: cpu)")
+    p.add_argument("--device", default="auto", help="auto (cuda when there is a GPU, else cpu), cpu, cuda, cuda:N "
+                   "or mps (default: auto, as for train)")
     p.add_argument("--json", action="store_true", help="print the numbers as one JSON object (for scripts)")
     p.set_defaults(func=cmd_eval, parser=p)
 
@@ -101,8 +112,10 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tokens", type=positive_int, help="evaluate about this many tokens per network "
                    "(default: all; n-gram models always score all)")
     p.add_argument("--stride", type=integer, metavar="S", help=STRIDE_HELP)
-    p.add_argument("--plot", default="compare.png", metavar="PATH", help="the bar chart (default: compare.png)")
-    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps (default: cpu)")
+    p.add_argument("--plot", metavar="PATH", help="the bar chart (default: compare.png in the first run's parent "
+                   "folder, e.g. runs/compare.png)")
+    p.add_argument("--device", default="auto", help="auto (cuda when there is a GPU, else cpu), cpu, cuda, cuda:N "
+                   "or mps (default: auto, as for train)")
     p.add_argument("--json", action="store_true", help="print the table as JSON, best first (the chart is still "
                    "written)")
     p.set_defaults(func=cmd_compare, parser=p)
