@@ -262,31 +262,36 @@ class RunResult:
                    best if best.exists() else None, plot if plot.exists() else None, sample, elapsed)
 
 
-def check_new_run_folder(out: Path, force: bool, *, resumable: bool = True) -> None:
+def check_new_run_folder(out: Path, force: bool, *, resumable: bool = True, folder_arg: str = "out_dir") -> None:
     """A new run may go in ``out``: it is missing or empty, or ``force`` allows replacing the old run there.
 
     Only a tinylm run may be replaced: a folder whose run.json tinylm wrote (every run folder gets
     one before anything else). Nothing is deleted here: `clear_run_folder` does that once the data
     and the model are ready, so a mistake found on the way (a missing corpus, a bad setting) leaves
-    the old run intact. ``resumable``: whether the advice may offer --resume (training does;
-    importing does not).
+    the old run intact. ``resumable``: whether the advice may offer resuming (training does;
+    importing does not). ``folder_arg``: the caller's name for the folder argument.
+
+    The advice names each way out twice, as the command's flag and as the Python argument, since both
+    the command and a script reach here.
     """
+    another = f"choose another folder (--out; {folder_arg}= from Python)"
     if out.exists() and not out.is_dir():
-        raise TinyLMError(f"--out {out} is a file; a run is a folder: choose another --out")
+        raise TinyLMError(f"{out} is a file; a run is a folder: {another}")
     blocking = next((p for p in out.parents if p.exists() and not p.is_dir()), None)
     if blocking is not None:
-        raise TinyLMError(f"--out {out} cannot be made: {blocking} is a file, not a folder; choose another --out")
+        raise TinyLMError(f"{out} cannot be made: {blocking} is a file, not a folder; {another}")
     entries = _entries(out)
     if not entries:
         return
     if not force:
-        how = ("pass --resume to continue that run, --force to start it over (deleting it), or --out to train "
-               "in another folder" if resumable else "choose another --out, or --force to replace it")
+        how = ("continue that run with --resume (resume=True), start it over with --force (force=True; it "
+               f"deletes that run), or {another}" if resumable
+               else f"{another}, or replace it with --force (force=True)")
         raise TinyLMError(f"{out} already exists; {how}")
     if not is_run_folder(out):
         shown = ", ".join(entries[:4]) + (", ..." if len(entries) > 4 else "")
         raise TinyLMError(f"{out} is not a tinylm run folder (it has no {RUN_FILE} written by tinylm; it holds {shown}); "
-                          "--force replaces only run folders tinylm made, so choose another --out")
+                          f"--force (force=True) replaces only run folders tinylm made, so {another}")
 
 
 def is_run_folder(folder: Path) -> bool:

@@ -74,8 +74,10 @@ def test_document_batches_and_sgd_train(tmp_path, corpus, data_dir):
 def test_a_run_folder_is_never_overwritten_without_force(tmp_path, corpus, data_dir):
     cfg = tiny_config(corpus, data_dir, max_steps=2)
     train(cfg, tmp_path / "run", **QUIET)
-    with pytest.raises(TinyLMError, match="already exists; pass --resume"):
+    with pytest.raises(TinyLMError, match="already exists; continue that run with --resume") as refused:
         train(cfg, tmp_path / "run", **QUIET)
+    # a Python caller is told its own arguments too, not only the command's flags
+    assert all(word in str(refused.value) for word in ("resume=True", "force=True", "out_dir=")), refused.value
     assert train(cfg, tmp_path / "run", force=True, **QUIET).status == "complete"
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "thesis.tex").write_text("years of work")

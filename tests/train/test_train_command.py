@@ -125,7 +125,7 @@ def test_a_missing_or_empty_corpus(tmp_path, capsys, corpus, data_dir):
 
 def test_an_existing_run_is_not_overwritten(capsys, run_copy, corpus, data_dir):
     before = (checkpoint_path(run_copy) / "model.safetensors").read_bytes()
-    fails_with(capsys, ["train", *cli_flags(corpus, data_dir), "--out", str(run_copy)], "already exists; pass --resume")
+    fails_with(capsys, ["train", *cli_flags(corpus, data_dir), "--out", str(run_copy)], "already exists; continue that run with --resume")
     assert (checkpoint_path(run_copy) / "model.safetensors").read_bytes() == before
 
 

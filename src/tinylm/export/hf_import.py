@@ -210,9 +210,9 @@ def import_hf_into_run(src_dir: str | os.PathLike, run_dir: str | os.PathLike, *
     is replaced only with ``force``, and only if it is a tinylm run.
     """
     src_dir, run_dir = Path(src_dir), Path(run_dir)
-    check_new_run_folder(run_dir, force, resumable=False)  # before taking the lock, which makes the folder
+    check_new_run_folder(run_dir, force, resumable=False, folder_arg="run_dir")  # before the lock makes the folder
     with folder_lock(run_dir, "import"):
-        check_new_run_folder(run_dir, force, resumable=False)  # again: another process may have written it
+        check_new_run_folder(run_dir, force, resumable=False, folder_arg="run_dir")  # again: another may have written it
         # everything is read before anything is deleted
         model, tokenizer, model_config = import_hf(src_dir, roles=roles)
         clear_run_folder(run_dir)
