@@ -269,3 +269,11 @@ def test_export_as_names_an_architecture_that_must_fit(tmp_path, tokenizer):
                                           r"express norm_position = 'pre' \(Gemma 2 normalizes each sublayer's input "
                                           r"and output: 'sandwich'\)"):
         export_hf(model, tokenizer, tmp_path / "gemma")
+
+
+def test_the_accounting_counts_every_imported_parameter(imported):
+    """Four norms a block for Gemma, three MLP matrices for GeGLU: `count_params` is the model's own count."""
+    from tinylm.model.memory import count_params
+
+    _, hf, model = imported
+    assert count_params(model.config) == sum(p.numel() for p in model.parameters()) == hf.num_parameters()
