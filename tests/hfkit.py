@@ -15,6 +15,9 @@ these folders are what a user brings.
 - ``sentencepiece``: Llama 2 / TinyLlama / Mistral: "▁" for spaces (Prepend + Replace normalizers),
   "<unk>", "<s>", "</s>" at 0..2, the 256 "<0xNN>" byte tokens at 3..258, byte fallback, a Strip
   decoder; ``sentencepiece-metaspace`` writes the same with the Metaspace pre-tokenizer (newer files).
+- ``gemma``: Gemma's SentencePiece-style BPE: "<pad>", "<eos>", "<bos>", "<unk>" at 0..3, its turn markers,
+  the 256 byte tokens, spaces replaced by "▁" with none put in front, byte fallback, "<bos>" put in front by
+  the post-processor, Gemma's chat template.
 """
 
 from __future__ import annotations
@@ -64,7 +67,14 @@ LLAMA2_TEMPLATE = (
     "{% endif %}{% endfor %}"
 )
 
-STYLES = ("gpt2", "gpt2-prefix", "smollm", "llama3", "qwen2", "sentencepiece", "sentencepiece-metaspace")
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{{ '<start_of_turn>' + ('model' if message['role'] == 'assistant' else message['role']) + '\n' + "
+    "message['content'] | trim + '<end_of_turn>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+)
+
+STYLES = ("gpt2", "gpt2-prefix", "smollm", "llama3", "qwen2", "sentencepiece", "sentencepiece-metaspace", "gemma")
 
 
 def _byte_level_bpe(vocab_size: int, specials: list[str], pattern: str | None, *, prefix_space: bool = False,
@@ -90,8 +100,8 @@ def _byte_level_bpe(vocab_size: int, specials: list[str], pattern: str | None, *
     return tok
 
 
-def _sentencepiece_bpe(vocab_size: int, metaspace: bool, texts=None):
-    """Llama 2's layout, built from a `tokenizers` BPE trained on "▁"-words."""
+def _sentencepiece_bpe(vocab_size: int, metaspace: bool, texts=None, gemma: bool = False):
+    """Llama 2's layout (or Gemma's), built from a `tokenizers` BPE trained on "▁"-words."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
     trained = Tokenizer(models.BPE())
@@ -100,13 +110,19 @@ def _sentencepiece_bpe(vocab_size: int, metaspace: bool, texts=None):
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False, limit_alphabet=120)
     trained.train_from_iterator(texts or TRAINING_TEXT, trainer)
     model = json.loads(trained.to_str())["model"]
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
-    vocab.update({f"<0x{b:02X}>": 3 + b for b in range(256)})
+    specials = (["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"] if gemma
+                else ["<unk>", "<s>", "</s>"])
+    vocab = {name: i for i, name in enumerate(specials)}
+    vocab.update({f"<0x{b:02X}>": len(specials) + b for b in range(256)})
     for piece, _ in sorted(model["vocab"].items(), key=lambda kv: kv[1]):
         vocab.setdefault(piece, len(vocab))
     added = [{"id": i, "content": c, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
-              "special": True} for c, i in (("<unk>", 0), ("<s>", 1), ("</s>", 2))]
-    if metaspace:
+              "special": True} for i, c in enumerate(specials)]
+    bos, unk = ("<bos>", "<unk>") if gemma else ("<s>", "<unk>")
+    if gemma:  # spaces become "▁", and none is put in front of the text
+        normalizer = {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"}
+        pre = None
+    elif metaspace:
         normalizer = None
         pre = {"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": "first", "split": False}
     else:
@@ -116,16 +132,16 @@ def _sentencepiece_bpe(vocab_size: int, metaspace: bool, texts=None):
         pre = None
     decoder = {"type": "Sequence", "decoders": [
         {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "}, {"type": "ByteFallback"},
-        {"type": "Fuse"}, {"type": "Strip", "content": " ", "start": 1, "stop": 0}]}
+        {"type": "Fuse"}] + ([] if gemma else [{"type": "Strip", "content": " ", "start": 1, "stop": 0}])}
     data = {
         "version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": normalizer,
         "pre_tokenizer": pre, "decoder": decoder,
         "post_processor": {"type": "TemplateProcessing", "single": [
-            {"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
-            "pair": [{"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
-                     {"SpecialToken": {"id": "<s>", "type_id": 1}}, {"Sequence": {"id": "B", "type_id": 1}}],
-            "special_tokens": {"<s>": {"id": "<s>", "ids": [1], "tokens": ["<s>"]}}},
-        "model": {"type": "BPE", "dropout": None, "unk_token": "<unk>", "continuing_subword_prefix": None,
+            {"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+            "pair": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+                     {"SpecialToken": {"id": bos, "type_id": 1}}, {"Sequence": {"id": "B", "type_id": 1}}],
+            "special_tokens": {bos: {"id": bos, "ids": [vocab[bos]], "tokens": [bos]}}},
+        "model": {"type": "BPE", "dropout": None, "unk_token": unk, "continuing_subword_prefix": None,
                   "end_of_word_suffix": None, "fuse_unk": True, "byte_fallback": True, "ignore_merges": False,
                   "vocab": vocab, "merges": model["merges"]},
     }
@@ -168,6 +184,11 @@ def build(style: str, folder: Path, vocab_size: int = 700, texts: list[str] | No
         tok = _sentencepiece_bpe(vocab_size, metaspace=style.endswith("metaspace"), texts=texts)
         fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
                                        chat_template=LLAMA2_TEMPLATE, clean_up_tokenization_spaces=False)
+    elif style == "gemma":
+        tok = _sentencepiece_bpe(vocab_size, metaspace=False, texts=texts, gemma=True)
+        fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", unk_token="<unk>",
+                                       pad_token="<pad>", chat_template=GEMMA_TEMPLATE,
+                                       clean_up_tokenization_spaces=False)
     else:
         raise ValueError(f"unknown style {style!r}")
     fast.save_pretrained(str(folder))

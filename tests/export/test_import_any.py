@@ -5,7 +5,8 @@ Each family is a tiny random checkpoint saved by `transformers` next to a tokeni
 bytes in the trainer's order), Llama 3 (GQA, llama3 RoPE scaling) with a Llama-3-style tokenizer (its
 specials after the merges, BOS in front), Qwen2 (q/k/v biases, an output layer padded past the tokenizer)
 with an NFC-normalizing one, Mistral (MQA, a sliding window, untied head) and a TinyLlama-style Llama with
-SentencePiece-style tokenizers (byte fallback). Every id stays the model's, so:
+SentencePiece-style tokenizers (byte fallback), Gemma 2 and Gemma 3 with Gemma's (no space put in front, "<bos>"
+added) and Phi-3 with Llama 2's. Every id stays the model's, so:
 
 - the run's tokenizer gives transformers' ids, and the model transformers' logits (within 1e-4) on them;
 - tinylm's cached greedy decoding gives transformers' ``generate`` tokens;
@@ -78,6 +79,25 @@ def _tinyllama(vocab: int, hf_tok):
         bos_token_id=hf_tok.bos_token_id, eos_token_id=hf_tok.eos_token_id, **SHAPE))
 
 
+def _gemma2(vocab: int, hf_tok):  # a window of 16 on layer 0, layer 1 whole; Gemma 2's caps; head tied (llama.cpp's)
+    return transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
+        vocab_size=vocab, num_key_value_heads=2, head_dim=8, query_pre_attn_scalar=8, sliding_window=16,
+        bos_token_id=hf_tok.bos_token_id, eos_token_id=hf_tok.eos_token_id, pad_token_id=hf_tok.pad_token_id, **SHAPE))
+
+
+def _gemma3(vocab: int, hf_tok):  # QK-norm, both layers windowed (llama.cpp's pattern), untied
+    return transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
+        vocab_size=vocab, num_key_value_heads=1, head_dim=8, query_pre_attn_scalar=8, sliding_window=16,
+        tie_word_embeddings=False, bos_token_id=hf_tok.bos_token_id, eos_token_id=hf_tok.eos_token_id,
+        pad_token_id=hf_tok.pad_token_id, **SHAPE))
+
+
+def _phi3(vocab: int, hf_tok):
+    return transformers.Phi3ForCausalLM(transformers.Phi3Config(
+        vocab_size=vocab, num_key_value_heads=2, bos_token_id=hf_tok.bos_token_id, eos_token_id=hf_tok.eos_token_id,
+        pad_token_id=hf_tok.eos_token_id, **SHAPE))
+
+
 # family -> (tokenizer style, model maker, whether llama.cpp can run it with its own tokenizer too)
 FAMILIES = {
     "gpt2": ("gpt2", _gpt2),
@@ -86,6 +106,9 @@ FAMILIES = {
     "qwen2": ("qwen2", _qwen2),
     "mistral": ("sentencepiece", _mistral),
     "tinyllama": ("sentencepiece-metaspace", _tinyllama),
+    "gemma2": ("gemma", _gemma2),
+    "gemma3": ("gemma", _gemma3),
+    "phi3": ("sentencepiece", _phi3),
 }
 
 
@@ -223,3 +246,74 @@ def test_the_commands_work_on_an_imported_run(name, tmp_path):
     out = tinylm("export", "--run", "tuned", "--format", "hf", "--out", "back", cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     assert AutoTokenizer.from_pretrained(str(tmp_path / "back"))(TEXT)["input_ids"] == hf_tok(TEXT)["input_ids"]
+
+
+# ----- greedy text end to end: what a user types, against what transformers prints -------------------------------
+
+PROMPT = "def wrap(text, width=70):\n    return"
+
+
+def hf_greedy_text(hf, hf_tok, ids: list[int], n: int, *, whole: bool = True) -> str:
+    """transformers' greedy continuation of ``ids``, decoded with them (``whole``) or alone; it ends at the first
+    special token (eos, or the end of a turn), where tinylm's sampler stops too."""
+    specials = sorted(i for i, t in hf_tok.added_tokens_decoder.items() if t.special)
+    beyond = list(range(len(hf_tok), hf.config.vocab_size))  # a padded output layer's rows: ids of no token
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=specials,
+                          pad_token_id=specials[0], attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                          suppress_tokens=beyond or None)
+    return hf_tok.decode(out[0, 0 if whole else len(ids):].tolist(), skip_special_tokens=True)
+
+
+def tinylm_sample(run_dir, prompt: str, n: int, capsys) -> str:
+    from tinylm.cli import main
+
+    capsys.readouterr()
+    assert main(["sample", "--run", str(run_dir), "--prompt", prompt, "--temperature", "0",
+                 "--max-new-tokens", str(n)]) == 0
+    return capsys.readouterr().out
+
+
+def test_sample_prints_what_transformers_generate_gives_on_the_prompt(family, capsys):
+    """`tinylm sample --temperature 0` on plain text: the ids its tokenizer makes with its default special tokens
+    (BOS where the post-processor adds it, nothing where it does not), and their greedy continuation."""
+    name, hf_tok, hf, _, run = family
+    expected = hf_greedy_text(hf, hf_tok, hf_tok(PROMPT)["input_ids"], 12) + "\n"
+    assert tinylm_sample(run.path, PROMPT, 12, capsys) == expected
+
+
+def test_chat_endpoint_replies_what_generate_gives_on_the_chat_template(family):
+    from fastapi.testclient import TestClient
+
+    from tinylm.serve.app import create_app
+
+    name, hf_tok, hf, _, run = family
+    if not hf_tok.chat_template:  # GPT-2's: the server writes a transcript, which transformers has no say on
+        assert run.tokenizer.chat_template is None
+        return
+    messages = [{"role": "user", "content": "Wrap this text, please."}]
+    ids = hf_tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    expected = hf_greedy_text(hf, hf_tok, list(ids), 10, whole=False).lstrip()
+    with TestClient(create_app(run)) as client:
+        reply = client.post("/v1/chat/completions", json={"model": run.path.name, "messages": messages, "max_tokens": 10,
+                                                          "temperature": 0})
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["choices"][0]["message"]["content"] == expected
+
+
+@pytest.mark.parametrize("style,make", [("llama3", _llama3), ("sentencepiece", _mistral)])
+def test_a_tokenizer_that_adds_no_bos_gives_a_prompt_without_one(style, make, tmp_path, capsys):
+    """Llama-3-style and Mistral-style files whose post-processor adds nothing: the run's prompt has no start
+    token either, so `tinylm sample` continues what transformers continues."""
+    folder = build(style, tmp_path / "hf")
+    data = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
+    data["post_processor"] = None
+    (folder / "tokenizer.json").write_text(json.dumps(data, ensure_ascii=False), encoding="utf-8")
+    hf_tok = AutoTokenizer.from_pretrained(str(folder))
+    torch.manual_seed(0)
+    hf = randomize(make(len(hf_tok), hf_tok)).eval()
+    hf.save_pretrained(folder, safe_serialization=True)
+    run_dir = import_hf_into_run(folder, tmp_path / "run")
+    ids = hf_tok(PROMPT)["input_ids"]
+    assert ids[0] != hf_tok.bos_token_id and load_run(run_dir).start_ids == []
+    assert tinylm_sample(run_dir, PROMPT, 12, capsys) == hf_greedy_text(hf, hf_tok, ids, 12) + "\n"

@@ -267,9 +267,9 @@ def test_generators_are_made_on_the_model_s_device(run, monkeypatch):
     request would fail on a GPU). No GPU here: the device the generators are asked for is checked instead."""
     real, devices = scheduler_module.prompt_generators, []
 
-    def recording(seed, n_prompts, n_samples, device=None):
+    def recording(seed, n_prompts, n_samples, device=None, prompts=None):
         devices.append(device)
-        return real(seed, n_prompts, n_samples, "cpu" if device is None else device)
+        return real(seed, n_prompts, n_samples, "cpu" if device is None else device, prompts=prompts)
 
     monkeypatch.setattr(scheduler_module, "prompt_generators", recording)
     scheduler = Scheduler(run.model, run.tokenizer).start()

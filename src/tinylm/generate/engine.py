@@ -176,8 +176,9 @@ class Engine:
             for row in rows:
                 row.finish_reason = "length"
             return
+        n = params.num_samples
         generators = None if params.greedy else prompt_generators(
-            params.seed, len(rows) // params.num_samples, params.num_samples, self.device)
+            params.seed, len(rows) // n, n, self.device, prompts=[rows[p].seq for p in range(0, len(rows), n)])
         was_training = self.model.training
         self.model.eval()
         try:

@@ -37,7 +37,7 @@ def reference_generate(
     """Completions for token-id prompts (``num_samples`` each), as the engine would give them, naively."""
     n_rows = len(prompts) * params.num_samples
     generators = None if params.greedy else prompt_generators(params.seed, len(prompts), params.num_samples,
-                                                              next(model.parameters()).device)
+                                                              next(model.parameters()).device, prompts=prompts)
     out = []
     for r in range(n_rows):
         prompt = prompts[r // params.num_samples]

@@ -29,6 +29,7 @@ whatever strategy picked it. Beam search scores paths with the same numbers.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
@@ -214,15 +215,16 @@ def excluded_mask(tokenizer: Tokenizer | None, width: int, stop_ids: Collection[
     return mask.to(device) if bool(mask.any()) else None
 
 
-def make_generators(seed: int | None, n: int, device: torch.device | str = "cpu") -> list[torch.Generator]:
-    """One random generator per sample, seeded from (seed, sample index); a fresh seed when ``seed`` is None.
+def make_generators(seed: int | None, n: int, device: torch.device | str = "cpu",
+                    key: Sequence[int] = ()) -> list[torch.Generator]:
+    """One random generator per sample, seeded from (seed, key, sample index); a fresh seed when ``seed`` is None.
 
-    numpy's SeedSequence mixes the pair into well-separated seeds, so seed 1 sample 1 does not
-    repeat seed 2 sample 0 (as seed + index would).
+    numpy's SeedSequence mixes them into well-separated seeds, so seed 1 sample 1 does not
+    repeat seed 2 sample 0 (as seed + index would). ``key``: more words to mix in (`prompt_key`).
     """
     if seed is None:
         seed = int(np.random.SeedSequence().entropy % (2**63))  # fresh OS entropy, for this call only
-    states = np.random.SeedSequence([seed]).spawn(n)
+    states = np.random.SeedSequence([seed, *key]).spawn(n)
     gens = []
     for s in states:
         g = torch.Generator(device=device)
@@ -232,17 +234,31 @@ def make_generators(seed: int | None, n: int, device: torch.device | str = "cpu"
 
 
 def prompt_generators(seed: int | None, n_prompts: int, n_samples: int,
-                      device: torch.device | str = "cpu") -> list[torch.Generator]:
+                      device: torch.device | str = "cpu",
+                      prompts: Sequence[Sequence[int]] | None = None) -> list[torch.Generator]:
     """The generators of ``n_prompts`` prompts x ``n_samples`` samples, row ``p * n_samples + s``.
 
-    With a seed, sample s of every prompt is seeded from (seed, s) alone, so a prompt's text does
-    not depend on which other prompts came with it (or in which order): ``sample --seed 1`` of a
-    prompt gives the same text alone or second in a list, as the server does for each request.
-    Without one, every row gets fresh randomness of its own.
+    With a seed, sample s of a prompt is seeded from (seed, the prompt's token ids, s) alone, so a
+    prompt's text does not depend on which other prompts came with it (or in which order): ``sample
+    --seed 1`` of a prompt gives the same text alone or second in a list, as the server does for each
+    request. The prompt's ids take part so that two prompts do not share their random draws (their
+    samples would pick alike from their distributions, the same rare word in both); without
+    ``prompts`` every prompt gets the draws of (seed, s). Without a seed, every row gets fresh
+    randomness of its own.
     """
     if seed is None:
         return make_generators(None, n_prompts * n_samples, device)
-    return [g for _ in range(n_prompts) for g in make_generators(seed, n_samples, device)]
+    if prompts is None:
+        return [g for _ in range(n_prompts) for g in make_generators(seed, n_samples, device)]
+    if len(prompts) != n_prompts:
+        raise TinyLMError(f"prompt_generators: {len(prompts)} prompts given for n_prompts={n_prompts}")
+    return [g for prompt in prompts for g in make_generators(seed, n_samples, device, key=prompt_key(prompt))]
+
+
+def prompt_key(prompt: Sequence[int]) -> list[int]:
+    """A prompt's token ids as four 32-bit words (a BLAKE2b digest), for a seed that differs by prompt."""
+    digest = hashlib.blake2b(np.asarray(list(prompt), dtype="<i8").tobytes(), digest_size=16).digest()
+    return [int.from_bytes(digest[i:i + 4], "little") for i in range(0, 16, 4)]
 
 
 def sample(logits: Tensor, params: SamplingParams, generators: Sequence[torch.Generator] | None = None) -> Tensor:

@@ -239,7 +239,8 @@ class Scheduler:
                 raise TinyLMError(f"prompt {i} has {len(prompt)} tokens; with {job.params.max_new_tokens} new ones it "
                                   f"exceeds the model's context of {self.block_size}")
         if job.generators is None and not job.params.greedy:  # where the probabilities will be
-            job.generators = prompt_generators(job.params.seed, len(job.prompts), job.n, self.device)
+            job.generators = prompt_generators(job.params.seed, len(job.prompts), job.n, self.device,
+                                               prompts=job.prompts)
         with self._cond:
             if self.closing:
                 raise TinyLMError("the server is shutting down")
