@@ -277,3 +277,23 @@ def test_the_accounting_counts_every_imported_parameter(imported):
 
     _, hf, model = imported
     assert count_params(model.config) == sum(p.numel() for p in model.parameters()) == hf.num_parameters()
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(sliding_window_pattern=2), r"sliding_window_pattern = 2 is a setting of the windowed layers, and "
+                                     r"sliding_window is unset"),
+    (dict(rope_local_theta=10.0), r"rope_local_theta = 10.0 is a setting of the windowed layers"),
+    (dict(sliding_window=4, sliding_window_pattern=1), r"sliding_window_pattern = 1 would give every layer the whole "
+                                                       r"context"),
+    (dict(sliding_window=4, rope_local_theta=10.0, positions="learned"), r"rope_local_theta is RoPE's base on the "
+                                                                         r"windowed layers, but positions = 'learned'"),
+    (dict(attn_softcap=0.0), r"attn_softcap must be a positive number"),
+    (dict(attn_scale_dim=-4), r"attn_scale_dim must be a positive number"),
+    (dict(export_as="bert"), r"export_as must be one of 'auto', 'gpt2'"),
+])
+def test_the_gemma_settings_are_checked_in_one_line(changes, message):
+    from tinylm.config import GPTConfig
+
+    with pytest.raises(TinyLMError, match=message) as info:
+        GPTConfig(**{**dict(vocab_size=10, block_size=16, n_layer=2, d_model=16, n_head=2, positions="rope"), **changes})
+    assert "\n" not in str(info.value)
