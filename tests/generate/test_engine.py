@@ -351,11 +351,14 @@ def test_no_sampler_draws_padding_bos_or_unknown_even_from_a_model_that_prefers_
     probs[:, banned] = 50.0  # the special ids hold most of the mass after every token
     model = BigramLM(probs / probs.sum(-1, keepdim=True))
     prompt = [[tok.encode("the")[0]]]
+    lengths = []
     for params in (SamplingParams(max_new_tokens=60, seed=s, num_samples=4) for s in range(3)):
         drawn = Engine(model, params, tok).generate(prompt)
         assert_same_completions(drawn, reference_generate(model, prompt, params, tok))
         assert all(t not in banned for c in drawn for t in c.token_ids)
-        assert sum(len(c.token_ids) for c in drawn) > 40  # EOS still ends samples, but not at once
+        lengths += [len(c.token_ids) for c in drawn]
+    # EOS still ends samples, but not at once: one allowed id in about 30, so about 30 tokens a sample
+    assert sum(lengths) > 10 * len(lengths)
     greedy = Engine(model, SamplingParams(max_new_tokens=5, temperature=0), tok).generate(prompt)[0]
     assert greedy.token_ids[0] not in banned
     beams = beam_search_completions(model, tok, prompt[0], SamplingParams(max_new_tokens=8, num_beams=3,
@@ -363,3 +366,20 @@ def test_no_sampler_draws_padding_bos_or_unknown_even_from_a_model_that_prefers_
     assert all(t not in banned for c in beams for t in c.token_ids)
     as_stop = Engine(model, SamplingParams(max_new_tokens=50, seed=0, stop_ids=[tok.pad_id]), tok).generate(prompt)
     assert as_stop[0].finish_reason == "stop" and as_stop[0].token_ids[-1] == tok.pad_id
+
+
+def test_seeded_samples_of_different_prompts_draw_differently_and_each_alone_as_in_a_list():
+    """Under a uniform model every token is the random draw alone: two prompts given the same seed must not
+    come out with the same tokens (as "To be Lavka" beside "KING. Lavka" did), while a prompt's sample is
+    still the same alone and in a list, in the engine, the reference and each order."""
+    model = BigramLM(torch.full((64, 64), 1 / 64))
+    params = SamplingParams(max_new_tokens=12, temperature=1.0, seed=3, num_samples=2)
+    prompts = [[1, 2, 3], [4]]
+    both = Engine(model, params).generate(prompts)
+    tokens = [c.token_ids for c in both]
+    assert tokens[0] != tokens[2] and tokens[1] != tokens[3]  # prompt 0 and prompt 1, sample by sample
+    assert tokens[0] != tokens[1]  # the samples of one prompt differ too
+    for i, prompt in enumerate(prompts):
+        alone = [c.token_ids for c in Engine(model, params).generate([prompt])]
+        assert alone == tokens[2 * i:2 * i + 2]
+    assert [c.token_ids for c in reference_generate(model, prompts[::-1], params)] == tokens[2:] + tokens[:2]
