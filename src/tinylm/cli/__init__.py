@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
 import os
 import signal
 import sys
@@ -35,7 +36,6 @@ from tinylm import __version__
 from tinylm.atomic import disk_failure
 from tinylm.cli import data, evaluate, explain, export, generate, tokenizer, train
 from tinylm.cli.flags import Parser, show_help
-from tinylm.config.fields import did_you_mean
 from tinylm.errors import Stopped, TinyLMError
 
 
@@ -58,9 +58,10 @@ def _closest_flag(command: argparse.ArgumentParser, extra: Sequence[str]) -> str
     flags = [flag for flag in command._option_string_actions if flag.startswith("--")]
     for word in extra:
         if word.startswith("--"):
-            hint = did_you_mean(word.split("=", 1)[0], flags)
-            if hint:
-                return hint
+            # closer than difflib's default: flags share "--" and dashes, so a loose match guesses wrong
+            close = difflib.get_close_matches(word.split("=", 1)[0], flags, n=1, cutoff=0.8)
+            if close:
+                return f" (did you mean {close[0]!r}?)"
     return ""
 
 

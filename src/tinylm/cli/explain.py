@@ -160,7 +160,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    "(default: the configuration's batch_size)")
     p.add_argument("--out", metavar="PNG", help="plot parameters, FLOPs and inner products against T into this PNG")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
-    add_setting_flags(p)
+    add_setting_flags(p, sections=("model",))  # the cost of a model; of training's settings it reads only --batch
     p.set_defaults(func=cmd_cost, parser=p)
 
     add_model_commands(explain)  # tinylm explain attention, tinylm explain forward

@@ -171,8 +171,8 @@ def settings_from(args: argparse.Namespace) -> dict[str, object]:
     return {k[len(SETTING_PREFIX):]: v for k, v in vars(args).items() if k.startswith(SETTING_PREFIX)}
 
 
-def add_setting_flags(p: argparse.ArgumentParser) -> None:
-    """One flag per configuration field, [model] and [train], generated from the dataclasses.
+def add_setting_flags(p: argparse.ArgumentParser, sections: tuple[str, ...] = tuple(SECTIONS)) -> None:
+    """One flag per configuration field of ``sections`` ([model] and [train]), generated from the dataclasses.
 
     Values stay text here; `apply_overrides` parses and checks them, so a flag and a TOML key
     give the same errors. Only the flags given on the command line end up in the namespace.
@@ -181,6 +181,8 @@ def add_setting_flags(p: argparse.ArgumentParser) -> None:
     """
     tiny = resolve_config(preset=DEFAULT_PRESET)
     for section, cls in SECTIONS.items():
+        if section not in sections:
+            continue
         group = p.add_argument_group(
             f"[{section}] settings",
             "override the preset and --config file, e.g. --n-layer 6" if section == "model"

@@ -22,7 +22,7 @@ import regex
 import tiktoken
 
 from tinylm.errors import TinyLMError
-from tinylm.tokenizers.base import AllowedSpecial, Tokenizer, whole_number, without_lone_surrogates
+from tinylm.tokenizers.base import AllowedSpecial, StreamDecoder, Tokenizer, whole_number, without_lone_surrogates
 from tinylm.tokenizers.bpe import PATTERNS, TiktokenPath, pattern_name, resolve_pattern
 
 NORMALIZERS = ("NFC", "NFKC", "NFD", "NFKD")
@@ -353,8 +353,40 @@ class SentencePieceBPETokenizer(ImportedTokenizer):
         return self._bytes_of[token_id] or b""
 
     def decode(self, ids: Iterable[int], errors: str = "replace") -> str:
-        text = super().decode(ids, errors)
+        ids = [int(i) for i in ids]
+        text = super().decode(ids, errors) if errors != "replace" else self._decode_byte_runs(ids)
         return text[1:] if self.strip_leading_space and text.startswith(" ") else text
+
+    def stream_decoder(self) -> StreamDecoder:
+        return _ByteRunStreamDecoder(self)
+
+    def _is_byte_token(self, i: int) -> bool:
+        return 0 <= i < len(self.pieces) and i not in self._special_bytes and self.pieces[i] is not None \
+            and _BYTE_PIECE.fullmatch(self.pieces[i]) is not None
+
+    def _byte_run_text(self, run: list[int]) -> str:
+        data = b"".join(self._bytes_of[i] or b"" for i in run)
+        try:
+            return data.decode("utf-8")
+        except UnicodeDecodeError:
+            return "\ufffd" * len(run)
+
+    def _decode_byte_runs(self, ids: list[int]) -> str:
+        """Text as `tokenizers`' ByteFallback decoder makes it: each run of byte tokens is UTF-8 text, or one
+        U+FFFD per byte token where it is not (Python's decoder would keep the ASCII bytes of a broken run)."""
+        parts: list[str] = []
+        run: list[int] = []
+        for i in ids:
+            if self._is_byte_token(i):
+                run.append(i)
+                continue
+            if run:
+                parts.append(self._byte_run_text(run))
+                run = []
+            parts.append(self.token_bytes(i).decode("utf-8", errors="replace"))
+        if run:
+            parts.append(self._byte_run_text(run))
+        return "".join(parts)
 
     def _encode_piece(self, text: str, first: bool) -> list[int]:
         text = text.replace(" ", SPACE_MARK)
@@ -431,6 +463,28 @@ class SentencePieceBPETokenizer(ImportedTokenizer):
                    byte_fallback=bool(data["byte_fallback"]), fuse_unk=bool(data["fuse_unk"]), prefix=data["prefix"],
                    split=bool(data["split"]), strip_leading_space=bool(data["strip_leading_space"]),
                    **cls._common_args(data))
+
+
+class _ByteRunStreamDecoder(StreamDecoder):
+    """`SentencePieceBPETokenizer.decode` as tokens arrive: a run of byte tokens is held until the run ends."""
+
+    def __init__(self, tokenizer: SentencePieceBPETokenizer) -> None:
+        super().__init__(tokenizer)
+        self._run: list[int] = []
+
+    def push(self, token_id: int) -> str:
+        tok = self.tokenizer
+        assert isinstance(tok, SentencePieceBPETokenizer)
+        if tok._is_byte_token(token_id):
+            self._run.append(token_id)
+            return ""
+        return self.flush() + tok.token_bytes(token_id).decode("utf-8", errors="replace")
+
+    def flush(self) -> str:
+        tok = self.tokenizer
+        assert isinstance(tok, SentencePieceBPETokenizer)
+        text, self._run = (tok._byte_run_text(self._run) if self._run else ""), []
+        return text
 
 
 _BYTE_PIECE = regex.compile(r"<0x([0-9A-Fa-f]{2})>")
