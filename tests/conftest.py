@@ -41,10 +41,10 @@ def one_thread():
     The models in the tests are tiny: splitting their matmuls across threads costs more than it
     saves, and on a busy 2-core machine the waiting threads make a 4 ms training step take over
     100 ms. Training runs started by the tests set ``threads = 1`` in their config for the same reason.
+    The library's commands called in the tests (`evaluate_run`, `cmd_sample`, ...) keep this count, as
+    inside any `use_threads` block, instead of measuring the busy cores each time.
     """
-    import torch
+    from tinylm.device import use_threads
 
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    with use_threads("cpu", 1):
+        yield

@@ -27,11 +27,12 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from tinylm.data.corpora import Corpus
+from tinylm.device import use_threads
 from tinylm.errors import TinyLMError
 from tinylm.evaluate import EvalResult, check_stride, corpus_text, evaluate_model, split_text, window_size
 
@@ -57,9 +58,12 @@ def compare_runs(
     max_tokens: int = 0,
     stride: int | None = None,
     device: str = "cpu",
+    threads: int | None = None,
+    log: Callable[[str], None] | None = None,
 ) -> list[Compared]:
     """Evaluate every run (`tinylm.run.load_run`) on its ``split``, or all on ``corpus``; ``stride``: sliding
-    windows for every network (1..its block_size; None: disjoint windows)."""
+    windows for every network (1..its block_size; None: disjoint windows). ``threads``: CPU threads; None
+    follows `tinylm.device.use_threads` (busy cores left out, said to ``log``)."""
     from tinylm.data.shards import ShardSet
     from tinylm.run import load_run
 
@@ -69,6 +73,14 @@ def compare_runs(
     loaded = [load_run(path, device=device) for path in runs]  # every run and stride checked before any work
     for run, name in zip(loaded, names):
         check_stride(stride, window_size(run.model, run.config.model.block_size), f" of {name}")
+    with use_threads(device, threads, log=log):  # once every run is checked: an error there stays one line
+        return _evaluate_each(runs, names, loaded, split, corpus, max_tokens, stride, device)
+
+
+def _evaluate_each(runs: Sequence[str | os.PathLike], names: list[str], loaded: list, split: str,
+                   corpus: str | Corpus | None, max_tokens: int, stride: int | None, device: str) -> list[Compared]:
+    from tinylm.data.shards import ShardSet
+
     rows = []
     for path, name, run in zip(runs, names, loaded):
         if corpus is not None:

@@ -5,12 +5,17 @@ loading a run never leans on the training wing::
 
     device = resolve_device("auto")                    # the GPU when CUDA is there, else the CPU
     autocast = autocast_for(device, "auto")            # bfloat16 where the hardware has it
-    with threads(default_cpu_threads(processes=1)):    # the cores that are free now
+    with use_threads(device, setting=None, log=print):  # the cores that are free now, said in one line
         with autocast():
             ...
 
 The thread count matters on a shared CPU: small models on a few cores are hurt badly by
 oversubscription, so the default counts only the cores that are idle now (`busy_cores`).
+`use_threads` is the one policy every command follows (train, eval, compare, sample, next-token,
+explain, serve): on a CPU, one thread per core that is not busy now, busy cores left out and named
+in one line (`ThreadChoice.line`); ``setting`` (``--threads N``) overrides it. Inside an outer
+`use_threads` block an inner one without a setting keeps the outer choice, so a command that calls
+another (compare evaluates each run) measures and says it once.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import contextlib
 import os
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 
@@ -91,32 +97,122 @@ def threads(n: int | None) -> Iterator[None]:
 def cpu_threads(setting: int | None, device: torch.device, processes: int) -> int | None:
     """The thread count to run with: ``setting`` if given, else on a CPU the free cores shared among
     ``processes`` (`default_cpu_threads`), else None (PyTorch's own count)."""
-    if setting is None and device.type == "cpu":
-        return default_cpu_threads(processes)
-    return setting
+    return choose_threads(setting, device, processes).threads
 
 
 def default_cpu_threads(processes: int) -> int:
     """Threads per process: the cores this machine has free, shared among its processes.
 
     Small models on a few cores are hurt badly by oversubscription: on a 2-core machine with
-    another busy process, the tiny preset ran 3-10x slower with 2 threads than with 1
-    (benchmarks/train.py --threads). So cores that are busy now (`busy_cores`) are left out.
+    another busy process, the tiny preset ran several times slower with 2 threads than with 1
+    (benchmarks/threads.py). So cores that are busy now (`busy_cores`) are left out.
     """
     cores = available_cpus()
     busy = round(busy_cores())
     return max(1, min(cores, cores - busy) // processes)
 
 
+@dataclass(frozen=True)
+class ThreadChoice:
+    """The CPU threads a command runs with, and why: what `ThreadChoice.line` says in one line.
+
+    ``threads`` None leaves PyTorch's own count (the model runs on a GPU); ``left_out`` names the
+    cores counted busy (empty when none are, or when only the load average could say how many:
+    ``busy`` is the count either way); ``setting`` is the count asked for (``--threads``), if any.
+    """
+
+    threads: int | None
+    cores: int
+    busy: int = 0
+    left_out: tuple[int, ...] = ()
+    setting: int | None = None
+    processes: int = 1
+    device: str = "cpu"
+
+    def line(self) -> str:
+        if self.setting is not None:
+            return f"threads: {_threads(self.setting)}{self._each()}, as --threads set"
+        if self.threads is None:
+            return f"threads: PyTorch's own CPU thread count (the model runs on {self.device}; --threads N sets it)"
+        if not self.busy:
+            return (f"threads: {_threads(self.threads)}{self._each()}, one a core: none of the {self.cores} cores "
+                    "is busy now (--threads N sets the count)")
+        which = (f"core{'s' if len(self.left_out) > 1 else ''} {', '.join(map(str, self.left_out))}" if self.left_out
+                 else f"{self.busy} core{'s' if self.busy > 1 else ''}")
+        return (f"threads: {_threads(self.threads)}{self._each()}: {which} of {self.cores} left out, busy with other "
+                "work now (--threads N sets the count)")
+
+    def _each(self) -> str:
+        return f" in each of {self.processes} processes" if self.processes > 1 else ""
+
+
+def _threads(n: int) -> str:
+    return f"{n} CPU thread{'s' if n > 1 else ''}"
+
+
+def choose_threads(setting: int | None, device: torch.device | str = "cpu", processes: int = 1) -> ThreadChoice:
+    """The thread policy: ``setting`` when given; else on a CPU one thread per core not busy now, shared among
+    ``processes`` (at least one each); else (a GPU) PyTorch's own count."""
+    device = torch.device(device)
+    cores = available_cpus()
+    if setting is not None:
+        if setting < 1:
+            raise TinyLMError(f"threads must be 1 or more, got {setting}")
+        return ThreadChoice(setting, cores, setting=setting, processes=processes, device=str(device))
+    if device.type != "cpu":
+        return ThreadChoice(None, cores, processes=processes, device=str(device))
+    loads = core_loads()
+    busy = round(sum(loads.values())) if loads is not None else round(busy_cores())
+    busy = min(busy, cores)
+    left_out = tuple(sorted(sorted(loads, key=lambda n: -loads[n])[:busy])) if loads is not None else ()
+    return ThreadChoice(max(1, (cores - busy) // processes), cores, busy, left_out, processes=processes,
+                        device=str(device))
+
+
+_active: list[ThreadChoice] = []  # the `use_threads` blocks this process is inside, innermost last
+
+
+@contextlib.contextmanager
+def use_threads(device: torch.device | str = "cpu", setting: int | None = None, processes: int = 1,
+                log: Callable[[str], None] | None = None) -> Iterator[ThreadChoice]:
+    """Run the block with the thread policy's count (`choose_threads`), said in one line to ``log`` (a count the
+    caller set is not repeated back); PyTorch's count before is restored after. Inside another `use_threads`
+    block, one without a ``setting`` keeps the outer choice (nothing measured, nothing said again)."""
+    if setting is None and _active:
+        yield _active[-1]
+        return
+    choice = choose_threads(setting, device, processes)
+    if log is not None and setting is None:
+        log(choice.line())
+    with threads(choice.threads):
+        _active.append(choice)
+        try:
+            yield choice
+        finally:
+            _active.pop()
+
+
 def busy_cores(window: float = 0.25) -> float:
     """How many of this process's cores are busy now: each one's non-idle share over ``window`` seconds, summed.
 
-    Read from /proc/stat (Linux) for the cores in this process's affinity set. Elsewhere, the
-    1-minute load average; but that counts recent work too, this process's own included, so a
+    Read from /proc/stat (Linux) for the cores in this process's affinity set (`core_loads`). Elsewhere,
+    the 1-minute load average; but that counts recent work too, this process's own included, so a
     second run straight after a first (or the next model of a benchmark) would see the cores it
     just used as taken. The price of a short sample: a neighbour that is bursty and happens to be
     idle in the window is not counted (``--threads`` sets the count outright).
     """
+    loads = core_loads(window)
+    if loads is not None:
+        return sum(loads.values())
+    try:
+        return float(int(os.getloadavg()[0]))  # whole cores: a load of 1.6 leaves the second core free
+    except (AttributeError, OSError):  # no load average on this platform
+        return 0.0
+
+
+def core_loads(window: float = 0.25) -> dict[int, float] | None:
+    """Each of this process's cores' non-idle share over ``window`` seconds (0 to 1), from /proc/stat;
+    None where the kernel does not list them (not Linux)."""
     try:
         cores = os.sched_getaffinity(0)
         before = cpu_times(cores)
@@ -125,16 +221,12 @@ def busy_cores(window: float = 0.25) -> float:
         if before.keys() != cores or after.keys() != cores:
             raise OSError("/proc/stat does not list this process's cores")
     except (AttributeError, OSError, ValueError, IndexError):
-        try:
-            return float(int(os.getloadavg()[0]))  # whole cores: a load of 1.6 leaves the second core free
-        except (AttributeError, OSError):  # no load average on this platform
-            return 0.0
-    busy = 0.0
-    for n in cores:
+        return None
+    loads = {}
+    for n in sorted(cores):
         total = after[n][0] - before[n][0]
-        if total > 0:
-            busy += 1 - (after[n][1] - before[n][1]) / total
-    return busy
+        loads[n] = 1 - (after[n][1] - before[n][1]) / total if total > 0 else 0.0
+    return loads
 
 
 def cpu_times(cores: set[int], stat: str = "/proc/stat") -> dict[int, tuple[int, int]]:

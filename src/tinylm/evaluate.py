@@ -34,6 +34,7 @@ from tqdm import tqdm
 
 from tinylm.data.corpora import Corpus, load_corpus
 from tinylm.data.shards import ShardSet
+from tinylm.device import use_threads
 from tinylm.errors import TinyLMError
 from tinylm.model import IGNORE_INDEX, NGramLM
 from tinylm.run import load_run
@@ -409,6 +410,8 @@ def evaluate_run(
     tokenizer: str | None = None,
     device: str = "cpu",
     progress: bool = False,
+    threads: int | None = None,
+    log: Callable[[str], None] | None = None,
 ) -> EvalResult:
     """Evaluate a trained run of any family (`tinylm.run.load_run`), or an n-gram model file (.npz).
 
@@ -418,6 +421,7 @@ def evaluate_run(
     UTF-8 error policy), tokenized with the run's tokenizer. A bare n-gram file has no tokenizer of its
     own: give ``data_dir`` (its shards carry one) or ``tokenizer`` (a tokenizer JSON file). ``stride``:
     sliding windows, 1..the run's block_size (`evaluate_tokens`); None is disjoint windows.
+    ``threads``: CPU threads; None follows `tinylm.device.use_threads` (busy cores left out, said to ``log``).
     """
     path = Path(run_dir)
     if path.is_file() and path.suffix != ".npz":
@@ -452,8 +456,10 @@ def evaluate_run(
             raise TinyLMError(f"the shards in {folder} were made with another tokenizer than {run_dir}'s; "
                               "give the run's own data folder, or evaluate on a corpus with --corpus")
         text = split_text(shards, split)
-    return evaluate_model(model, text, tok, block_size=block_size, batch_size=batch_size,
-                          max_tokens=max_tokens, stride=stride, device=device, progress=progress, start_id=start_id)
+    with use_threads(device, threads, log=log):  # once everything is checked: an error stays one line
+        return evaluate_model(model, text, tok, block_size=block_size, batch_size=batch_size,
+                              max_tokens=max_tokens, stride=stride, device=device, progress=progress,
+                              start_id=start_id)
 
 
 def _ngram_file(path: Path, data_dir: str | None, tokenizer: str | None):

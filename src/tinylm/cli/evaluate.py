@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from tinylm.cli.flags import add_corpus_flags, integer, load_corpus_from, positive_int
+from tinylm.cli.flags import add_corpus_flags, add_threads_flag, integer, load_corpus_from, positive_int
 from tinylm.errors import TinyLMError
 
 STRIDE_HELP = (
@@ -16,6 +16,10 @@ STRIDE_HELP = (
     "context; costs about block_size / S times more (default: disjoint windows, the same as S = block_size). An "
     "LSTM or RNN restarts its state in each window, so it gains context too; an n-gram model reads its own "
     "context whatever S. With --tokens: evenly spaced windows of S scored targets each")
+
+
+def _to_stderr(line: str) -> None:
+    print(f"tinylm: {line}", file=sys.stderr)
 
 
 def _device(setting: str) -> str:
@@ -38,7 +42,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     result = evaluate_run(run, args.split, checkpoint=args.checkpoint, max_tokens=args.tokens or 0,
                           stride=args.stride, batch_size=args.batch_size, data_dir=args.data_dir,
                           corpus=load_corpus_from(args), tokenizer=args.tokenizer, device=_device(args.device),
-                          progress=sys.stderr.isatty())
+                          progress=sys.stderr.isatty(), threads=args.threads, log=_to_stderr)
     if args.json:
         print(json.dumps({"run": str(run), **result.report()}))
         return 0
@@ -62,7 +66,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     plot = args.plot if args.plot is not None else str(Path(args.runs[0]).parent / "compare.png")
     check_plot_path(plot)
     rows = compare_runs(args.runs, split=args.split, corpus=load_corpus_from(args), max_tokens=args.tokens or 0,
-                        stride=args.stride, device=_device(args.device))
+                        stride=args.stride, device=_device(args.device), threads=args.threads, log=_to_stderr)
     chart = plot_comparison(rows, plot)
     if args.json:
         print(json.dumps({"chart": str(chart), "runs": [
@@ -99,6 +103,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="auto", help="auto (cuda when there is a GPU, else cpu), cpu, cuda, cuda:N "
                    "or mps (default: auto, as for train)")
     p.add_argument("--json", action="store_true", help="print the numbers as one JSON object (for scripts)")
+    add_threads_flag(p)
     p.set_defaults(func=cmd_eval, parser=p)
 
     # tinylm compare
@@ -118,4 +123,5 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    "or mps (default: auto, as for train)")
     p.add_argument("--json", action="store_true", help="print the table as JSON, best first (the chart is still "
                    "written)")
+    add_threads_flag(p)
     p.set_defaults(func=cmd_compare, parser=p)

@@ -16,7 +16,7 @@ import argparse
 import json
 
 from tinylm.cli.explain_model import add_model_commands
-from tinylm.cli.flags import Parser, add_setting_flags, positive_int, probability, settings_from, show_help
+from tinylm.cli.flags import Parser, add_setting_flags, add_threads_flag, positive_int, probability, settings_from, show_help
 from tinylm.errors import TinyLMError
 
 
@@ -68,9 +68,12 @@ def cmd_sampling(args: argparse.Namespace) -> int:
     else:
         if args.run is None:
             raise TinyLMError("give --run DIR and --text TEXT for a model's next token, or --logits 2,1,-1")
+        from tinylm.generate.commands import command_threads
         from tinylm.run import load_run
 
-        table = explain_run(load_run(args.run), args.text or "", temps, args.top_k, args.top_p, args.top)
+        run = load_run(args.run)
+        with command_threads(args):
+            table = explain_run(run, args.text or "", temps, args.top_k, args.top_p, args.top)
     picture = plot_sampling(table, args.out) if args.out else None
     if args.json:
         print(json.dumps({**table.to_json(), "picture": picture and str(picture)}))
@@ -143,6 +146,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top", type=positive_int, default=10, help="with --run: tokens to show (default: 10)")
     p.add_argument("--out", metavar="PNG", help="draw one panel per temperature into this PNG file")
     p.add_argument("--json", action="store_true", help="print the table as one JSON object")
+    add_threads_flag(p)
     p.set_defaults(func=cmd_sampling, parser=p)
 
     # tinylm explain cost

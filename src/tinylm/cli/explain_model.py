@@ -16,7 +16,7 @@ import argparse
 import json
 from pathlib import Path
 
-from tinylm.cli.flags import integer
+from tinylm.cli.flags import add_threads_flag, integer
 from tinylm.config import FAMILY_NAMES
 from tinylm.errors import TinyLMError
 
@@ -39,11 +39,13 @@ def cmd_attention(args: argparse.Namespace) -> int:
         example = worked_example()
         print(json.dumps(example.report()) if args.json else format_example(example))
         return 0
+    from tinylm.generate.commands import command_threads
     from tinylm.run import load_run
 
     run = load_run(args.run, checkpoint=args.checkpoint)
-    maps = attention_of_text(run.model, run.tokenizer, args.text, start_ids=run.start_ids, layer=args.layer,
-                             head=args.head)
+    with command_threads(args):
+        maps = attention_of_text(run.model, run.tokenizer, args.text, start_ids=run.start_ids, layer=args.layer,
+                                 head=args.head)
     out = Path(args.out) if args.out else Path(run.path) / "attention.png"
     plot_attention(maps, out, title=f"{Path(run.path).name}: attention weights (row: query, column: key)")
     if args.json:
@@ -65,14 +67,16 @@ def cmd_forward(args: argparse.Namespace) -> int:
         example = two_token_loss()
         print(json.dumps(example.report()) if args.json else format_two_token_loss(example))
         return 0
+    from tinylm.generate.commands import command_threads
     from tinylm.run import load_run
 
     run = load_run(args.run, checkpoint=args.checkpoint)
     if run.family != "gpt":
         raise TinyLMError(f"{args.run} holds {FAMILY_NAMES.get(run.family, run.family)} model; `explain forward` "
                           "traces a Transformer's forward pass")
-    ids = text_ids(run.model, run.tokenizer, args.text, start_ids=run.start_ids)
-    trace = trace_forward(run.model, ids, position=args.position, head=args.head)
+    with command_threads(args):
+        ids = text_ids(run.model, run.tokenizer, args.text, start_ids=run.start_ids)
+        trace = trace_forward(run.model, ids, position=args.position, head=args.head)
     print(json.dumps({"run": str(args.run), **trace.report()}) if args.json else format_trace(trace))
     return 0
 
@@ -114,3 +118,4 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", choices=["best", "latest"], default="best", help="which checkpoint (default: best)")
     p.add_argument("--json", action="store_true", help="print the numbers as one JSON object")
     p.add_argument("--example", choices=["lecture"], help="the worked example instead of a run")
+    add_threads_flag(p)

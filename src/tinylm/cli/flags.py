@@ -54,6 +54,13 @@ port = _number(int, "a port number from 0 (any free port) to 65535", lambda v: 0
 SETTING_PREFIX = "setting:"  # argparse dest of a [model]/[train] setting: "setting:<table>.<key>"
 
 
+def add_threads_flag(p: argparse.ArgumentParser) -> None:
+    """--threads, the same on every command that runs a model (`tinylm.device.use_threads` is the default)."""
+    p.add_argument("--threads", type=positive_int, metavar="N",
+                   help="PyTorch CPU threads (default: one per core not busy now; the busy ones are left out and "
+                   "named in one line)")
+
+
 def add_corpus_flags(p: argparse.ArgumentParser, default: str | None = "shakespeare", what: str = "") -> None:
     from tinylm.data.corpora import CORPORA
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from tinylm.cli.flags import nonneg_float, port, positive_int, probability, seed_int
+from tinylm.cli.flags import add_threads_flag, nonneg_float, port, positive_int, probability, seed_int
 
 
 def cmd_sample(args: argparse.Namespace) -> int:
@@ -72,6 +72,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    help="compile a GPT's one-token step with torch.compile, used where it times faster than the "
                    "eager step: 15-40 s the first time, about 5 s after (torch caches it); worth it for long "
                    "or many samples (default: off)")
+    add_threads_flag(p)
     p.set_defaults(func=cmd_sample, parser=p)
 
     p = sub.add_parser("next-token", help="show the most likely next tokens after a prompt",
@@ -85,6 +86,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    help="the temperature of the probabilities (default: 1.0)")
     p.add_argument("--temperatures", metavar="T1,T2,...",
                    help="show the probabilities at several temperatures side by side, e.g. 0.5,1,2")
+    add_threads_flag(p)
     p.set_defaults(func=cmd_next_token, parser=p)
 
     # tinylm serve
@@ -112,7 +114,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    "its connection closed (default: 30)")
     p.add_argument("--checkpoint", choices=["best", "latest"], default="best", help="which checkpoint (default: best)")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps (default: cpu)")
-    p.add_argument("--threads", type=positive_int, metavar="N", help="PyTorch CPU threads (default: PyTorch's choice)")
+    add_threads_flag(p)
     p.add_argument("--draft", metavar="ngram|prompt|DIR",
                    help="speculative decoding of a lone request (as tinylm sample --draft): the same greedy text, "
                    "the same sampling distribution, faster where drafts are often kept (default: off)")

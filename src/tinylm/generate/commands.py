@@ -8,18 +8,21 @@ is also how to do the same from Python.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
+from tinylm.device import ThreadChoice, use_threads
 from tinylm.errors import TinyLMError
 from tinylm.generate.engine import Completion, encode_prompts, generate, stream
 from tinylm.generate.opening import opening_of_run
 from tinylm.generate.inspect import format_candidates, left_out, next_token_candidates, temperature_table
 from tinylm.generate.sampling import SamplingParams
 from tinylm.generate.speculative import SpeculativeStats, load_draft, speculative_events, speculative_generate
+from tinylm.generate.steps import keep_prompt
 
 
 def unescape(text: str) -> str:
@@ -95,8 +98,20 @@ def format_completions(prompts: Sequence[str], completions: Sequence[Completion]
     return "".join(parts)
 
 
+def command_threads(args: Any) -> contextlib.AbstractContextManager[ThreadChoice]:
+    """A command's CPU threads: ``args.threads`` (--threads) or the busy-core rule of `tinylm.device.use_threads`,
+    said in one line on stderr (stdout keeps the text alone)."""
+    return use_threads(getattr(args, "device", "cpu"), getattr(args, "threads", None),
+                       log=lambda line: print(f"tinylm: {line}", file=sys.stderr))
+
+
 def cmd_sample(args: Any, out: TextIO | None = None) -> int:
     """`tinylm sample`: load the run, complete the prompts, print (or stream) the text."""
+    with contextlib.ExitStack() as threads:
+        return _sample(args, out, threads)
+
+
+def _sample(args: Any, out: TextIO | None, threads: contextlib.ExitStack) -> int:
     from tinylm.run import load_run
 
     out = sys.stdout if out is None else out
@@ -108,6 +123,7 @@ def cmd_sample(args: Any, out: TextIO | None = None) -> int:
         raise TinyLMError("--compile speeds up sampling and greedy decoding; beam search runs through the model's "
                           "own forward: drop --compile or --num-beams")
     run = load_run(args.run, checkpoint=getattr(args, "checkpoint", "best"))  # --checkpoint where parsed
+    threads.enter_context(command_threads(args))  # after the checks and the load: an error there stays one line
     if prompts == [""]:  # no prompt: start where a speech or a paragraph starts, not at a title page
         opening = opening_of_run(run.info, params.seed)
         prompts = [opening.text]
@@ -169,7 +185,13 @@ def cmd_next_token(args: Any, out: TextIO | None = None) -> int:
     if args.top < 1:
         raise TinyLMError(f"--top must be 1 or more, got {args.top}")
     run = load_run(args.run, checkpoint=getattr(args, "checkpoint", "best"))  # --checkpoint where parsed
-    ids = list(run.start_ids) + run.tokenizer.encode(args.prompt)
+    with command_threads(args):  # after the checks and the load: an error there stays one line
+        return _next_token(args, run, out)
+
+
+def _next_token(args: Any, run: Any, out: TextIO) -> int:
+    # a prompt longer than the context: its last block_size tokens, as `tinylm sample` reads it
+    ids = keep_prompt(list(run.start_ids) + run.tokenizer.encode(args.prompt), run.model.config.block_size)
     if args.temperatures:
         temps = parse_temperatures(args.temperatures)
         candidates, table = temperature_table(run.model, run.tokenizer, ids, temps, args.top)

@@ -125,7 +125,8 @@ def serve(run_dir: str | os.PathLike, *, host: str = "127.0.0.1", port: int = 80
           model_name: str | None = None, max_batch_size: int = 32, batch_window: float = 0.002,
           checkpoint: str = "best", device: str = "cpu", log_level: str = "info",
           graceful_timeout: float = GRACEFUL_TIMEOUT, allow_origins: Sequence[str] = (),
-          draft: str | None = None, draft_k: int = 4, body_timeout: float | None = None) -> None:
+          draft: str | None = None, draft_k: int = 4, body_timeout: float | None = None,
+          threads: int | None = None) -> None:
     """Serve the run in ``run_dir`` until interrupted (Ctrl+C): the OpenAI API under /v1, the playground at /.
 
     ``draft`` ("ngram", "prompt" or a run folder) decodes a lone request by speculative rounds of up to
@@ -133,7 +134,8 @@ def serve(run_dir: str | os.PathLike, *, host: str = "127.0.0.1", port: int = 80
 
     ``port`` 0 takes any free port (the line printed at start says which). ``graceful_timeout``: how long a
     shutdown waits for the requests in flight (see the module docstring). ``body_timeout``: the seconds a
-    request's body may take to arrive (None: `tinylm.serve.limits.BODY_TIMEOUT`).
+    request's body may take to arrive (None: `tinylm.serve.limits.BODY_TIMEOUT`). ``threads``: CPU threads for
+    the server's life; None follows `tinylm.device.use_threads` (busy cores left out, said in one line).
     """
     try:
         import uvicorn
@@ -143,6 +145,7 @@ def serve(run_dir: str | os.PathLike, *, host: str = "127.0.0.1", port: int = 80
     except ImportError as e:
         raise TinyLMError(f"tinylm serve needs FastAPI and uvicorn ({e.name} is missing): "
                           "reinstall tinylm (pip install -e .), which brings them") from None
+    from tinylm.device import use_threads
     from tinylm.run import check_run_dir, load_run
 
     check_run_dir(run_dir)
@@ -164,6 +167,14 @@ def serve(run_dir: str | os.PathLike, *, host: str = "127.0.0.1", port: int = 80
           f"(OpenAI API under /v1, playground at /; Ctrl+C stops)", flush=True)
     config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=graceful_timeout)
     server = graceful_server(config, app.state.scheduler.end_all)
+    # the threads for the server's life, chosen once it is loaded (an error before stays one line); the
+    # scheduler's thread starts with the server, under this count
+    with use_threads(device, threads, log=lambda line: print(f"tinylm: {line}", file=sys.stderr, flush=True)):
+        run_server(server, sock)
+
+
+def run_server(server: Any, sock: socket.socket) -> None:
+    """Serve on ``sock`` until the server stops."""
     server.run(sockets=[sock])
 
 
@@ -185,10 +196,6 @@ def url_for(host: str, port: int) -> str:
 
 def cmd_serve(args: Any) -> int:
     """`tinylm serve`: the parsed flags -> `serve`."""
-    import torch
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
     if args.api_key is not None and not args.api_key.strip():
         raise TinyLMError(f"--api-key is empty: give the key clients must send, or leave the flag out "
                           f"(then ${API_KEY_ENV} is used if set)")
@@ -211,5 +218,5 @@ def cmd_serve(args: Any) -> int:
           max_batch_size=args.max_batch_size, batch_window=args.batch_window_ms / 1000,
           checkpoint=args.checkpoint, device=args.device, log_level=args.log_level,
           allow_origins=args.allow_origin or (), draft=args.draft, draft_k=args.draft_k,
-          body_timeout=args.body_timeout)
+          body_timeout=args.body_timeout, threads=args.threads)
     return 0

@@ -55,7 +55,7 @@ import torch.nn.functional as F
 
 from tinylm.config import Config
 from tinylm.data.shards import ShardSet
-from tinylm.device import cpu_threads, out_of_memory_explained, threads
+from tinylm.device import out_of_memory_explained, use_threads
 from tinylm.errors import TinyLMError
 from tinylm.evaluate import EvalResult, evaluate, restrict, window_starts
 from tinylm.explain.plots import plot_loss_curve
@@ -150,8 +150,8 @@ def _train(config: Config | None, out: Path, resume: bool | str, force: bool, in
     ctx = Distributed.from_env(config.train.device)
     clean = False
     try:
-        with threads(cpu_threads(config.train.threads, ctx.device, ctx.local_world_size)):
-            result = _start(config, out, ckpt, ctx, force, init_from, stop_after, progress, log)
+        with use_threads(ctx.device, config.train.threads, ctx.local_world_size) as chosen:
+            result = _start(config, out, ckpt, ctx, force, init_from, stop_after, progress, log, chosen.line())
         clean = True
         return result
     finally:
@@ -160,7 +160,7 @@ def _train(config: Config | None, out: Path, resume: bool | str, force: bool, in
 
 def _start(config: Config, out: Path, ckpt: Checkpoint | None, ctx: Distributed, force: bool,
            init_from: str | os.PathLike | None, stop_after: int | None, progress: bool | None,
-           log: Callable[[str], None]) -> RunResult:
+           log: Callable[[str], None], threads_line: str) -> RunResult:
     """Everything the steps need, checked before anything is written (`plan_run`); then the run (`_Trainer`)."""
     log_main: Callable[[str], None] = log if ctx.is_main else (lambda text: None)
     plan = plan_run(config, out, ckpt, ctx, force, init_from, log_main)
@@ -172,7 +172,7 @@ def _start(config: Config, out: Path, ckpt: Checkpoint | None, ctx: Distributed,
     try:
         if plan.extension:
             log_main(plan.extension)
-        trainer.log_header()
+        trainer.log_header(threads_line)
         with out_of_memory_explained(out_of_memory_advice(plan.config, ctx.device)):
             return trainer.run()
     finally:
@@ -233,12 +233,13 @@ class _Trainer:
         plot_schedule_of(optimizers_of(self.optimizer), self.tc, self.total, self.out / SCHEDULE_FILE, self.out.name)
         write_cost_table(self.out, self.config, self.model)
 
-    def log_header(self) -> None:
+    def log_header(self, threads_line: str) -> None:
         processes = f"{self.ctx.world_size} processes ({self.tc.parallel})" if self.ctx.active else "1 process"
         for line in header_lines(self.config, out=self.out, resuming_at=self.step if self.ckpt is not None else None,
                                  shards=self.shards, total=self.total, per_step=tokens_per_step(self.config),
                                  param_groups=self.optimizer.param_groups, device=self.device, processes=processes,
-                                 threads=torch.get_num_threads(), metrics_where=self.metrics.where):
+                                 threads=torch.get_num_threads(), metrics_where=self.metrics.where,
+                                 threads_line=threads_line):
             self.log_main(line)
 
     # -- the steps

@@ -87,11 +87,12 @@ def eval_line(step: int, val: EvalResult, val_tokens: int) -> str:
 
 def header_lines(config: Config, *, out: Any, resuming_at: int | None, shards: ShardSet, total: int, per_step: int,
                  param_groups: Sequence[dict[str, Any]], device: Any, processes: str, threads: int,
-                 metrics_where: Sequence[str]) -> list[str]:
+                 metrics_where: Sequence[str], threads_line: str | None = None) -> list[str]:
     """The lines a run starts with: what it trains, on what data, for how long, where.
 
     ``processes``: "1 process" or "W processes (ddp)"; ``metrics_where``: where the metrics go
-    (named only when there is more than metrics.jsonl).
+    (named only when there is more than metrics.jsonl); ``threads_line``: why that many CPU threads
+    (`tinylm.device.ThreadChoice.line`: which busy cores were left out).
     """
     mc, tc = config.model, config.train
     verb = f"resuming at step {resuming_at} of" if resuming_at is not None else "training"
@@ -116,6 +117,8 @@ def header_lines(config: Config, *, out: Any, resuming_at: int | None, shards: S
                      f"set --warmup-steps below {total:,}")
     lines.append(f"device: {device}, {precision_name(device, tc.dtype)}, {processes}, "
                  f"{threads} CPU thread{'s' if threads > 1 else ''} each{', compiled' if tc.compile else ''}")
+    if threads_line:
+        lines.append(threads_line)
     if len(metrics_where) > 1:  # --log-to: metrics.jsonl and where else they go
         lines.append(f"metrics: {'; '.join(metrics_where)}")
     return lines
