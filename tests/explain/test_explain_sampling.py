@@ -64,8 +64,10 @@ def test_a_run_s_next_token(small_run_dir):
     assert len(table.labels) == 7 and len(table.stages[0]["top_k"]) == 7
     assert sum(table.stages[0]["top_k"][:5]) == pytest.approx(1.0, abs=1e-9)  # top-k 5: all mass on the first 5
     assert "T=1 top-k 5" in format_sampling(table)
-    with pytest.raises(TinyLMError, match="longer than the model's context of 16"):
-        explain_run(run, "x" * 40, temperatures=[1])
+    with pytest.warns(UserWarning, match="longer than the model's context of 16: keeping its last 16 tokens"):
+        long = explain_run(run, "x" * 40, temperatures=[1])  # the text's end, as `tinylm next-token` reads it
+        longer = explain_run(run, "yy" + "x" * 40, temperatures=[1])  # another start, the same last 16 tokens
+    assert long.labels == longer.labels and long.stages == longer.stages
 
 
 def test_the_command(tmp_path):
@@ -89,10 +91,11 @@ def test_bad_input_is_one_line(args, message):
     assert out.returncode != 0 and message in out.stderr and len(out.stderr.strip().splitlines()) == 1
 
 
-def test_text_longer_than_the_context_is_one_line(small_run_dir):
-    out = explain("sampling", "--run", str(small_run_dir), "--text", "y" * 40)
-    assert out.returncode != 0 and "longer than the model's context" in out.stderr
-    assert len(out.stderr.strip().splitlines()) == 1
+def test_text_longer_than_the_context_keeps_its_end_with_one_warning_line(small_run_dir):
+    out = explain("sampling", "--run", str(small_run_dir), "--text", "y" * 40, "--threads", "1")
+    assert out.returncode == 0, out.stderr
+    [warning] = [line for line in out.stderr.splitlines() if line.startswith("tinylm: warning:")]
+    assert "longer than the model's context" in warning and "keeping its last" in warning
 
 
 def test_the_command_on_a_run(small_run_dir, tmp_path):

@@ -73,7 +73,6 @@ def test_attention_is_the_library_s_maps_over_the_prompt_ids(server, run):
 
 @pytest.mark.parametrize(("body", "param", "phrase"), [
     ({"text": ""}, "text", "the text is empty"),
-    ({"text": "to be " * 100}, "text", "the model's context is 64"),
     ({"text": "to be", "layer": 2}, "layer", "layer 2 is out of range: this model has 2 layers, 0..1"),
     ({"text": "to be", "layer": 0, "head": 4}, "head", "head 4 is out of range: this model has 4 heads, 0..3"),
     ({"text": "to be", "head": 1}, "head", "head needs a layer"),

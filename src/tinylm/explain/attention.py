@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +30,7 @@ from torch import Tensor, nn
 from tinylm.atomic import atomic_path
 from tinylm.errors import TinyLMError
 from tinylm.generate.inspect import attention_maps
+from tinylm.generate.steps import fit_prompt
 from tinylm.model.attention import reference_attention
 from tinylm.tokenizers.base import Tokenizer
 
@@ -126,15 +128,21 @@ def token_label(tokenizer: Tokenizer, token_id: int) -> str:
     return text.replace("\\", "\\\\").replace("\n", "\\n").replace("\t", "\\t")
 
 
-def text_ids(model: nn.Module, tokenizer: Tokenizer, text: str, start_ids: Sequence[int] = ()) -> list[int]:
-    """``start_ids`` then the tokens of ``text``: the sequence as the model reads a document; an error if too long."""
+def fit_text(model: nn.Module, tokenizer: Tokenizer, text: str, start_ids: Sequence[int] = ()
+             ) -> tuple[list[int], str | None]:
+    """``start_ids`` then the tokens of ``text``, the sequence as the model reads a document; a text longer than
+    the context keeps its last block_size tokens (`tinylm.generate.steps.fit_prompt`: the warning line, or None)."""
     ids = list(start_ids) + tokenizer.encode(text)
-    block_size = model.config.block_size
-    if len(ids) > block_size:
-        raise TinyLMError(f"the text is {len(ids)} tokens (start token included) but the model's context is "
-                          f"{block_size}; give a shorter text")
     if not ids:
         raise TinyLMError("the text is empty; give some text with --text")
+    return fit_prompt(ids, model.config.block_size)
+
+
+def text_ids(model: nn.Module, tokenizer: Tokenizer, text: str, start_ids: Sequence[int] = ()) -> list[int]:
+    """`fit_text`'s tokens, its warning given with `warnings.warn` (the CLI prints it as one line)."""
+    ids, warning = fit_text(model, tokenizer, text, start_ids)
+    if warning is not None:
+        warnings.warn(warning, stacklevel=2)
     return ids
 
 

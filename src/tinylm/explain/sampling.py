@@ -29,6 +29,7 @@ from tinylm.errors import TinyLMError
 from tinylm.explain.plots import save_figure
 from tinylm.generate.inspect import drawable_logits, top_ids
 from tinylm.generate.sampling import SamplingParams, sampling_distribution
+from tinylm.generate.steps import keep_prompt
 from tinylm.run import Run
 
 
@@ -92,11 +93,8 @@ def explain_logits(logits: Sequence[float], temperatures: Sequence[float], top_k
 def explain_run(run: Run, text: str, temperatures: Sequence[float], top_k: int | None = None,
                 top_p: float | None = None, top: int = 10) -> SamplingTable:
     """The next-token distribution of a trained run after ``text``, for its ``top`` most likely tokens."""
-    ids = list(run.start_ids) + run.tokenizer.encode(text)
-    block_size = run.config.model.block_size
-    if len(ids) > block_size:
-        raise TinyLMError(f"the text is {len(ids)} tokens with the start token, longer than the model's context of "
-                          f"{block_size}; give a shorter --text")
+    # a text longer than the context: its last block_size tokens, with the warning `tinylm next-token` gives
+    ids = keep_prompt(list(run.start_ids) + run.tokenizer.encode(text), run.config.model.block_size)
     logits = drawable_logits(run.model, run.tokenizer, ids).double()  # (V,), -inf where no sample may go
     shown = top_ids(logits, top)
     labels = [_display(run.tokenizer.token_bytes(i)) for i in shown]

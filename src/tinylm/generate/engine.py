@@ -23,7 +23,9 @@ only (row 0's "The" is at position 0, not 2), so each row computes exactly what 
 compute alone (up to float rounding from different matrix shapes; the tests pin it).
 
 **The context window.** A model has seen positions 0..block_size-1 in training and no further
-(a learned position table has no row beyond). When prompt plus generation outgrow the window,
+(a learned position table has no row beyond). A prompt longer than the window keeps its last
+block_size tokens, with a warning (`tinylm.generate.steps.fit_prompt`: `generate` and `stream` apply
+it, so the first new token is the one `tinylm next-token` ranks first). When prompt plus generation outgrow the window,
 tinylm keeps the most recent ``keep`` tokens (``SamplingParams.window_keep``, default half the
 window), recomputes their keys and values from scratch with positions restarting at 0, and goes
 on; when the window fills again, it cuts again. Recomputing is necessary for every position
@@ -59,6 +61,7 @@ from tinylm.generate.steps import (
     FinishReason,
     accept_token,
     context_start,
+    keep_prompt,
     left_pad,
     warn_window,
     window_keep,
@@ -270,7 +273,7 @@ def generate(
     params = params if params is not None else SamplingParams()
     if isinstance(prompts, str):
         prompts = [prompts]
-    ids = encode_prompts(tokenizer, prompts, start_ids)
+    ids = [keep_prompt(p, model.config.block_size) for p in encode_prompts(tokenizer, prompts, start_ids)]
     if params.num_beams > 1:
         return [c for i, p in enumerate(ids)
                 for c in beam_search_completions(model, tokenizer, p, params, prompt_index=i)]
@@ -294,6 +297,7 @@ def stream(
     if params.num_samples != 1 or params.num_beams != 1:
         raise TinyLMError("streaming shows one sample as it is written: use num_samples = 1 and num_beams = 1")
     engine = Engine(model, params, tokenizer=tokenizer, compile=compile)
-    for event in engine.events(encode_prompts(tokenizer, [prompt], start_ids)):
+    ids = keep_prompt(encode_prompts(tokenizer, [prompt], start_ids)[0], model.config.block_size)
+    for event in engine.events([ids]):
         if event.text:
             yield event.text

@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from tinylm.config import FAMILY_NAMES
 from tinylm.errors import TinyLMError
 from tinylm.generate.sampling import SamplingParams, excluded_mask, sampling_distribution
-from tinylm.generate.steps import context_start
+from tinylm.generate.steps import keep_prompt
 from tinylm.tokenizers.base import Tokenizer
 
 
@@ -58,15 +58,15 @@ def temperature_probabilities(logits: Tensor, temperature: float) -> Tensor:
 
 @torch.inference_mode()
 def next_token_logits(model: nn.Module, ids: Sequence[int]) -> Tensor:
-    """The model's logits (V,) for the token after ``ids`` (only the last block_size tokens are seen)."""
+    """The model's logits (V,) for the token after ``ids`` (only the last block_size tokens are read, with the
+    warning of `tinylm.generate.steps.keep_prompt` when that drops some)."""
     logits, _ = _in_eval_mode(model, model, ids)  # (1, T, V)
     return logits[0, -1].float()  # (V,)
 
 
 def _in_eval_mode(model: nn.Module, fn, ids: Sequence[int]):
     """``fn`` of the last block_size tokens of ``ids`` as a (1, T) batch, with ``model`` in eval mode meanwhile."""
-    block_size = model.config.block_size
-    window = list(ids)[context_start(len(ids), block_size, block_size):]
+    window = keep_prompt(ids, model.config.block_size)
     idx = torch.tensor([window], dtype=torch.long, device=next(model.parameters()).device)  # (1, T)
     was_training = model.training
     model.eval()

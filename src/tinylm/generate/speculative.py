@@ -68,7 +68,15 @@ from tinylm.errors import TinyLMError
 from tinylm.generate.cache import KVCache
 from tinylm.generate.fast import StaticDecoder, make_decoder
 from tinylm.generate.sampling import SamplingParams, excluded_mask, make_generators, sampling_distribution
-from tinylm.generate.steps import Completion, FinishReason, accept_token, context_start, warn_window, window_keep
+from tinylm.generate.steps import (
+    Completion,
+    FinishReason,
+    accept_token,
+    context_start,
+    keep_prompt,
+    warn_window,
+    window_keep,
+)
 from tinylm.generate.stream import TextStream
 from tinylm.model import NGramLM, NGramModel
 from tinylm.tokenizers.base import Tokenizer, default_stop_ids
@@ -393,6 +401,7 @@ def speculative_events(
     V = model.config.vocab_size
     if not seq or any(not 0 <= t < V for t in seq):
         raise TinyLMError(f"the prompt must be 1 or more ids in the model's vocabulary 0..{V - 1}")
+    seq = keep_prompt(seq, model.config.block_size)  # as `generate` reads a long prompt
     stats = stats if stats is not None else SpeculativeStats()
     if stream is None and tokenizer is not None:
         stream = TextStream(tokenizer, params.stop)

@@ -5,7 +5,8 @@ and the server's scheduler all use them, so they sit below all four.
 - the model calls: `prefill` (the whole window, filling the KV cache) and `decode_one_token` (the new
   tokens only, against the cache); `left_pad` lines up prompts of different lengths for a batch.
 - the context-window rule: `context_start` (where the window begins at each length), `window_keep`
-  and `warn_window` (the engine's module docstring explains the policy).
+  and `warn_window` (the engine's module docstring explains the policy); `fit_prompt` and
+  `keep_prompt`, the one rule for a prompt longer than the model reads (every command follows it).
 - the stopping rule for one new token: `accept_token`.
 """
 
@@ -148,6 +149,37 @@ def window_keep(params: SamplingParams, block_size: int) -> int:
     if keep > block_size:
         raise TinyLMError(f"window_keep ({keep}) cannot exceed the model's context (block_size = {block_size})")
     return keep
+
+
+def fit_prompt(ids: Sequence[int], block_size: int, room: int = 0) -> tuple[list[int], str | None]:
+    """A prompt as the model reads it: its last ``block_size - room`` tokens, and the warning line when that
+    dropped some (None when the whole prompt fits).
+
+    The one policy for a prompt longer than the context, in `tinylm sample`, `tinylm next-token`,
+    `tinylm explain` and the server: the most recent text is what a continuation depends on, so it is
+    kept and the start is dropped, never refused. ``room`` is the positions to leave free for new tokens:
+    0 where generation slides its window as it goes (`generate`), ``max_tokens`` in the server, whose
+    batches never slide. Only a ``room`` that leaves nothing to keep is refused (`TinyLMError`).
+    """
+    limit = block_size - room
+    if limit < 1:
+        raise TinyLMError(f"{room} new tokens leave no room for a prompt in the model's context of {block_size} "
+                          f"tokens: ask for fewer than {block_size}")
+    ids = list(ids)
+    if len(ids) <= limit:
+        return ids, None
+    where = (f"the model's context of {block_size}" if not room else
+             f"the {limit} the model's context of {block_size} holds beside {room} new tokens")
+    return ids[-limit:], (f"the prompt is {len(ids)} tokens, longer than {where}: keeping its last {limit} tokens "
+                          f"(the first {len(ids) - limit} are not read)")
+
+
+def keep_prompt(ids: Sequence[int], block_size: int, room: int = 0) -> list[int]:
+    """`fit_prompt`'s tokens, its warning given with `warnings.warn` (the CLI prints it as one line)."""
+    kept, warning = fit_prompt(ids, block_size, room)
+    if warning is not None:
+        warnings.warn(warning, stacklevel=3)
+    return kept
 
 
 def warn_window(block_size: int, keep: int) -> None:

@@ -89,6 +89,7 @@ import tinylm.serve.protocol as protocol
 from tinylm.errors import TinyLMError
 from tinylm.generate.inspect import drawable_logits, top_ids
 from tinylm.generate.speculative import load_draft
+from tinylm.generate.steps import fit_prompt
 from tinylm.serve.chat import ChatFormat, is_blank_token, reply_text
 from tinylm.serve.inside import router as inside_router
 from tinylm.serve.protocol import (
@@ -98,7 +99,7 @@ from tinylm.serve.protocol import (
     DetokenizeRequest,
     NextTokenRequest,
     TokenizeRequest,
-    check_context,
+    fit_context,
 )
 from tinylm.serve.jobs import ChoiceEvent, Job, JobDone, JobFailed, PromptEvent, TokenLogprob, is_crash
 from tinylm.serve.limits import BODY_TIMEOUT, MAX_BODY_BYTES, BodyGuard, HeavyLane, LimitExceeded
@@ -203,7 +204,7 @@ def create_app(run: Any, *, model_name: str | None = None, api_key: str | None =
     app.add_middleware(_CrashGuard)  # inside CORS, so that a browser's page can read a 500 too
     if allow_origins:  # added last, so it runs first: a browser's preflight carries no API key
         app.add_middleware(CORSMiddleware, allow_origins=list(allow_origins), allow_methods=["GET", "POST"],
-                           allow_headers=["Authorization", "Content-Type"])
+                           allow_headers=["Authorization", "Content-Type"], expose_headers=[protocol.WARNING_HEADER])
 
     @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers' and monitors' liveness probe
     async def health() -> dict[str, Any]:
@@ -231,16 +232,18 @@ def create_app(run: Any, *, model_name: str | None = None, api_key: str | None =
             raise APIError(400, f"{len(prompts)} prompts x n = {n} is {len(prompts) * n} completions; "
                            f"the most in one request is {protocol.MAX_CHOICES}", param="n")
         full = [served.start_ids + p for p in prompts]
+        room = served.block_size - max(len(ids) for ids in full)  # at least one token, the prompt cut to make room
+        max_tokens = (min(protocol.COMPLETIONS_DEFAULT_MAX_TOKENS, max(1, room)) if body.max_tokens is None
+                      else body.max_tokens)
+        # a prompt longer than fits keeps its last tokens (`tinylm.generate.steps.fit_prompt`), as `tinylm sample`
+        full, warning = fit_context(full, max_tokens, served.block_size, echo=bool(body.echo))
         lengths = [len(ids) for ids in full]
-        check_context(lengths, 1 if body.max_tokens is None else body.max_tokens, served.block_size)
-        room = served.block_size - max(lengths)
-        max_tokens = min(protocol.COMPLETIONS_DEFAULT_MAX_TOKENS, room) if body.max_tokens is None else body.max_tokens
         params = body.sampling_params(max_tokens)
         stream = _JobStream(scheduler)
         job = Job(full, params, on_event=stream.push, logprobs=body.logprobs,
                   prompt_logprobs=bool(body.echo and body.logprobs is not None), echo_from=len(served.start_ids))
         result = _Completions(served, job, prompt_tokens=sum(lengths), echo=echo, logprobs=body.logprobs is not None)
-        return await _respond(request, stream, job, result, body.stream, body.include_usage)
+        return await _respond(request, stream, job, result, body.stream, body.include_usage, warning)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request) -> Response:
@@ -248,14 +251,14 @@ def create_app(run: Any, *, model_name: str | None = None, api_key: str | None =
         body.check_unsupported()
         prompt = await run_in_threadpool(body.prompt_ids, chat)
         requested = body.requested_max_tokens
-        check_context([len(prompt)], 1 if requested is None else requested, served.block_size, what="messages")
-        max_tokens = served.block_size - len(prompt) if requested is None else requested
+        max_tokens = max(1, served.block_size - len(prompt)) if requested is None else requested
+        [prompt], warning = fit_context([prompt], max_tokens, served.block_size, what="messages")
         params = body.chat_sampling_params(max_tokens, chat)
         top = (body.top_logprobs or 0) if body.logprobs else None
         stream = _JobStream(scheduler)
         job = Job([prompt], params, on_event=stream.push, logprobs=top)
         result = _ChatCompletions(served, job, prompt_tokens=len(prompt), logprobs=bool(body.logprobs))
-        return await _respond(request, stream, job, result, body.stream, body.include_usage)
+        return await _respond(request, stream, job, result, body.stream, body.include_usage, warning)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> Response:
@@ -294,7 +297,11 @@ def create_app(run: Any, *, model_name: str | None = None, api_key: str | None =
         tokens at temperature 1."""
         served.check(body.model)
         ids = served.start_ids + await run_in_threadpool(served.tokenizer.encode, body.prompt)
-        # the model reads the last block_size tokens; it runs beside the scheduler (inference only)
+        # the model reads the last block_size tokens (`fit_prompt`, as `tinylm next-token`); it runs beside the
+        # scheduler (inference only)
+        ids, warning = fit_prompt(ids, served.model.config.block_size)
+        if warning is not None:
+            log.warning(f"/next_token: {warning}")
         # -inf at the ids no sample takes (padding, BOS, reserved ids, <unk>), so the page charts what the server draws
         logits = (await run_in_threadpool(drawable_logits, served.model, served.tokenizer, ids)).cpu()  # (V,)
         probs = torch.softmax(logits, dim=-1)  # (V,)
@@ -303,7 +310,7 @@ def create_app(run: Any, *, model_name: str | None = None, api_key: str | None =
                 "logits": base64.b64encode(logits.numpy().astype("<f4").tobytes()).decode("ascii"),
                 "top": [{"id": i, "token": protocol.token_string(served.tokenizer, i),
                          "logit": protocol.finite(float(logits[i])),
-                         "probability": float(probs[i])} for i in order]}
+                         "probability": float(probs[i])} for i in order], "warning": warning}
 
     app.include_router(inside_router)  # /explain/tokens, /explain/attention
 
@@ -509,8 +516,12 @@ class _ChatCompletions(_Result):
 
 
 async def _respond(request: Request, stream: _JobStream, job: Job, result: _Result, streaming: bool | None,
-                   include_usage: bool) -> Response:
-    """Submit the job; answer with the whole result, or stream it as server-sent events."""
+                   include_usage: bool, warning: str | None = None) -> Response:
+    """Submit the job; answer with the whole result, or stream it as server-sent events. ``warning`` (a prompt
+    cut to fit) is logged and sent in the `protocol.WARNING_HEADER` header: the bodies keep OpenAI's shape."""
+    headers = {protocol.WARNING_HEADER: warning} if warning is not None else {}
+    if warning is not None:
+        log.warning(f"{request.url.path}: {warning}")
     try:
         stream.scheduler.submit(job)
     except TinyLMError as e:
@@ -519,7 +530,7 @@ async def _respond(request: Request, stream: _JobStream, job: Job, result: _Resu
         raise APIError(400, str(e)) from None
     if streaming:
         return StreamingResponse(_sse_events(stream, job, result, include_usage), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
     collecting = asyncio.ensure_future(_collect(stream, result))
     gone = asyncio.ensure_future(_client_gone(request))
     try:
@@ -535,7 +546,7 @@ async def _respond(request: Request, stream: _JobStream, job: Job, result: _Resu
         await asyncio.wait({collecting})
         return Response(status_code=499)  # nobody is listening; the status only shows in the access log
     collecting.result()  # raises the job's error, if any
-    return _JSON(result.response())
+    return _JSON(result.response(), headers=headers)
 
 
 async def _collect(stream: _JobStream, result: _Result) -> None:

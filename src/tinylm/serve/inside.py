@@ -14,8 +14,9 @@ above the diagonal are the causal mask's zeros. The weights come from
 `tinylm.generate.inspect.attention_maps` and the pieces from `Tokenizer.pieces`, so the page shows
 what ``tinylm explain`` prints.
 
-A bad request is a 400 in OpenAI's error JSON with one message: an empty text, a text longer than
-the model's context, a layer or head the model does not have, a model with no attention (an
+A text longer than the model's context is read as every command reads one: its last block_size
+tokens (the reply's ``warning`` says so; None when the whole text is read). A bad request is a 400 in
+OpenAI's error JSON with one message: an empty text, a layer or head the model does not have, a model with no attention (an
 n-gram or LSTM run). A text over `MAX_EXPLAIN_CHARS` characters, or an attention reply of more than
 `MAX_ATTENTION_WEIGHTS` weights (every layer of a long text: ask for one layer, or one head), is a 413.
 The work, and the writing of the reply (megabytes for a long text), is done in a worker thread
@@ -24,6 +25,7 @@ The work, and the writing of the reply (megabytes for a long text), is done in a
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -31,12 +33,13 @@ from fastapi.responses import Response
 
 import tinylm.serve.protocol as protocol
 from tinylm.errors import TinyLMError
-from tinylm.explain.attention import text_ids
+from tinylm.explain.attention import fit_text
 from tinylm.generate.inspect import attention_maps
 from tinylm.serve.limits import MAX_ATTENTION_WEIGHTS, MAX_EXPLAIN_CHARS, LimitExceeded, check_text
 from tinylm.serve.protocol import APIError, ExplainAttentionRequest, ExplainTokensRequest
 
 router = APIRouter()
+log = logging.getLogger("uvicorn.error")  # where uvicorn logs what the apps it serves say
 
 
 def _piece(tokenizer: Any, token_id: int, data: bytes) -> dict[str, Any]:
@@ -85,10 +88,11 @@ async def explain_attention(body: ExplainAttentionRequest, request: Request) -> 
 
 def _attention(served: Any, body: ExplainAttentionRequest) -> dict[str, Any]:
     """The reply of /explain/attention (in a worker thread: the model runs, and the maps may be megabytes)."""
-    try:  # the start ids, then the text's: as /v1/completions builds a prompt (and `tinylm explain attention`)
-        ids = text_ids(served.model, served.tokenizer, body.text, served.start_ids)
-    except TinyLMError as e:  # longer than the context: attention_maps would show the map of its last part only
-        raise APIError(400, str(e), param="text", code="context_length_exceeded") from None
+    # the start ids, then the text's: as /v1/completions builds a prompt; a text longer than the context keeps its
+    # last block_size tokens, with the warning `tinylm explain attention` gives (in the reply, and logged)
+    ids, warning = fit_text(served.model, served.tokenizer, body.text, served.start_ids)
+    if warning is not None:
+        log.warning(f"/explain/attention: {warning}")
     try:  # inference only, beside the scheduler (as /next_token)
         maps = [m.float().cpu() for m in attention_maps(served.model, ids)]
     except TinyLMError as e:  # an n-gram or LSTM model: attention_maps says which family has none
@@ -106,8 +110,8 @@ def _attention(served: Any, body: ExplainAttentionRequest) -> dict[str, Any]:
         raise LimitExceeded(413, f"these attention maps hold {count} weights; the most in one reply is "
                             f"{MAX_ATTENTION_WEIGHTS}: {fix}", code="reply_too_large", param="text")
     weights = [m.tolist() for m in chosen] if body.layer is None else chosen.tolist()
-    n_start = len(served.start_ids)
+    n_start = len(served.start_ids) if warning is None else 0  # a cut text lost its start: the cut takes the oldest
     tokens = [{**_piece(served.tokenizer, i, served.tokenizer.token_bytes(i)), "start": k < n_start}
               for k, i in enumerate(ids)]
     return {"model": served.name, "n_layer": n_layer, "n_head": n_head, "layer": body.layer,
-            "head": body.head, "tokens": tokens, "weights": weights}
+            "head": body.head, "tokens": tokens, "weights": weights, "warning": warning}

@@ -35,6 +35,7 @@ from pydantic_core import PydanticCustomError
 
 from tinylm.errors import TinyLMError
 from tinylm.generate.sampling import SamplingParams
+from tinylm.generate.steps import fit_prompt
 from tinylm.serve.chat import ChatFormat
 from tinylm.serve.jobs import TokenLogprob
 from tinylm.tokenizers.base import Tokenizer
@@ -311,14 +312,31 @@ def is_json_type(content_type: str) -> bool:
     return kind == "application/json" or (kind.startswith("application/") and kind.endswith("+json"))
 
 
-def check_context(prompt_lengths: Sequence[int], max_tokens: int, block_size: int, what: str = "prompt") -> None:
-    """OpenAI's rule: prompt plus completion must fit the context window, or 400 context_length_exceeded."""
-    longest = max(prompt_lengths)
-    if longest + max_tokens > block_size:
-        raise APIError(400, f"This model's maximum context length is {block_size} tokens. However, you requested "
-                       f"{longest + max_tokens} tokens ({longest} in the {what}, {max_tokens} in the completion). "
-                       f"Please reduce the length of the {what} or completion.",
-                       param="max_tokens" if longest < block_size else what, code="context_length_exceeded")
+WARNING_HEADER = "X-TinyLM-Warning"  # what a completion's response says of a prompt it had to cut
+
+
+def fit_context(prompts: Sequence[Sequence[int]], max_tokens: int, block_size: int, what: str = "prompt",
+                echo: bool = False) -> tuple[list[list[int]], str | None]:
+    """Each prompt as the model reads it beside ``max_tokens`` new tokens (`tinylm.generate.steps.fit_prompt`:
+    its most recent tokens, the start dropped), and the warning line (None when every prompt fits whole).
+
+    The batches never slide the model's window, so a prompt keeps at most ``block_size - max_tokens`` tokens.
+    Refused (400 context_length_exceeded): a ``max_tokens`` that leaves no room for any prompt, and ``echo``
+    of a prompt that does not fit (the reply could not carry the part the model never read).
+    """
+    kept, warnings = [], []
+    for ids in prompts:
+        try:
+            fitted, warning = fit_prompt(ids, block_size, room=max_tokens)
+        except TinyLMError as e:
+            raise APIError(400, str(e), param="max_tokens", code="context_length_exceeded") from None
+        if warning is not None and echo:
+            raise APIError(400, f"{warning}; echo returns the whole prompt, so send a shorter one or leave echo out",
+                           param=what, code="context_length_exceeded")
+        kept.append(fitted)
+        if warning is not None and warning not in warnings:
+            warnings.append(warning)
+    return kept, "; ".join(warnings) or None
 
 
 # ----- responses ---------------------------------------------------------------------------------------

@@ -107,7 +107,7 @@ async function refreshInside() {
     const starts = attention.tokens.filter((t) => t.start).length;
     $("heatmap-caption").textContent = "layer " + layer + ", head " + head + ": " + attention.tokens.length +
       " tokens down (queries) and across (keys), " + starts + " start token" + (starts === 1 ? "" : "s") + " first";
-    setInsideStatus(tokens.count + " tokens", "done");
+    setInsideStatus(tokens.count + " tokens" + (attention.warning ? "; warning: " + attention.warning : ""), "done");
   } catch (e) {
     if (ticket === insideRequest) setInsideStatus(e.message, "error");
   }

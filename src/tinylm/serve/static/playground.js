@@ -187,17 +187,16 @@ function scheduleChart() {
 
 // ----- the completion ---------------------------------------------------------------------------------
 
-// As many tokens as asked for, but no more than the context has room for after the text.
+// As many tokens as asked for, but no more than the context has room for after the text. A text that fills the
+// context is cut by the server to its most recent tokens (as every tinylm command reads a long prompt), and the
+// response's warning header says so.
 async function roomForTokens(wanted) {
   const response = await fetch("/tokenize", {
     method: "POST", headers: headers(), body: JSON.stringify({ model: modelName, prompt: promptBox.value }),
   });
   if (!response.ok) throw new Error(await errorMessage(response));
   const room = contextLength - (await response.json()).count;
-  if (room <= 0) {
-    throw new Error("the text fills the model's whole context of " + contextLength + " tokens: shorten it");
-  }
-  return Math.min(wanted, room);
+  return Math.min(wanted, room >= 1 ? room : contextLength - 1);
 }
 
 // The max-tokens box as a number, or null (with the box marked invalid) when it is not a whole number >= 1.
@@ -247,6 +246,7 @@ async function generate() {
       method: "POST", headers: headers(), body: JSON.stringify(request), signal: streaming.signal,
     });
     if (!response.ok) throw new Error(await errorMessage(response));
+    const warning = response.headers.get("X-TinyLM-Warning");
     // server-sent events: "data: {json}" blocks separated by a blank line, then "data: [DONE]"
     const reader = response.body.getReader();
     const decoder = new TextDecoder(); // stream mode: a character split across network packets waits
@@ -272,7 +272,8 @@ async function generate() {
         }
       }
     }
-    setStatus("done (" + (finish === "stop" ? "the model stopped" : request.max_tokens + " tokens") + ")", "done");
+    setStatus("done (" + (finish === "stop" ? "the model stopped" : request.max_tokens + " tokens") + ")" +
+              (warning ? "; warning: " + warning : ""), "done");
   } catch (e) {
     if (e.name === "AbortError") setStatus("stopped", "done");
     else setStatus(e.message, "error", "generate");
