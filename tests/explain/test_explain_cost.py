@@ -139,3 +139,21 @@ def test_the_activation_estimate_is_near_what_autograd_saves():
         model(idx, idx)
     estimate = cost_report(config, batch_size=4)["activation_bytes"]["total"]
     assert 0.8 < sum(saved.values()) / estimate < 1.25
+
+
+def test_the_help_holds_the_model_s_settings_not_training_s_and_the_6n_line_says_what_n_is(capsys):
+    from tinylm.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["explain", "cost", "--help"])
+    text = capsys.readouterr().out
+    assert "--n-layer" in text and "--d-model" in text and "--batch" in text
+    for training in ("--max-steps", "--lr", "--muon-lr", "--log-to", "--wandb-mode", "--sample-tokens", "--corpus"):
+        assert training not in text, training  # what a training run does, not what a model costs
+    config = resolve_config(preset="tiny").model  # an untied head: the embedding table multiplies nothing
+    report = cost_report(config)
+    line = next(x for x in format_cost(report).splitlines() if x.strip().startswith("(N = all"))
+    gap = report["flops_per_token"]["rule_6n"] / report["flops_per_token"]["training"] - 1
+    assert f"N = all {count_params(config):,} parameters, embedding tables too" in line and f"{gap:+.0%}" in line
+    # with N the weights of the matrix multiplications, the rule is the exact count, which torch's counter checks
+    assert report["rule_6n_matmul"] == report["flops_per_token"]["training"] and f"{report['rule_6n_matmul']:,}" in line

@@ -22,7 +22,7 @@ from tinylm.errors import TinyLMError
 from tinylm.explain.accounting import (activation_bytes, attention_inner_products, attention_layer_params,
                                        attention_layer_weights,
                                        cost_vs_context, exact_flops_per_token, forward_flops_breakdown,
-                                       kv_cache_bytes, param_breakdown, training_memory)
+                                       kv_cache_bytes, matmul_params, param_breakdown, training_memory)
 from tinylm.explain.plots import save_figure
 
 
@@ -41,6 +41,9 @@ def cost_report(config: GPTConfig, batch_size: int = 1, seq_len: int | None = No
         "tied_embeddings": config.tie_embeddings,
         "forward_flops_per_token": forward_flops_breakdown(config, T),
         "flops_per_token": exact_flops_per_token(config, T),
+        # the rule with N = the weights that multiply (no lookups, biases or norms), beside its usual all-parameter N
+        "rule_6n_matmul": 6 * matmul_params(config) + 12 * config.n_layer * config.n_head * config.head_dim * T,
+        "matmul_params": matmul_params(config),
         "inner_products": {"per_sequence": attention_inner_products(config, T),
                            "doubled_context": attention_inner_products(config, 2 * T)},
         "kv_cache_bytes": kv_cache_bytes(config, T),
@@ -72,6 +75,11 @@ def format_cost(report: dict[str, Any]) -> str:
     rows += [("forward, exact (the sum)", f["forward"]), ("training, exact (3x forward)", f["training"]),
              ("training, 6N + 12 L n_h d_h T", f["rule_6n"])]
     lines += [f"  {name:<32}{n:>16,}" for name, n in rows]
+    # the rule of thumb takes N as every parameter; say so, and what it would be with the exact count's N
+    lines.append(f"  (N = all {p['total']:,} parameters, embedding tables too, though a lookup multiplies nothing: "
+                 f"{f['rule_6n'] / f['training'] - 1:+.0%} against the exact count; with N = the "
+                 f"{report['matmul_params']:,} weights of the matrix multiplications the rule gives "
+                 f"{report['rule_6n_matmul']:,})")
     ip = report["inner_products"]
     lines += [f"attention inner products per sequence: {ip['per_sequence']:,} at T = {T}, "
               f"{ip['doubled_context']:,} at T = {2 * T}: "
