@@ -24,7 +24,7 @@ pytest.importorskip("transformers")
 from transformers import AutoTokenizer  # noqa: E402
 
 KINDS = {"gpt2": "bytelevel", "gpt2-prefix": "bytelevel", "smollm": "bytelevel", "llama3": "bytelevel", "qwen2": "bytelevel",
-         "sentencepiece": "sentencepiece", "sentencepiece-metaspace": "sentencepiece"}
+         "sentencepiece": "sentencepiece", "sentencepiece-metaspace": "sentencepiece", "gemma": "sentencepiece"}
 
 
 @pytest.fixture(scope="module")
