@@ -66,6 +66,11 @@ def test_the_traced_forward_pass_is_the_models(run):
     assert step.values[:5] == [0.0] * 5 and all(v == float("-inf") for v in step.values[5:])
     assert [s.name for s in trace.steps][:3] == ["x", "E[x]", "h[0]"]
     assert trace.steps[1].values == run.model.E.weight[ids[4], :4].tolist()
+    # the logits shown are the most likely tokens', largest first, with their ids: not those of ids 0..3
+    step = next(s for s in trace.steps if s.name == "logits u")
+    best = torch.topk(logits[0, 4], 4)
+    assert trace.top_ids == best.indices.tolist() and step.values == best.values.tolist()
+    assert f"ids {', '.join(map(str, trace.top_ids))}" in step.formula and trace.top_ids != [0, 1, 2, 3]
 
 
 def test_the_heatmap_grid_has_a_panel_per_layer_and_head_and_an_empty_future(run, tmp_path):

@@ -59,10 +59,11 @@ class ForwardTrace:
     steps: list[Step] = field(default_factory=list)
     logits: Tensor | None = None  # (T, |V|), exactly model(ids)'s
     loss: float = float("nan")  # mean cross-entropy of logits[t] against ids[t + 1]
+    top_ids: list[int] = field(default_factory=list)  # the ids of the largest logits at t, the "logits u" values
 
     def report(self) -> dict:
         return {"ids": self.ids, "position": self.position, "head": self.head, "loss": self.loss,
-                "steps": [s.report() for s in self.steps]}
+                "top_ids": self.top_ids, "steps": [s.report() for s in self.steps]}
 
 
 def _row(t: Tensor, n: int = SHOWN) -> list[float]:
@@ -112,8 +113,13 @@ def trace_forward(model: nn.Module, ids: Sequence[int], position: int | None = N
     if cfg.norm_position == "pre":
         add("norm_f(h)", f"the final {cfg.norm}", seen[model.norm_f])
     trace.logits = logits[0].float()  # (T, |V|)
-    add("logits u", f"u = h W_head ({cfg.d_model} x {cfg.vocab_size})" +
-        (f", then softcap {cfg.logit_softcap} tanh(u / cap)" if cfg.logit_softcap else ""), logits)
+    # the most likely ids, not the first ones: ids 0..3 are special or rare tokens whose logits say little
+    top = torch.topk(trace.logits[t], min(SHOWN, cfg.vocab_size))
+    trace.top_ids = [int(i) for i in top.indices]
+    trace.steps.append(Step("logits u", f"u = h W_head ({cfg.d_model} x {cfg.vocab_size})"
+                            + (f", then softcap {cfg.logit_softcap} tanh(u / cap)" if cfg.logit_softcap else "")
+                            + f"; the {len(trace.top_ids)} largest, of ids {', '.join(map(str, trace.top_ids))}",
+                            tuple(logits.shape[1:]), [float(v) for v in top.values]))
     p = torch.softmax(trace.logits[t], dim=-1)
     if t + 1 < T:
         nxt = ids[t + 1]
