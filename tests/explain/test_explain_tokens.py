@@ -117,3 +117,21 @@ def test_a_run_s_tokenizer(small_run_dir):
 def test_bad_input_is_one_line(args, message):
     out = explain("tokens", *args)
     assert out.returncode != 0 and message in out.stderr and len(out.stderr.strip().splitlines()) == 1
+
+
+def test_the_picture_gives_an_id_one_colour_and_shows_the_merges(tokenizers):
+    from tinylm.explain.tokens import pieces_figure
+
+    pieces = token_pieces(tokenizers["bpe"], "to be, or not to be, to be", merges=True)
+    ids = [p.token_id for p in pieces]
+    assert len(set(ids)) < len(ids) <= 10 + len(ids) - len(set(ids))  # some token comes back; ids fit the palette
+    fig, ax = pieces_figure(pieces)
+    colours = [tuple(patch.get_facecolor()) for patch in ax.patches]
+    for a in range(len(ids)):
+        for b in range(len(ids)):
+            assert (colours[a] == colours[b]) == (ids[a] == ids[b]), (a, b)
+    texts = [t.get_text() for t in ax.texts]
+    for p in pieces:  # the ranks the table lists for a piece are in the picture too
+        assert len(p.merges) <= 4 and (f"m {' '.join(map(str, p.merges))}" if p.merges else "m -") in texts, p
+    _, plain = pieces_figure(token_pieces(tokenizers["bpe"], "to be"))
+    assert not any(t.get_text().startswith("m ") for t in plain.texts)  # no --merges: no ranks drawn

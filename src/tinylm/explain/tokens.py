@@ -102,7 +102,15 @@ def format_pieces(pieces: list[Piece]) -> str:
 
 
 def plot_pieces(pieces: list[Piece], path: str | os.PathLike, title: str | None = None, per_row: int = 12) -> Path:
-    """The pieces as coloured boxes in reading order, each with its text above and its id below, into ``path``."""
+    """The pieces as coloured boxes in reading order, each with its text above and its id below (and, where the
+    pieces carry them, the merge ranks that built it), into ``path``."""
+    fig, ax = pieces_figure(pieces, per_row)
+    return save_figure(fig, ax, path, title or f"{len(pieces)} tokens, {sum(p.n_bytes for p in pieces)} bytes")
+
+
+def pieces_figure(pieces: list[Piece], per_row: int = 12):
+    """`plot_pieces`' figure and axes, before the title and the file. A box's colour is its id's: the same
+    token is the same colour wherever it occurs, and ids take the colours in the order they first appear."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.patches import Rectangle
@@ -114,17 +122,23 @@ def plot_pieces(pieces: list[Piece], path: str | os.PathLike, title: str | None 
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     colours = [f"C{k}" for k in range(10)]
+    first_seen = {i: k for k, i in enumerate(dict.fromkeys(p.token_id for p in pieces))}
     for n, p in enumerate(pieces):
         x, y = n % per_row, -(n // per_row)
-        ax.add_patch(Rectangle((x + 0.04, y + 0.05), 0.92, 0.6, color=colours[n % len(colours)], alpha=0.35))
+        ax.add_patch(Rectangle((x + 0.04, y + 0.05), 0.92, 0.6, color=colours[first_seen[p.token_id] % len(colours)],
+                               alpha=0.35))
         shown = p.text.replace("\n", "\\n").replace(" ", "\u2423")  # an open box for a space, so it can be seen
         ax.text(x + 0.5, y + 0.38, shown, ha="center", va="center", fontsize=9, family="monospace")
         ax.text(x + 0.5, y - 0.08, f"{p.token_id} ({p.n_bytes}B)", ha="center", va="center", fontsize=6.5,
                 color="0.3")
+        if p.merges is not None:  # --merges: the ranks under the id, as the table lists them
+            ranks = " ".join(map(str, p.merges[:4])) + (" ..." if len(p.merges) > 4 else "")
+            ax.text(x + 0.5, y - 0.24, f"m {ranks}" if p.merges else "m -", ha="center", va="center", fontsize=5.5,
+                    color="0.45")
     ax.set_xlim(0, min(per_row, len(pieces)))
-    ax.set_ylim(-rows + 0.8, 0.75)
+    ax.set_ylim(-rows + (0.6 if any(p.merges is not None for p in pieces) else 0.8), 0.75)
     ax.set_axis_off()
-    return save_figure(fig, ax, path, title or f"{len(pieces)} tokens, {sum(p.n_bytes for p in pieces)} bytes")
+    return fig, ax
 
 
-__all__ = ["Piece", "format_pieces", "merge_ranks", "plot_pieces", "token_pieces"]
+__all__ = ["Piece", "format_pieces", "merge_ranks", "pieces_figure", "plot_pieces", "token_pieces"]
