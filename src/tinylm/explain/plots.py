@@ -54,7 +54,8 @@ def plot_schedule(
     """Each optimizer group's learning rate against the step (``rates``: label -> one rate a step) into ``path``.
 
     Groups whose peaks differ by orders of magnitude (Muon's matrices beside AdamW's embeddings)
-    share a logarithmic axis; Muon's momentum, when it warms up, is drawn on a second axis.
+    share a logarithmic axis; Muon's momentum, when it warms up, is drawn on a second axis. Groups on
+    the same schedule are one line with all their labels, since one line drawn over another hides it.
     """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -63,8 +64,11 @@ def plot_schedule(
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     peaks = [max(r) for r in rates.values() if r and max(r) > 0]
+    lines: dict[tuple[float, ...], list[str]] = {}
     for label, values in rates.items():
-        ax.plot(range(1, len(values) + 1), values, label=label, linewidth=1.5)
+        lines.setdefault(tuple(values), []).append(label)
+    for values, labels in lines.items():
+        ax.plot(range(1, len(values) + 1), values, label="; ".join(labels), linewidth=1.5)
     if peaks and max(peaks) / min(peaks) > 10:
         ax.set_yscale("log")
     ax.set_xlabel("optimizer step")

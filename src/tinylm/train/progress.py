@@ -183,12 +183,14 @@ def sample_lines(tc: TrainConfig, sample: str, start: str | None = None) -> list
 def plot_schedule_of(optimizers: Sequence[Any], tc: TrainConfig, total: int, path: Path, run_name: str) -> Path:
     """schedule.png: every optimizer group's rate at every step of the run (and Muon's momentum), known
     before the first step."""
-    rates: dict[str, list[float]] = {}
+    # groups of one peak follow one curve (they differ in weight decay, or in optimizer): one label for them all
+    by_peak: dict[float, dict[str, list[str]]] = {}
     for opt in optimizers:
-        kind = type(opt).__name__
         for group in opt.param_groups:
-            label = f"{group.get('roles', 'parameters')} ({kind}, peak {group['peak_lr']:.3g})"
-            rates[label] = [group_lr(tc, total, step, group["peak_lr"]) for step in range(total)]
+            kinds = by_peak.setdefault(group["peak_lr"], {})
+            kinds.setdefault(type(opt).__name__, []).append(group.get("roles", "parameters"))
+    rates = {", ".join(f"{','.join(roles)} ({kind})" for kind, roles in kinds.items()) + f", peak {peak:.3g}":
+             [group_lr(tc, total, step, peak) for step in range(total)] for peak, kinds in by_peak.items()}
     momentum = None
     if tc.optimizer == "muon" and tc.muon_momentum_warmup:
         momentum = [momentum_at(step, momentum=tc.muon_momentum, warmup=tc.muon_momentum_warmup)
