@@ -428,3 +428,24 @@ def test_entry_point_errors(toks: dict[str, BPETokenizer], tmp_path: Path) -> No
     (tmp_path / "empty").mkdir()
     with pytest.raises(TinyLMError, match="has no tokenizer.json"):
         import_tokenizer(tmp_path / "empty")
+
+
+def test_the_tiktoken_export_prints_what_the_file_cannot_hold(toks, tmp_path, capsys) -> None:
+    """The ranks file has no split pattern or special tokens; the command prints both as Python a tiktoken
+    user pastes, and tiktoken.Encoding built from them encodes as tinylm does."""
+    from tinylm.cli import main
+
+    for name, tok in toks.items():
+        tok.save(tmp_path / f"{name}.json")
+        out = tmp_path / f"{name}.tiktoken"
+        assert main(["tokenizer", "export", "--tokenizer", str(tmp_path / f"{name}.json"), "--format", "tiktoken",
+                     "--out", str(out)]) == 0
+        given: dict = {}
+        for line in capsys.readouterr().out.splitlines():
+            if line.startswith(("  pat_str=", "  special_tokens=")):
+                exec(line.strip(), given)  # noqa: S102 - the printed lines are Python on purpose
+        assert given["pat_str"] == tok.pattern and given["special_tokens"] == tok.special_tokens, name
+        enc = tiktoken.Encoding(name, pat_str=given["pat_str"], mergeable_ranks=tiktoken.load.load_tiktoken_bpe(
+            str(out)), special_tokens=given["special_tokens"])
+        text = "def f(x):\n    return x  # caf\u00e9 \u4f60\u597d"
+        assert enc.encode(text) == tok.encode(text), name

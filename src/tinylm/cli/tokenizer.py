@@ -104,6 +104,11 @@ def cmd_tokenizer_export(args: argparse.Namespace) -> int:
     tok = load_tokenizer(args.tokenizer)
     path = export_tokenizer(tok, args.out, args.format, overwrite=args.force)
     print(f"wrote {args.format} tokenizer to {path}")
+    if args.format == "tiktoken":  # the file holds the ranks alone: what else tiktoken.Encoding needs, to copy
+        print("the file holds the ranks only; tiktoken.Encoding(name, pat_str=..., mergeable_ranks=..., "
+              "special_tokens=...) needs these too:")
+        print(f"  pat_str={tok.pattern!r}")
+        print(f"  special_tokens={dict(tok.special_tokens)!r}")
     return 0
 
 
