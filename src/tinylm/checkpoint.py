@@ -64,7 +64,7 @@ from tinylm.atomic import disk_writes
 from tinylm.config import Config, build_config, dump_toml, load_config_file
 from tinylm.errors import TinyLMError
 from tinylm.model import build_model
-from tinylm.tokenizers.base import Tokenizer, load_tokenizer
+from tinylm.tokenizers.base import Tokenizer, check_same_tokenizer, load_tokenizer
 
 CHECKPOINT_FORMAT = "tinylm.checkpoint"
 FORMAT_VERSION = 1  # of checkpoints and of run.json
@@ -335,6 +335,12 @@ def unflatten_optimizer_state(tensors: Mapping[str, Tensor], rest: Mapping[str, 
 # ----- reading checkpoints ------------------------------------------------------------------------
 
 
+class NoCheckpoint(TinyLMError):
+    """Nothing at all where a checkpoint was asked for (not a damaged one): callers that can say why
+    (a run that stopped before its first save) catch this type instead of reading the message."""
+
+
+
 def checkpoint_path(run_dir: str | os.PathLike, name: str = "latest") -> Path:
     """Where the checkpoint ``name`` ("latest" or "best") of a run lives (whether or not it exists)."""
     if name not in CHECKPOINT_NAMES:
@@ -352,7 +358,7 @@ def find_checkpoint(path: str | os.PathLike) -> Path:
         return old
     if path.is_dir():
         raise TinyLMError(f"{path} is not a complete checkpoint (no {STATE_FILE}); {_way_out(path)}")
-    raise TinyLMError(f"no checkpoint at {path}")
+    raise NoCheckpoint(f"no checkpoint at {path}")
 
 
 def verify_checkpoint(path: str | os.PathLike) -> Path:
@@ -562,9 +568,9 @@ def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
                           f"version {FORMAT_VERSION}")
     config = build_config(load_config_file(path / CONFIG_FILE))
     tokenizer = load_tokenizer(path / TOKENIZER_FILE)
-    if state.get("tokenizer_fingerprint") != tokenizer.fingerprint():
-        raise TinyLMError(f"{path / TOKENIZER_FILE} is not the tokenizer this checkpoint was trained with "
-                          f"(fingerprints differ); {_way_out(path)}")
+    check_same_tokenizer(str(state.get("tokenizer_fingerprint")), tokenizer,
+                         f"{path / TOKENIZER_FILE} is not the tokenizer this checkpoint was trained with",
+                         _way_out(path))
     return Checkpoint(path, config, tokenizer, state)
 
 

@@ -38,7 +38,7 @@ from tinylm.device import use_threads
 from tinylm.errors import TinyLMError
 from tinylm.model import IGNORE_INDEX, NGramLM
 from tinylm.run import load_run
-from tinylm.tokenizers.base import Tokenizer
+from tinylm.tokenizers.base import Tokenizer, check_same_tokenizer
 
 
 @dataclass
@@ -452,9 +452,9 @@ def evaluate_run(
             raise TinyLMError(f"the data of {run_dir} is not at {folder} any more; give its shard folder with "
                               "--data-dir, or evaluate on a corpus with --corpus")
         shards = ShardSet.open(folder)
-        if shards.meta["tokenizer"]["fingerprint"] != tok.fingerprint():
-            raise TinyLMError(f"the shards in {folder} were made with another tokenizer than {run_dir}'s; "
-                              "give the run's own data folder, or evaluate on a corpus with --corpus")
+        check_same_tokenizer(shards.meta["tokenizer"]["fingerprint"], tok,
+                             f"the shards in {folder} were made with another tokenizer than {run_dir}'s",
+                             "give the run's own data folder, or evaluate on a corpus with --corpus")
         text = split_text(shards, split)
     with use_threads(device, threads, log=log):  # once everything is checked: an error stays one line
         return evaluate_model(model, text, tok, block_size=block_size, batch_size=batch_size,
@@ -480,10 +480,10 @@ def _ngram_file(path: Path, data_dir: str | None, tokenizer: str | None):
     else:
         raise TinyLMError(f"{path} is an n-gram model file without a tokenizer; give --data-dir (the shards it "
                           f"was counted on) or --tokenizer (none is beside it as {TOKENIZER_FILE})")
-    if ngram.tokenizer_fingerprint not in (None, tok.fingerprint()):
-        raise TinyLMError(f"{path} was counted with another tokenizer than the one given (fingerprints "
-                          f"{ngram.tokenizer_fingerprint} and {tok.fingerprint()}); give the shards or tokenizer "
-                          "it was counted with")
+    if ngram.tokenizer_fingerprint is not None:  # a file counted before fingerprints were kept has none
+        check_same_tokenizer(ngram.tokenizer_fingerprint, tok,
+                             f"{path} was counted with another tokenizer than the one given",
+                             "give the shards or tokenizer it was counted with")
     if tok.vocab_size != ngram.vocab_size or tok.eos_id != ngram.eos_id:
         raise TinyLMError(f"{path} was counted with another tokenizer ({ngram.vocab_size} tokens) than the one given "
                           f"({tok.vocab_size} tokens)")

@@ -48,6 +48,7 @@ from tinylm.checkpoint import (  # re-exported: a run's checkpoints are part of 
     MODEL_FILE,
     TOKENIZER_FILE,
     Checkpoint,
+    NoCheckpoint,
     checkpoint_path,
     copy_checkpoint,
     find_checkpoint,
@@ -66,7 +67,7 @@ from tinylm.device import resolve_device
 from tinylm.errors import TinyLMError
 from tinylm.lock import LOCK_FILE
 from tinylm.model import NGramLM, NGramModel
-from tinylm.tokenizers.base import Tokenizer, generation_excluded, load_tokenizer
+from tinylm.tokenizers.base import Tokenizer, check_same_tokenizer, generation_excluded, load_tokenizer
 
 RUN_FORMAT = "tinylm.run"
 RUN_FILE = "run.json"
@@ -224,10 +225,13 @@ def _load_ngram_run(run_dir: Path, config: Config, info: dict[str, Any], device:
     """An n-gram run: its counts file behind the neural models' interface (`NGramLM`)."""
     tokenizer = load_tokenizer(run_dir / TOKENIZER_FILE)
     ngram = NGramModel.load(run_dir / NGRAM_FILE)
-    if ngram.tokenizer_fingerprint not in (None, tokenizer.fingerprint()) or \
-            ngram.vocab_size != tokenizer.vocab_size or ngram.eos_id != tokenizer.eos_id:
+    again = "count it again with `tinylm train --model ngram --force`"
+    if ngram.tokenizer_fingerprint is not None:
+        check_same_tokenizer(ngram.tokenizer_fingerprint, tokenizer,
+                             f"{run_dir / NGRAM_FILE} was not counted with {run_dir / TOKENIZER_FILE}", again)
+    if ngram.vocab_size != tokenizer.vocab_size or ngram.eos_id != tokenizer.eos_id:
         raise TinyLMError(f"{run_dir / NGRAM_FILE} was not counted with {run_dir / TOKENIZER_FILE} (their "
-                          "vocabularies differ); count it again with `tinylm train --model ngram --force`")
+                          f"vocabularies differ); {again}")
     model = NGramLM(ngram, config.model, never=generation_excluded(tokenizer)).to(device).eval()
     return Run(run_dir, config, tokenizer, model, None, info, read_metrics(run_dir))
 
@@ -371,11 +375,9 @@ def checkpoint_to_resume(out: Path, resume: bool | str) -> Checkpoint:
     path = checkpoint_path(out, which) if which in ("latest", "best") else Path(which)
     try:
         return load_checkpoint(path)
-    except TinyLMError as e:
-        if "no checkpoint at" in str(e):
-            raise TinyLMError(f"cannot resume: {out} has no {which} checkpoint yet (it stopped before the first "
-                              "one); start it again with --force") from None
-        raise
+    except NoCheckpoint:
+        raise TinyLMError(f"cannot resume: {out} has no {which} checkpoint yet (it stopped before the first "
+                          "one); start it again with --force") from None
 
 
 def update_run_info(run_dir: str | os.PathLike, **fields: Any) -> None:

@@ -26,7 +26,7 @@ from tinylm.data.shards import META_FILE, TOKENIZER_FILE, ShardSet, prepare
 from tinylm.errors import TinyLMError
 from tinylm.lock import folder_lock
 from tinylm.tokenizers import train_tokenizer
-from tinylm.tokenizers.base import Tokenizer, load_tokenizer
+from tinylm.tokenizers.base import Tokenizer, check_same_tokenizer, load_tokenizer
 from tinylm.tokenizers.bpe import resolve_pattern
 
 
@@ -76,11 +76,10 @@ def _prepare(corpus: Corpus, tc: TrainConfig, tokenizer: Tokenizer | None, data_
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # "ran out of pairs to merge" was said when the data was made
                 again = _train_tokenizer(corpus, tc)
-            if again.fingerprint() != candidate.fingerprint():
-                raise TinyLMError(
-                    f"{data_dir} holds shards made with a {candidate.kind} tokenizer of {candidate.vocab_size} tokens, "
-                    f"and one trained on {corpus.name} now is another (has the corpus changed?); set --data-dir "
-                    "to another folder")
+            check_same_tokenizer(
+                candidate, again, f"{data_dir} holds shards made with a {candidate.kind} tokenizer of "
+                f"{candidate.vocab_size} tokens, and one trained on {corpus.name} now is another (has the corpus changed?)",
+                "set --data-dir to another folder")
             tokenizer = candidate
         else:
             raise TinyLMError(
@@ -89,12 +88,9 @@ def _prepare(corpus: Corpus, tc: TrainConfig, tokenizer: Tokenizer | None, data_
                 "set --data-dir to another folder"
             )
     if tokenizer is not None and existing is not None:
-        made_with = ShardSet.open(data_dir).meta["tokenizer"]["fingerprint"]
-        if made_with != tokenizer.fingerprint():
-            raise TinyLMError(
-                f"{data_dir} holds shards made with another tokenizer (fingerprint {made_with}) than this run's "
-                f"({tokenizer.fingerprint()}); set --data-dir to another folder"
-            )
+        check_same_tokenizer(ShardSet.open(data_dir).meta["tokenizer"]["fingerprint"], tokenizer,
+                             f"{data_dir} holds shards made with another tokenizer than this run's",
+                             "set --data-dir to another folder")
     if tokenizer is None:
         start = time.perf_counter()
         tokenizer = _train_tokenizer(corpus, tc)

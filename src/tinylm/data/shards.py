@@ -75,7 +75,7 @@ from tinylm.errors import TinyLMError
 from tinylm.jsonfile import JSONFormat
 from tinylm.lock import LOCK_FILE
 from tinylm.tokenizers.base import FORMAT_NAME as TOKENIZER_FORMAT
-from tinylm.tokenizers.base import Tokenizer, load_tokenizer, tokenizer_from_dict
+from tinylm.tokenizers.base import Tokenizer, check_same_tokenizer, load_tokenizer, tokenizer_from_dict
 
 SHARDS_FILE = JSONFormat(  # meta.json
     "tinylm.shards", 1,
@@ -557,12 +557,8 @@ def _check_same_recipe(existing: ShardSet, tokenizer: Tokenizer, val_fraction: f
     """The cheap half of the reuse check, done before reading the corpus."""
     meta = existing.meta
     tok = meta["tokenizer"]
-    if tok["fingerprint"] != tokenizer.fingerprint():
-        raise TinyLMError(
-            f"{existing.path} already holds shards made with another tokenizer ({tok['kind']}, "
-            f"{tok['vocab_size']} tokens, fingerprint {tok['fingerprint']}); "
-            "choose another output folder or pass --force"
-        )
+    check_same_tokenizer(tok["fingerprint"], tokenizer, f"{existing.path} already holds shards made with another "
+                         f"tokenizer ({tok['kind']}, {tok['vocab_size']} tokens)", "choose another output folder or pass --force")
     if meta["val_fraction"] != val_fraction or meta["seed"] != seed:
         raise TinyLMError(
             f"{existing.path} already holds shards split with val_fraction={meta['val_fraction']}, "

@@ -50,9 +50,7 @@ accepted drafts, and the model's forward passes.
 from __future__ import annotations
 
 import os
-import statistics
 import time
-from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,15 +75,10 @@ from tinylm.generate.steps import (
     warn_window,
     window_keep,
 )
+from tinylm.generate.rounds import FIRST_PAUSE, ROUNDS_PER_CHECK, Pacer, check_drafts, draw_one
 from tinylm.generate.stream import TextStream
 from tinylm.model import NGramLM, NGramModel
-from tinylm.tokenizers.base import Tokenizer, default_stop_ids
-
-# drafted rounds per comparison with plain steps; plain steps a pause lasts, first and at most
-ROUNDS_PER_CHECK = 4
-FIRST_PAUSE, LONGEST_PAUSE = 32, 512
-PLAIN_STEPS_TIMED = 16  # the recent plain steps whose median time is the one to beat
-
+from tinylm.tokenizers.base import Tokenizer, check_same_tokenizer, default_stop_ids
 
 @dataclass
 class SpeculativeStats:
@@ -162,7 +155,7 @@ class ModelDraft:
             if V is not None:
                 logits = _fit(logits, V).masked_fill(excluded.to(logits.device), float("-inf"))
             q = sampling_distribution(logits[None], params)[0]  # (V,)
-            token = _draw(q, generator)
+            token = draw_one(q, generator)
             tokens.append(token)
             qs.append(q)
             prefix.append(token)
@@ -197,7 +190,7 @@ class NGramDraft:
                     token = int(logits.argmax())
                 else:
                     q = sampling_distribution(logits[None], params)[0]  # (V,)
-                    token = _draw(q, generator)
+                    token = draw_one(q, generator)
                     qs.append(q)
                 tokens.append(token)
                 context.append(token)
@@ -237,9 +230,8 @@ def ngram_draft(run_dir: str | os.PathLike, tokenizer: Tokenizer, order: int = N
         raise TinyLMError(f"no n-gram draft for {run_dir}: {where}. Prepare them again with `tinylm prepare` and "
                           f"count one with `tinylm train --model ngram`, then pass that run folder as --draft")
     shards = ShardSet.open(shards_dir)
-    if shards.meta["tokenizer"]["fingerprint"] != tokenizer.fingerprint():
-        raise TinyLMError(f"the shards in {shards_dir} were made with another tokenizer than the run's: "
-                          "the n-gram draft must count the model's own tokens")
+    check_same_tokenizer(shards.meta["tokenizer"]["fingerprint"], tokenizer, f"the shards in {shards_dir} were made "
+                         "with another tokenizer than the run's", "the n-gram draft must count the model's own tokens")
     started = time.perf_counter()
     ngram = NGramModel.fit_shards(shards, order, smoothing="kn")
     ngram.save(path)
@@ -261,9 +253,8 @@ def load_draft(spec: str, run: tinylm.run.Run, checkpoint: str = "best",
     if spec == "ngram":
         return NGramDraft(ngram_draft(run.path, run.tokenizer, log=log))
     other = tinylm.run.load_run(spec, checkpoint=checkpoint)
-    if other.tokenizer.fingerprint() != run.tokenizer.fingerprint():
-        raise TinyLMError(f"the draft run {spec} has another tokenizer than the model's: a draft must "
-                          "share the model's tokenizer (train it on the same tokenizer.json)")
+    check_same_tokenizer(other.tokenizer, run.tokenizer, f"the draft run {spec} has another tokenizer than the model's",
+                         "a draft must share the model's tokenizer (train it on the same tokenizer.json)")
     if isinstance(other.model, NGramLM):
         return NGramDraft(other.model.ngram)
     return ModelDraft.of(other.model)
@@ -274,60 +265,6 @@ def _fit(logits: Tensor, V: int) -> Tensor:
     if logits.numel() >= V:
         return logits[:V]
     return torch.cat([logits, logits.new_full((V - logits.numel(),), float("-inf"))])
-
-
-def _draw(probs: Tensor, generator: torch.Generator | None) -> int:
-    """One id from probs (V,): the argmax without a generator (greedy), else a draw."""
-    if generator is None:
-        return int(probs.argmax())
-    return int(torch.multinomial(probs, 1, generator=generator))
-
-
-class Pacer:
-    """How many drafts to propose next (0: a plain step), from the acceptance and the measured speed (module docstring).
-
-    ``adaptive=False`` always drafts (up to ``k``, adapted to the acceptance): the tests use it to
-    check the acceptance rule on every round.
-    """
-
-    def __init__(self, k: int, adaptive: bool = True) -> None:
-        self.k, self.k_now, self.adaptive = k, k, adaptive
-        self.plain_seconds: deque[float] = deque(maxlen=PLAIN_STEPS_TIMED)
-        self.rounds: list[tuple[int, float]] = []  # (tokens, seconds) of the drafted rounds since the last check
-        self.pause = 0  # plain steps left before drafting again
-        self.next_pause = FIRST_PAUSE
-        self.untimed = {"plain", "drafted"}  # the first of each is not timed (a compiled graph is made then)
-
-    def drafts(self) -> int:
-        if not self.adaptive:
-            return self.k_now
-        if self.pause > 0 or len(self.plain_seconds) < 2:  # two plain steps timed before the first draft
-            return 0
-        return self.k_now
-
-    def record(self, drafted: int, kept: int, seconds: float) -> None:
-        """A plain step (``drafted`` 0) or a round that kept ``kept`` of ``drafted`` drafts took ``seconds``."""
-        kind = "drafted" if drafted else "plain"
-        timed = kind not in self.untimed
-        self.untimed.discard(kind)
-        if not drafted:
-            if timed:
-                self.plain_seconds.append(seconds)
-            self.pause = max(0, self.pause - 1)
-            return
-        self.k_now = min(self.k, self.k_now + 1) if kept == drafted else max(1, kept + 1)
-        if not (self.adaptive and timed):
-            return
-        self.rounds.append((kept + 1, seconds))
-        if len(self.rounds) < ROUNDS_PER_CHECK:
-            return
-        tokens, spent = map(sum, zip(*self.rounds))
-        self.rounds.clear()
-        if tokens / spent < 1 / statistics.median(self.plain_seconds):  # drafting was slower: pause it
-            self.pause = self.next_pause
-            self.next_pause = min(2 * self.next_pause, LONGEST_PAUSE)
-        else:
-            self.next_pause = FIRST_PAUSE
 
 
 # ----- the loop ------------------------------------------------------------------------------------
@@ -449,18 +386,13 @@ def _rounds(model: nn.Module, seq: list[int], params: SamplingParams, draft: Dra
             n_draft = min(pacer.drafts(), room, params.max_new_tokens - n_new - 1)
             drafts, q = draft.propose(seq, n_draft, excluded, params, generator) if n_draft > 0 else ([], None)
             drafts = drafts[:max(n_draft, 0)]
-            # ONE pass: the pending token and the drafts; row i gives p after seq + drafts[:i]
-            fed = torch.tensor([[seq[-1], *drafts]], device=device)  # (1, 1 + n)
-            logits = decoder.extend(fed, pad_to=k + 1)  # (1, 1 + n, V)
+            new, kept, logprob_rows = check_drafts(decoder, seq, drafts, q, excluded, params, generator, pad_to=k + 1)
             stats.forward_passes += 1
-            new, kept, logprob_rows = judge_round(logits[0], excluded, params, drafts, q, generator)
             if drafts:
                 stats.rounds += 1
                 stats.proposed += len(drafts)
                 stats.accepted += kept
             pacer.record(len(drafts), kept, time.perf_counter() - started)
-            # roll the cache back to the pending token and the drafts kept
-            decoder.truncate(len(seq) - start + kept, last_token=([seq[-1]] + drafts)[kept])
             for i, token in enumerate(new):
                 n_new += 1
                 stats.tokens += 1
@@ -471,36 +403,3 @@ def _rounds(model: nn.Module, seq: list[int], params: SamplingParams, draft: Dra
                     return
     finally:
         model.train(was_training)
-
-
-def judge_round(logits: Tensor, excluded: Tensor | None, params: SamplingParams, drafts: list[int],
-                q: Tensor | None, generator: torch.Generator | None) -> tuple[list[int], int, Tensor]:
-    """A round's outcome from the model's logits (1 + n, V) after the pending token and the n drafts.
-
-    Returns the new tokens (the drafts kept, then one drawn), how many drafts were kept, and the
-    log-probabilities (new, V) of the rows that gave them, over the ids a sample may take (``excluded``
-    left out, as the engine reports them). Speculative decoding here and the server's rounds use it.
-    """
-    logits = logits.float()
-    if excluded is not None:
-        logits = logits.masked_fill(excluded, float("-inf"))
-    new, kept = accept_drafts(sampling_distribution(logits, params), drafts, q, generator)
-    return new, kept, torch.log_softmax(logits[:len(new)], dim=-1)
-
-
-def accept_drafts(p: Tensor, drafts: list[int], q: Tensor | None,
-                  generator: torch.Generator | None) -> tuple[list[int], int]:
-    """The acceptance rule (module docstring): the new tokens (kept drafts + one drawn) and how many drafts were kept."""
-    for i, d in enumerate(drafts):
-        q_d = float(q[i, d]) if q is not None else 1.0
-        ratio = float(p[i, d]) / q_d if q_d > 0 else 0.0
-        # ratio >= 1 keeps the draft for sure: no draw needed (and none made when greedy, where ratio is 0 or 1)
-        if ratio >= 1 or (ratio > 0 and generator is not None
-                          and float(torch.rand((), generator=generator, device=p.device)) < ratio):
-            continue
-        q_i = q[i] if q is not None else torch.nn.functional.one_hot(torch.tensor(d), p.size(-1)).to(p)
-        residual = (p[i] - q_i).clamp(min=0)  # (V,)
-        if float(residual.sum()) <= 0:  # p == q up to rounding: the draft could not be rejected
-            residual = p[i]
-        return drafts[:i] + [_draw(residual / residual.sum(), generator)], i
-    return drafts + [_draw(p[len(drafts)], generator)], len(drafts)

@@ -325,6 +325,20 @@ def tokenizer_from_dict(data: dict[str, Any], source: str = "<dict>") -> Tokeniz
     return tok
 
 
+class TokenizerMismatch(TinyLMError):
+    """Two things whose token ids must mean the same text were made with different tokenizers."""
+
+
+def check_same_tokenizer(made_with: Tokenizer | str, tokenizer: Tokenizer, what: str, fix: str) -> None:
+    """Refuse ``what`` (ids made with ``made_with``, a tokenizer or its fingerprint) unless ``tokenizer`` is
+    that tokenizer: ids mean text only under the tokenizer that made them, and the same fingerprint is the
+    same encoding. Every such refusal reads "<what> (fingerprints A and B); <fix>"."""
+    theirs = made_with if isinstance(made_with, str) else made_with.fingerprint()
+    ours = tokenizer.fingerprint()
+    if theirs != ours:
+        raise TokenizerMismatch(f"{what} (fingerprints {theirs} and {ours}); {fix}")
+
+
 def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     """Load any tinylm tokenizer saved with `Tokenizer.save`."""
     path = Path(path)

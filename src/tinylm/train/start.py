@@ -47,7 +47,7 @@ from tinylm.run import (
     read_run_info,
     run_family,
 )
-from tinylm.tokenizers.base import Tokenizer, load_tokenizer
+from tinylm.tokenizers.base import Tokenizer, check_same_tokenizer, load_tokenizer
 from tinylm.train.distributed import Distributed, wrap_model
 from tinylm.train.optim import make_optimizer
 from tinylm.train.schedule import group_lr
@@ -164,13 +164,9 @@ def checkpoint_to_init_from(init_from: str | os.PathLike | None, tc: TrainConfig
         path = best if has_checkpoint(best) else checkpoint_path(path, "latest")
     init = load_checkpoint(path)
     if tc.tokenizer is not None:
-        wanted = load_tokenizer(tc.tokenizer)
-        if wanted.fingerprint() != init.tokenizer.fingerprint():
-            raise TinyLMError(
-                f"the tokenizer {tc.tokenizer} does not match the one {init.path} was trained with "
-                f"(fingerprints {wanted.fingerprint()} and {init.tokenizer.fingerprint()}); "
-                "drop --tokenizer to use the checkpoint's"
-            )
+        check_same_tokenizer(load_tokenizer(tc.tokenizer), init.tokenizer,
+                             f"the tokenizer {tc.tokenizer} does not match the one {init.path} was trained with",
+                             "drop --tokenizer to use the checkpoint's")
     return init
 
 
@@ -191,13 +187,9 @@ def run_data(tc: TrainConfig, tokenizer: Tokenizer | None, ckpt: Checkpoint | No
     """The shards the run reads, prepared by process 0 (see `prepare_data`); ``tokenizer``: the one given by
     the checkpoint resumed (``ckpt``) or started from, if any."""
     if ckpt is not None and tc.tokenizer is not None:
-        wanted = load_tokenizer(tc.tokenizer)
-        if wanted.fingerprint() != ckpt.tokenizer.fingerprint():
-            raise TinyLMError(
-                f"the tokenizer {tc.tokenizer} does not match the one this run was trained with "
-                f"(fingerprints {wanted.fingerprint()} and {ckpt.tokenizer.fingerprint()}); "
-                "resume without --tokenizer"
-            )
+        check_same_tokenizer(load_tokenizer(tc.tokenizer), ckpt.tokenizer,
+                             f"the tokenizer {tc.tokenizer} does not match the one this run was trained with",
+                             "resume without --tokenizer")
     reuse_only = False
     if ckpt is not None and tc.data_dir is None and (out / RUN_FILE).exists():
         # resume from the folder the run trained on, wherever the default would be now; but
@@ -244,9 +236,9 @@ def plan_run(config: Config, out: Path, ckpt: Checkpoint | None, ctx: Distribute
     given_tokenizer = (ckpt or init).tokenizer if (ckpt or init) is not None else None
     shards = run_data(config.train, given_tokenizer, ckpt, out, ctx, log)
     tokenizer = shards.tokenizer()
-    if given_tokenizer is not None and given_tokenizer.fingerprint() != tokenizer.fingerprint():
-        # prepare_data checks this first; here only as the last guard before training
-        raise TinyLMError("the data folder's tokenizer does not match the checkpoint's")
+    if given_tokenizer is not None:  # prepare_data checks this first; here only as the last guard before training
+        check_same_tokenizer(tokenizer, given_tokenizer, "the data folder's tokenizer does not match the checkpoint's",
+                             "set --data-dir to another folder")
     config = dataclasses.replace(config, model=dataclasses.replace(config.model, vocab_size=tokenizer.vocab_size))
     check_fits(config.model, config.train, ctx.device, shards=sharded_among)
     if init is not None:
@@ -304,9 +296,9 @@ def build_training_model(config: Config, ctx: Distributed, init: Checkpoint | No
         torch.backends.cuda.matmul.allow_tf32 = True  # float32 matmuls on tensor cores
         torch.backends.cudnn.allow_tf32 = True
     wrapped = wrap_model(model, tc.parallel, ctx)
-    # the fused AdamW kernel (CUDA, and CPU, where it is 3-5% faster per step than the
-    # for-loop version: benchmarks/train.py) for plain tensors; sharded (DTensor)
-    # parameters take the default path
+    # the fused AdamW kernel (CUDA, and CPU, where it is faster per step than the for-loop
+    # version: benchmarks/train.py) for plain tensors; sharded (DTensor) parameters take the
+    # default path
     fused = device.type in ("cuda", "cpu") and tc.optimizer in ("adamw", "muon") and not sharded
     optimizer = make_optimizer(model, tc, fused=fused)
     step_model = torch.compile(wrapped) if tc.compile else wrapped
@@ -314,7 +306,7 @@ def build_training_model(config: Config, ctx: Distributed, init: Checkpoint | No
     eval_model = step_model if sharded else (torch.compile(model) if tc.compile else model)
     autocast = autocast_for(device, tc.dtype)
     # Under bfloat16 autocast on a CPU a Transformer's head and loss run a slice of positions at a
-    # time (model/head_loss.py: 0.82x the step time, benchmarks/train_step.py; none of the (B, T, |V|)
+    # time (model/head_loss.py: a faster step, benchmarks/train_step.py; none of the (B, T, |V|)
     # logits kept). Float32 training keeps the plain head and loss, so its figures stay bit for bit.
     head_in_slices = isinstance(model, GPT) and device.type == "cpu" and autocast is not contextlib.nullcontext
     return TrainingModel(model, step_model, eval_model, wrapped if ctx.active and not sharded else None, optimizer,
