@@ -1,8 +1,11 @@
 """Writing files so that a crash, a kill or a full disk never leaves a half-written one.
 
-Everything tinylm saves (tokenizers, token shards, checkpoints) is written to a temporary file
-in the same folder and then renamed over the target with `os.replace`, which is atomic on
-POSIX and Windows: a reader sees the old file or the new one, never a mix.
+A file tinylm writes whole (a tokenizer, run.json, an n-gram model, an exported model, a picture) is
+written to a temporary file in the same folder and then renamed over the target with `os.replace`
+(`atomic_path`, `atomic_write_text`), which is atomic on POSIX and Windows: a reader sees the old file
+or the new one, never a mix. Checkpoint folders are replaced the same way a folder at a time
+(`tinylm.checkpoint`), and token shards under temporary names renamed into place with meta.json last
+(`tinylm.data.shards`).
 
 A write the disk refuses (full, over quota, read-only, not permitted) is not a bug in tinylm, so it
 is not a traceback either: `disk_writes` turns it into one `TinyLMError` line that names what could

@@ -1,8 +1,8 @@
 """tinylm's versioned JSON files, read one way: the file names its kind (``"format"``) and its layout
 (``"version"``), and a reader checks both before trusting anything else in it.
 
-Each kind of file (a tokenizer, a shard folder's meta.json, an n-gram model's header, a run's run.json,
-a checkpoint's state.json) is one `JSONFormat`: its name, the version this tinylm writes and reads, and
+Each kind of file read this way (a tokenizer, a shard folder's meta.json, an n-gram model's header, a
+run's cost.json) is one `JSONFormat`: its name, the version this tinylm writes and reads, and
 what to tell the user for each way a file can be wrong: missing, unreadable, not valid JSON, another
 kind of file, another version. The messages are templates; they may use ``{path}`` (the file),
 ``{folder}`` and ``{file}`` (its folder and its name), ``{name}`` and ``{version}`` (the format's),
@@ -13,8 +13,9 @@ met), and any ``context`` the caller passes. Every message is one line that says
     meta = SHARDS.read(folder / "meta.json")                       # a dict, or a TinyLMError
     atomic_write_text(path, json.dumps({**SHARDS.header(), "splits": ...}))
 
-Every JSON file tinylm reads from outside (these, and the tokenizer.json and config.json of other tools)
-is parsed by `parse_json`, which refuses nesting deeper than any real file has in one line.
+These, and the tokenizer.json and config.json files of other tools, are parsed by `parse_json`, which
+refuses nesting deeper than any real file has in one line. (run.json, a checkpoint's state.json and
+checksums.json are still read by hand in `tinylm.run` and `tinylm.checkpoint`.)
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The [model] table: `GPTConfig`, the network's shape, for every model family tinylm trains.
 
-One dataclass serves the four families (``family``): the Transformer ("gpt", SPEC section 3) and
-the baselines it is compared with (SPEC section 6): "lstm" and "rnn" (`tinylm.model.rnn`) and
+One dataclass serves the four families (``family``): the Transformer ("gpt") and
+the baselines it is compared with: "lstm" and "rnn" (`tinylm.model.rnn`) and
 "ngram" (`tinylm.model.ngram`). Each field's help, beside it, says which family reads it; a family
 ignores the fields it has no use for (`TRANSFORMER_ONLY`, `NGRAM_ONLY`). The defaults are GPT-2 small (124M
 parameters with vocab 50257), like nanoGPT's:

@@ -1,4 +1,4 @@
-"""The [train] table: `TrainConfig`, how a model is trained (SPEC section 4).
+"""The [train] table: `TrainConfig`, how a model is trained.
 
 Data, optimizer, schedule, budget, evaluation, logging and device, one field each with its help
 beside it (what `tinylm train --help` prints for its flag):
@@ -31,7 +31,7 @@ LOG_BACKENDS = ("jsonl", "tensorboard", "wandb")
 
 @dataclass
 class TrainConfig:
-    """How a model is trained (SPEC section 4): data, optimizer, schedule, budget, evaluation, device.
+    """How a model is trained: data, optimizer, schedule, budget, evaluation, device.
 
     Each field's help is beside it (it is also what `tinylm train --help` prints). A field that may
     be unset (``X | None``) defaults to None, because TOML has no null: the saved configuration

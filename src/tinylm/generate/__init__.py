@@ -1,4 +1,4 @@
-"""Generation: turning a trained model's next-token distributions into text (SPEC section 5).
+"""Generation: turning a trained model's next-token distributions into text.
 
 - `generate` (engine.py): the one call behind `tinylm sample`: prompts in, completions out, through
   a preallocated KV cache, with batches of prompts of different lengths (left padding).

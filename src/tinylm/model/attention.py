@@ -155,10 +155,9 @@ def sdpa_attention(
 
 
 # Up to this context, causal attention on a CPU in bfloat16 trains faster with the backward pass
-# written out below than with the fused kernel's; beyond it the B nh T^2 scores it recomputes cost more.
-# Fused / written out, forward + backward, 2 cores (`python benchmarks/train_step.py --attention`):
-# T = 128 (32 x 6 heads of 32) 51 / 34 ms, T = 256 (16 x 6) 45 / 58 ms, T = 512 (8 x 6) 72 / 133 ms;
-# the fused forward alone 7 ms at T = 128, so its backward takes about six times the forward.
+# written out below than with the fused kernel's, whose backward costs several times its forward; beyond
+# it the B nh T^2 scores the written-out pass recomputes cost more. Where the two cross depends on the
+# machine: `python benchmarks/train_step.py --attention` times both at several contexts.
 WRITTEN_OUT_BACKWARD_MAX_T = 128
 
 

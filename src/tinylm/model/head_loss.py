@@ -4,7 +4,8 @@ Training needs only the loss, sum over positions of -log softmax(u_t)[x_t] with 
 and its gradient. Written plainly (``lm_head`` then ``F.cross_entropy``), the whole (N, |V|) matrix
 of logits exists several times over: in the matmul's dtype, in float32, as log-probabilities and
 as their gradient. With |V| = 8192 and N = 4096 positions a step that is 134 MB a copy; on a CPU
-the sliced form takes 0.82x the time of a whole bfloat16 step (`benchmarks/train_step.py`). `head_loss` takes the rows a slice at a time (``chunk``
+the sliced form also makes a bfloat16 step faster (`benchmarks/train_step.py` measures it). `head_loss` takes
+the rows a slice at a time (``chunk``
 positions), and for each slice computes the logits, the loss and, at once, the gradient of the
 loss with respect to the logits:
 

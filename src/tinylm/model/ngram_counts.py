@@ -180,7 +180,7 @@ def write_tables(path: str | os.PathLike, header: dict[str, Any], keys: list[np.
         arrays[f"keys_{j}"] = keys[j - 1]
         arrays[f"counts_{j}"] = c.astype(np.uint32 if c.size == 0 or c.max() < 2**32 else np.uint64)
     with atomic_path(path) as tmp, open(tmp, "wb") as f:  # a file object: savez adds no suffix
-        np.savez_compressed(f, **arrays)  # sorted keys deflate well: ~4.5x smaller at n = 5
+        np.savez_compressed(f, **arrays)  # sorted keys share long prefixes, which deflate well
     return Path(path)
 
 

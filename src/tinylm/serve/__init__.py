@@ -1,4 +1,4 @@
-"""Serving (SPEC section 7): a trained run behind an OpenAI-compatible HTTP API, and a playground page.
+"""Serving: a trained run behind an OpenAI-compatible HTTP API, and a playground page.
 
 - `serve` (server.py): load a run and serve it with uvicorn; what `tinylm serve --run DIR` calls.
 - `create_app` (app.py): the FastAPI app, for embedding or testing: the endpoints, streaming by

@@ -2,8 +2,10 @@
 
 - `train(config, run_dir, resume=..., ...)` -> `RunResult`: the whole job, from corpus to
   checkpoints, metrics, loss curve and a sample (`tinylm.train.loop`).
-- `lr_at`: warmup then cosine or linear decay (`tinylm.train.schedule`).
-- `make_optimizer`, `parameter_groups`: AdamW/SGD with weight-decay groups (`tinylm.train.optim`).
+- `lr_at`: warmup, then warmup-stable-decay (the default recipe's: held, then decayed over the last
+  steps), cosine, linear or constant (`tinylm.train.schedule`).
+- `make_optimizer`, `parameter_groups`: Muon for the blocks' weight matrices beside AdamW for the rest
+  (the default recipe), or AdamW or SGD alone, with weight-decay groups (`tinylm.train.optim`).
 - `BatchSource`: packed windows or padded documents, a pure function of (seed, step)
   (`tinylm.train.batches`).
 - `Distributed`: torchrun processes, DDP and FSDP (`tinylm.train.distributed`).

@@ -1,7 +1,7 @@
 """Training batches: which token windows each optimizer step sees, as a pure function of the step.
 
 Two ways to cut the token stream of the train split into rows of ``block_size`` inputs and targets
-(SPEC section 2; targets are the inputs shifted one token left, so row t predicts token t + 1):
+(targets are the inputs shifted one token left, so row t predicts token t + 1):
 
 - **packed** (the default): windows of ``block_size + 1`` tokens at random offsets of the
   stream, exactly `ShardSet.sample_windows`. A window may cross a document boundary: the EOS

@@ -2,7 +2,7 @@
 
 One optimizer step, as in nanoGPT, written out::
 
-    lr = lr_at(step)                                   warmup, then cosine/linear decay
+    lr = lr_at(step)                                   warmup, then the schedule's decay (wsd by default)
     for each of grad_accum micro-batches:              rows of the global batch: a function of (seed, step)
         logits = model(x)                              (B, T, |V|)
         loss = sum_t -log softmax(logits_t)[y_t] / n   n = real targets in the whole step's batch
