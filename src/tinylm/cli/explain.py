@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 
 from tinylm.cli.explain_model import add_model_commands
 from tinylm.cli.flags import Parser, add_setting_flags, add_threads_flag, positive_int, probability, settings_from, show_help
@@ -32,18 +33,24 @@ def _tokenizer_from(args: argparse.Namespace):
     return load_tokenizer(check_run_dir(args.run) / TOKENIZER_FILE)
 
 
+def _show(args: argparse.Namespace, report: Callable[[], dict], text: Callable[[], str], picture) -> int:
+    """What every explain command prints: with --json one JSON line (the picture's path in it), else the
+    table and then where the picture is."""
+    if args.json:
+        print(json.dumps({**report(), "picture": picture and str(picture)}))
+        return 0
+    print(text())
+    if picture:
+        print(f"picture: {picture}")
+    return 0
+
+
 def cmd_tokens(args: argparse.Namespace) -> int:
     from tinylm.explain.tokens import format_pieces, plot_pieces, token_pieces
 
     pieces = token_pieces(_tokenizer_from(args), args.text, merges=args.merges)
     picture = plot_pieces(pieces, args.out) if args.out else None
-    if args.json:
-        print(json.dumps({"pieces": [p.to_json() for p in pieces], "picture": picture and str(picture)}))
-        return 0
-    print(format_pieces(pieces))
-    if picture:
-        print(f"picture: {picture}")
-    return 0
+    return _show(args, lambda: {"pieces": [p.to_json() for p in pieces]}, lambda: format_pieces(pieces), picture)
 
 
 def _numbers(text: str, flag: str) -> list[float]:
@@ -75,13 +82,7 @@ def cmd_sampling(args: argparse.Namespace) -> int:
         with command_threads(args):
             table = explain_run(run, args.text or "", temps, args.top_k, args.top_p, args.top)
     picture = plot_sampling(table, args.out) if args.out else None
-    if args.json:
-        print(json.dumps({**table.to_json(), "picture": picture and str(picture)}))
-        return 0
-    print(format_sampling(table))
-    if picture:
-        print(f"picture: {picture}")
-    return 0
+    return _show(args, table.to_json, lambda: format_sampling(table), picture)
 
 
 def cmd_cost(args: argparse.Namespace) -> int:
@@ -102,13 +103,7 @@ def cmd_cost(args: argparse.Namespace) -> int:
         config = resolve_config(args.preset, args.config, settings)
     report = cost_report(config.model, batch_size=args.batch or config.train.batch_size, seq_len=args.context)
     picture = plot_cost(config.model, args.out) if args.out else None
-    if args.json:
-        print(json.dumps({**report, "picture": picture and str(picture)}))
-        return 0
-    print(format_cost(report))
-    if picture:
-        print(f"picture: {picture}")
-    return 0
+    return _show(args, lambda: report, lambda: format_cost(report), picture)
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from tinylm.cli.flags import add_threads_flag, integer
 from tinylm.config import FAMILY_NAMES
@@ -31,18 +33,27 @@ def _check_run_and_text(args: argparse.Namespace) -> None:
                           "(or --example lecture)")
 
 
+def _run_unless_example(args: argparse.Namespace, example: Callable[[], Any], describe: Callable[[Any], str]):
+    """The run ``--run`` names; or, with ``--example``, None once the worked example is printed (one JSON line
+    with ``--json``): both commands take a run and a text, or show their own numbers instead."""
+    _check_run_and_text(args)
+    if args.example is not None:
+        shown = example()
+        print(json.dumps(shown.report()) if args.json else describe(shown))
+        return None
+    from tinylm.run import load_run
+
+    return load_run(args.run, checkpoint=args.checkpoint)
+
+
 def cmd_attention(args: argparse.Namespace) -> int:
     from tinylm.explain.attention import attention_of_text, format_example, plot_attention, worked_example
 
-    _check_run_and_text(args)
-    if args.example is not None:
-        example = worked_example()
-        print(json.dumps(example.report()) if args.json else format_example(example))
+    run = _run_unless_example(args, worked_example, format_example)
+    if run is None:
         return 0
     from tinylm.generate.commands import command_threads
-    from tinylm.run import load_run
 
-    run = load_run(args.run, checkpoint=args.checkpoint)
     with command_threads(args):
         maps = attention_of_text(run.model, run.tokenizer, args.text, start_ids=run.start_ids, layer=args.layer,
                                  head=args.head)
@@ -62,15 +73,11 @@ def cmd_forward(args: argparse.Namespace) -> int:
     from tinylm.explain.attention import text_ids
     from tinylm.explain.forward import format_trace, format_two_token_loss, trace_forward, two_token_loss
 
-    _check_run_and_text(args)
-    if args.example is not None:
-        example = two_token_loss()
-        print(json.dumps(example.report()) if args.json else format_two_token_loss(example))
+    run = _run_unless_example(args, two_token_loss, format_two_token_loss)
+    if run is None:
         return 0
     from tinylm.generate.commands import command_threads
-    from tinylm.run import load_run
 
-    run = load_run(args.run, checkpoint=args.checkpoint)
     if run.family != "gpt":
         raise TinyLMError(f"{args.run} holds {FAMILY_NAMES.get(run.family, run.family)} model; `explain forward` "
                           "traces a Transformer's forward pass")
@@ -90,8 +97,7 @@ def add_model_commands(subparsers: argparse._SubParsersAction) -> None:
         "attention over positions 0..i; the future above the diagonal, hidden by the -inf mask, is left blank. "
         "--example lecture instead computes a worked 3 x 3 example (T = 3, d_h = 2, c = 1) with tinylm's "
         "reference attention and prints the weights and the output.")
-    p.add_argument("--run", metavar="DIR", help="the run folder written by `tinylm train`")
-    p.add_argument("--text", help="the text to read")
+    _run_and_text(p)
     p.add_argument("--layer", type=integer, metavar="L", help="only this layer (0-based; default: all)")
     p.add_argument("--head", type=integer, metavar="H", help="only this head (0-based; default: all)")
     p.add_argument("--out", metavar="PNG", help="where to write the picture (default: attention.png in the run folder)")
@@ -105,13 +111,18 @@ def add_model_commands(subparsers: argparse._SubParsersAction) -> None:
         "adds, the norms, the logits, the loss), each with its shape and its values at one position. The values "
         "are recorded from the model's own modules while it runs, so the logits are the model's. --example "
         "lecture instead works out the loss of two tokens over a vocabulary of 3 (1.211 nats).")
-    p.add_argument("--run", metavar="DIR", help="the run folder written by `tinylm train`")
-    p.add_argument("--text", help="the text to read")
+    _run_and_text(p)
     p.add_argument("--position", type=integer, metavar="T", help="the position whose values to show (default: the last)")
     p.add_argument("--head", type=integer, default=0, metavar="H", help="the head whose scores and softmax to show "
                    "(default: 0)")
     _common(p)
     p.set_defaults(func=cmd_forward, parser=p, explain_command="forward")
+
+
+def _run_and_text(p: argparse.ArgumentParser) -> None:
+    """What both commands read (or --example instead: `_check_run_and_text`)."""
+    p.add_argument("--run", metavar="DIR", help="the run folder written by `tinylm train`")
+    p.add_argument("--text", help="the text to read")
 
 
 def _common(p: argparse.ArgumentParser) -> None:
