@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from tinylm.errors import TinyLMError
-from tinylm.generate.cache import KVCache, StaticKVCacheLayer
-from tinylm.generate.steps import decode_one_token, prefill
+from tinylm.generate.cache import KVCache, StaticKVCacheLayer, merge_rows
+from tinylm.generate.fast import StaticDecoder
+from tinylm.generate.steps import CachedDecoder, decode_one_token, left_pad, prefill
 
 from toys import tiny_gpt
 
@@ -78,3 +79,51 @@ def test_cached_logits_equal_recomputing_the_whole_sequence(positions, heads, at
     tolerance = TILED_FLOAT64_TOLERANCE if attention == "tiled" and dtype == torch.float64 else TOLERANCE[dtype]
     torch.testing.assert_close(cached, full[:, 7:], atol=tolerance, rtol=0)
     assert cache.length == 60 and cache[0].k.dtype == dtype
+
+
+# ----- rows joining and leaving a batch (the server's continuous batching) ---------------------------
+
+
+def test_merge_rows_right_aligns_the_kept_rows_and_pads_with_zeros():
+    a = torch.arange(1, 2 * 4 + 1).float().view(2, 4, 1)  # 2 rows, 4 columns filled
+    b = -torch.arange(1, 3 * 2 + 1).float().view(3, 2, 1)  # 3 rows, 2 columns filled
+    out = merge_rows([(a, torch.tensor([1]), 4), (b, torch.tensor([0, 2]), 2)], width=4, capacity=6)
+    assert out.shape == (3, 6, 1)
+    assert out[0, :, 0].tolist() == [5, 6, 7, 8, 0, 0]  # a's row 1, whole
+    assert out[1, :, 0].tolist() == [0, 0, -1, -2, 0, 0]  # b's row 0, padded on the left
+    assert out[2, :, 0].tolist() == [0, 0, -5, -6, 0, 0]
+
+
+def test_merge_rows_keeps_the_last_columns_of_a_longer_buffer_and_merges_masks():
+    mask = torch.tensor([[False, False, True, True, True]])  # 3 real tokens in 5 filled columns
+    out = merge_rows([(mask[..., None], torch.tensor([0]), 5)], width=3, capacity=4)[..., 0]
+    assert out.tolist() == [[True, True, True, False]]  # the padding columns are gone
+
+
+def _decoder(kind, model, batch, capacity):
+    return CachedDecoder(model, batch, capacity) if kind == "cached" else StaticDecoder(model, batch, capacity)
+
+
+@pytest.mark.parametrize("kind", ["cached", "static"])
+def test_merged_and_shrunk_decoders_give_each_row_its_logits_alone(kind):
+    model = tiny_gpt(positions="rope", n_kv_head=2).eval()
+    prompts = [[3, 14, 15, 92, 65], [35, 89], [7, 9, 3]]
+    with torch.inference_mode():
+        alone = []
+        for p in prompts:
+            d = _decoder(kind, model, 1, 12)
+            d.start(*left_pad([p]))
+            alone.append(d.step(torch.tensor([p[-1]]))[0])  # (V,): the logits after p + [p[-1]]
+        first = _decoder(kind, model, 2, 5)
+        first.start(*left_pad(prompts[:2]))
+        second = _decoder(kind, model, 1, 3)
+        second.start(*left_pad(prompts[2:]))
+        # rows 0 and 1 of the first batch (row 1 padded), then the second's: right-aligned at column 5
+        merged = type(first).merged([(first, torch.tensor([0, 1])), (second, torch.tensor([0]))], 5, 7)
+        assert merged.length == 5 and merged.mask[:, :5].sum(1).tolist() == [5, 2, 3]
+        logits = merged.step(torch.tensor([p[-1] for p in prompts]))  # (3, V)
+        for b in range(3):
+            torch.testing.assert_close(logits[b], alone[b], atol=1e-4, rtol=1e-4)
+        merged.truncate(5)
+        merged.reorder(torch.tensor([2]))  # the last row alone: shrinking keeps its columns
+        torch.testing.assert_close(merged.step(torch.tensor([prompts[2][-1]]))[0], alone[2], atol=1e-4, rtol=1e-4)

@@ -25,6 +25,11 @@ takes as ``kv_cache`` (each layer implements `tinylm.model.attention.KVCacheLaye
 A model that remembers the past in another form (an RNN's state, an n-gram's last tokens) makes
 its own cache with a ``new_cache(batch, max_len)`` method; `cache_for` asks for it, so the
 engine and beam search drive every model family the same way.
+
+Batches whose rows come and go (the server's) keep their rows *right-aligned*: every row's last
+cached token in the same column, shorter rows padded on the left and hidden by a mask.
+`merge_rows` joins the kept rows of several such buffers into one, trimmed to the columns
+they need; ``reorder`` keeps some rows (shrinking) or repeats them.
 """
 
 from __future__ import annotations
@@ -75,6 +80,26 @@ class StaticKVCacheLayer(CacheCursor):
             raise TinyLMError(f"cannot truncate a cache of {self.length} positions to {length}")
         self._rewind()
         self._advance(length)
+
+
+def merge_rows(parts: Sequence[tuple[Tensor, Tensor, int]], width: int, capacity: int) -> Tensor:
+    """The kept rows of several right-aligned buffers as one buffer, right-aligned at column ``width``.
+
+    Each part is (buffer (B_i, ..., S_i, X), rows to keep (b_i,), columns filled n_i). A kept row
+    brings its last min(n_i, width) columns, placed just before column ``width``; the columns on
+    their left (padding) and from ``width`` to ``capacity`` (room to grow) are zeros (False for a
+    mask). Returns (sum of b_i, ..., capacity, X). A row loses nothing as long as its tokens are at
+    most ``width`` (the caller takes ``width`` as the longest row's).
+    """
+    first = parts[0][0]
+    total = sum(len(rows) for _, rows, _ in parts)
+    out = first.new_zeros((total, *first.shape[1:-2], capacity, first.size(-1)))
+    start = 0
+    for buffer, rows, filled in parts:
+        taken = min(filled, width)
+        out[start:start + len(rows), ..., width - taken:width, :] = buffer[rows][..., filled - taken:filled, :]
+        start += len(rows)
+    return out
 
 
 def cache_for(model: nn.Module, batch: int, max_len: int):
@@ -145,6 +170,23 @@ class KVCache(Sequence[StaticKVCacheLayer]):
         for layer in self.layers:
             layer.reset()
         self.last_tokens = None
+
+    @classmethod
+    def merged(cls, parts: Sequence[tuple[KVCache, Tensor]], width: int, capacity: int) -> KVCache:
+        """The kept rows of several right-aligned caches (cache, rows kept) as one of ``capacity`` columns,
+        filled to ``width`` (`merge_rows`); each row's last token goes with it (a bigram-hash model)."""
+        layers = []
+        for i in range(len(parts[0][0])):
+            k = merge_rows([(c[i].k, rows, c.length) for c, rows in parts], width, capacity)  # (B, n_kv, S, hs)
+            v = merge_rows([(c[i].v, rows, c.length) for c, rows in parts], width, capacity)
+            layer = StaticKVCacheLayer(k.size(0), k.size(1), capacity, k.size(3), k.dtype, k.device)
+            layer.k, layer.v = k, v
+            layer._advance(width)
+            layers.append(layer)
+        cache = cls(layers)
+        if all(c.last_tokens is not None for c, _ in parts):
+            cache.last_tokens = torch.cat([c.last_tokens[rows] for c, rows in parts])
+        return cache
 
     def truncate(self, length: int, last_tokens: Tensor | None = None) -> None:
         """Keep every layer's first ``length`` positions. A model with a bigram-hash table needs the token now

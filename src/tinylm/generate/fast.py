@@ -44,13 +44,14 @@ import math
 import statistics
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tinylm.errors import TinyLMError
+from tinylm.generate.cache import merge_rows
 from tinylm.generate.steps import CachedDecoder, real_positions
 from tinylm.model import GPT
 from tinylm.model.attention import causal_visible, soft_cap
@@ -283,7 +284,7 @@ def decode_weights(model: GPT, compiled: bool = False) -> DecodeWeights:
 
 
 class StaticDecoder:
-    """The static cache and its step (module docstring): slots 0..S-1 for a batch of B rows.
+    """The static cache and its step (module docstring): slots 0..S-1 for a batch of B rows, a `Decoder`.
 
     ``extra`` slots past ``capacity`` let a fixed-size step (a compiled speculative round) write
     padding past the end of the window; they are never seen by a real token.
@@ -294,18 +295,19 @@ class StaticDecoder:
         if capacity > cfg.block_size:
             raise TinyLMError(f"a cache of {capacity} positions exceeds the model's context "
                               f"(block_size = {cfg.block_size})")
+        self.model = model
         self.weights = decode_weights(model)  # eager steps (a prefill, a window of several tokens)
         self.compiled_weights = decode_weights(model, compiled=True) if compile else None
         self.capacity = capacity
         self.compile = compile
+        self.extra = extra
         dtype, device = self.weights.head.dtype, self.weights.head.device
         size = (cfg.n_layer, batch, cfg.kv_heads, capacity + extra, cfg.head_dim)
         self.k = torch.zeros(size, dtype=dtype, device=device)
         self.v = torch.zeros(size, dtype=dtype, device=device)
-        self.key_mask = torch.zeros(batch, capacity + extra, dtype=torch.bool, device=device)
-        self.length = 0
+        self.mask = torch.zeros(batch, capacity + extra, dtype=torch.bool, device=device)  # real tokens' slots
         self.device = device
-        self.next_position: Tensor | None = None
+        self.reset()
 
     @property
     def max_len(self) -> int:
@@ -341,64 +343,86 @@ class StaticDecoder:
 
     def reset(self) -> None:
         self.length = 0
-        self.key_mask.zero_()
+        self.mask.zero_()
+        self.next_position = torch.zeros(self.mask.size(0), 1, dtype=torch.long, device=self.device)
 
     def truncate(self, length: int, last_token: int | None = None) -> None:
         """Forget the slots from ``length`` on (nothing is erased: no query sees a slot past its own).
         ``last_token`` is not needed here (no bigram-hash table)."""
         if not 0 <= length <= self.length:
             raise TinyLMError(f"cannot truncate a cache of {self.length} positions to {length}")
+        self.next_position = self.next_position - (self.length - length)
         self.length = length
 
-    def start(self, idx: Tensor, mask: Tensor) -> Tensor:
-        """Read left-padded windows idx (B, T) (mask False at padding) from slot 0; the last logits (B, V)."""
+    def reorder(self, rows: Tensor) -> None:
+        """Row b becomes old row rows[b] (a batch keeping its unfinished rows)."""
+        self.k, self.v = self.k.index_select(1, rows), self.v.index_select(1, rows)
+        self.mask, self.next_position = self.mask[rows], self.next_position[rows]
+
+    @classmethod
+    def merged(cls, parts: Sequence[tuple[StaticDecoder, Tensor]], width: int, capacity: int) -> StaticDecoder:
+        """The kept rows (decoder, rows) of several decoders as one, right-aligned at slot ``width`` (`merge_rows`)."""
+        first = parts[0][0]
+        decoder = cls(first.model, sum(len(rows) for _, rows in parts), capacity, extra=first.extra)
+        size = capacity + first.extra
+        for name in ("k", "v"):  # rows first for the merge: (B, n_layer, n_kv, S, hs)
+            rows_first = merge_rows([(getattr(d, name).transpose(0, 1), rows, d.length) for d, rows in parts],
+                                    width, size)
+            setattr(decoder, name, rows_first.transpose(0, 1).contiguous())
+        decoder.mask = merge_rows([(d.mask[..., None], rows, d.length) for d, rows in parts], width, size)[..., 0]
+        decoder.next_position = torch.cat([d.next_position[rows] for d, rows in parts])
+        decoder.length = width
+        return decoder
+
+    def start(self, idx: Tensor, mask: Tensor, every: bool = False) -> Tensor:
+        """Read left-padded windows idx (B, T) (mask False at padding) from slot 0; the last logits (B, V), or
+        every position's (B, T, V) with ``every``."""
         self.reset()
-        positions = real_positions(mask)  # (B, T)
-        self.next_position = positions[:, -1:] + 1  # (B, 1)
-        return self.run(idx, positions, mask)[:, -1]
+        logits = self.run(idx, real_positions(mask), mask)  # each row counts its own tokens
+        return logits if every else logits[:, -1]
 
     def step(self, tokens: Tensor) -> Tensor:
         """One new token per row (B,) after the last; the next logits (B, V)."""
-        logits = self.run(tokens[:, None], self.next_position, compiled=self.compile)[:, -1]
-        self.next_position = self.next_position + 1
-        return logits
+        return self.run(tokens[:, None], self.next_position, compiled=self.compile)[:, -1]
 
     def extend(self, tokens: Tensor, pad_to: int | None = None) -> Tensor:
-        """One unpadded row: append ``tokens`` (1, T) after the cached ones; their logits (1, T, V).
+        """Append ``tokens`` (B, T) after the cached ones; their logits (B, T, V).
 
-        With ``pad_to`` (a compiled decoder's speculative round) the step always reads ``pad_to``
+        With ``pad_to`` (a compiled decoder's speculative round, one row) the step always reads ``pad_to``
         tokens, so that one compiled graph serves every round: the padding repeats the last token in
         the slots after these (``extra`` of them), and the length counts the real ones only.
         """
         T = tokens.size(1)
-        start = self.length
-        positions = torch.arange(start, start + T, device=self.device)[None]
+        positions = self.next_position + torch.arange(T, device=self.device)  # (B, T)
         if pad_to is None or not self.compile or T == 1:
             return self.run(tokens, positions, compiled=self.compile and T == 1)
-        pad = pad_to - T
-        tokens = torch.cat([tokens, tokens[:, -1:].expand(1, pad)], dim=1)
-        positions = torch.arange(start, start + pad_to, device=self.device).clamp(max=self.weights.config.block_size - 1)
-        logits = self.run(tokens, positions[None], compiled=True)
-        self.length = start + T
+        start, after = self.length, self.next_position + T
+        tokens = torch.cat([tokens, tokens[:, -1:].expand(1, pad_to - T)], dim=1)
+        positions = (self.next_position + torch.arange(pad_to, device=self.device)).clamp(
+            max=self.weights.config.block_size - 1)
+        logits = self.run(tokens, positions, compiled=True)
+        self.length, self.next_position = start + T, after
         return logits[:, :T]
 
     def run(self, tokens: Tensor, positions: Tensor, real: Tensor | None = None, compiled: bool = False) -> Tensor:
         """Write ``tokens`` (B, T) at positions (B, T) into the next T slots; logits (B, T, V).
 
         ``real`` (B, T) marks the real tokens (False: padding, never attended to); default all real.
+        The next position follows the last one written.
         """
         T = tokens.size(1)
         start, end = self.length, self.length + T
         if end > self.k.size(3):
             raise TinyLMError(f"the cache holds {self.k.size(3)} slots; {end} do not fit")
-        self.key_mask[:, start:end] = True if real is None else real
+        self.mask[:, start:end] = True if real is None else real
         slots = torch.arange(start, end, device=self.device)
-        args = (tokens, slots, positions, self.key_mask, self.k, self.v)
+        args = (tokens, slots, positions, self.mask, self.k, self.v)
         if compiled and self.compiled_weights is not None and self._compiled_is_faster(args):
             logits = _call_warm(self.compiled_weights.compiled_step(self._shape(tokens)), args)
         else:
             logits = self.weights.step(*args)
         self.length = end
+        self.next_position = positions[:, -1:] + 1
         return logits
 
 

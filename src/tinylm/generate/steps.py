@@ -15,13 +15,13 @@ from __future__ import annotations
 import warnings
 from collections.abc import Container, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch
 from torch import Tensor, nn
 
 from tinylm.errors import TinyLMError
-from tinylm.generate.cache import KVCache, cache_for
+from tinylm.generate.cache import KVCache, cache_for, merge_rows
 from tinylm.generate.sampling import SamplingParams
 from tinylm.generate.stream import TextStream
 
@@ -70,62 +70,129 @@ def real_positions(mask: Tensor) -> Tensor:
     return (mask.long().cumsum(dim=1) - 1).clamp(min=0)  # (B, T)
 
 
-class CachedDecoder:
-    """Prefill then one token per call, through the model's own forward and cache (`cache_for`): every family.
+class Decoder(Protocol):
+    """A batch of rows being decoded: what the engine, speculative decoding and the server drive.
 
-    `tinylm.generate.fast.StaticDecoder` has the same two calls for a GPT, faster.
-    ``start(idx, mask)`` reads left-padded windows (B, T) and returns the last position's logits
-    (B, V); ``step(tokens)`` appends one token (B,) per row and returns the next logits (B, V).
+    Every row's cached tokens end in column ``length - 1`` (right-aligned; shorter rows padded on
+    the left and hidden by ``mask``); ``next_position`` (B, 1) is the position each row's next
+    token takes (rows count their own tokens). `tinylm.generate.fast.StaticDecoder` implements it
+    for a GPT, `CachedDecoder` for every family.
+
+    - ``start(idx, mask, every=False)``: forget everything, read left-padded windows idx (B, T);
+      the last position's logits (B, V), or every position's (B, T, V) with ``every``;
+    - ``step(tokens)``: one new token (B,) per row; the next logits (B, V);
+    - ``extend(tokens, pad_to=None)``: several new tokens (B, T) per row; their logits (B, T, V);
+    - ``truncate(length, last_token=None)``: forget the columns from ``length`` on (a rejected draft);
+    - ``reorder(rows)``: row b becomes old row rows[b] (keeping some rows shrinks the batch);
+    - ``merged(parts, width, capacity)`` (class method): the kept rows (decoder, rows) of several
+      decoders as one, right-aligned at column ``width``, with room up to ``capacity``.
+    """
+
+    length: int
+    mask: Tensor  # (B, capacity): True at the columns holding real tokens
+    next_position: Tensor  # (B, 1)
+
+    @property
+    def max_len(self) -> int: ...
+
+    def start(self, idx: Tensor, mask: Tensor, every: bool = False) -> Tensor: ...
+
+    def step(self, tokens: Tensor) -> Tensor: ...
+
+    def extend(self, tokens: Tensor, pad_to: int | None = None) -> Tensor: ...
+
+    def truncate(self, length: int, last_token: int | None = None) -> None: ...
+
+    def reorder(self, rows: Tensor) -> None: ...
+
+    def reset(self) -> None: ...
+
+
+class CachedDecoder:
+    """The `Decoder` through the model's own forward and cache (`cache_for`): every family.
+
+    `tinylm.generate.fast.StaticDecoder` does the same for a GPT, faster. Only a `KVCache` (a
+    Transformer's) can be truncated or merged; an RNN's state or an n-gram's history can only
+    be reordered.
     """
 
     def __init__(self, model: nn.Module, batch: int, capacity: int) -> None:
         self.model = model
         self.cache = cache_for(model, batch, capacity)
         self.mask = torch.zeros(batch, capacity, dtype=torch.bool, device=next(model.parameters()).device)
-        self.length = 0
-        self.padded = False
-        self.next_position: Tensor | None = None
+        self.reset()
 
     @property
     def max_len(self) -> int:
         return self.cache.max_len
 
-    def start(self, idx: Tensor, mask: Tensor) -> Tensor:
+    def _look_for_padding(self) -> None:
+        # whether any filled column is padding (else attention needs no mask); only start, merging and
+        # reordering change it (new columns are real tokens)
+        self.padded = not bool(self.mask[:, :self.length].all())
+
+    def reset(self) -> None:
         self.cache.reset()
+        self.mask.zero_()
+        self.length = 0
+        self.padded = False
+        self.next_position = torch.zeros(self.mask.size(0), 1, dtype=torch.long, device=self.mask.device)
+
+    def start(self, idx: Tensor, mask: Tensor, every: bool = False) -> Tensor:
+        self.reset()
         T = idx.size(1)
-        self.padded = not bool(mask.all())
         self.mask[:, :T] = mask
         self.length = T
+        self._look_for_padding()
         position_ids = real_positions(mask)  # (B, T)
         self.next_position = position_ids[:, -1:] + 1  # (B, 1): where each row's next token goes
-        return prefill(self.model, idx, self.cache, self.mask[:, :T] if self.padded else None, position_ids)
+        logits, _ = self.model(idx, attention_mask=mask if self.padded else None, position_ids=position_ids,
+                               kv_cache=self.cache)  # (B, T, V)
+        return logits if every else logits[:, -1]
 
     def extend(self, tokens: Tensor, pad_to: int | None = None) -> Tensor:
-        """One unpadded row: append ``tokens`` (1, T) after what is cached; their logits (1, T, V).
+        """Append ``tokens`` (B, T) after what is cached; their logits (B, T, V).
         (``pad_to`` is `StaticDecoder.extend`'s, for a compiled graph; nothing is compiled here.)"""
-        logits, _ = self.model(tokens, kv_cache=self.cache)
-        self.length += tokens.size(1)
+        T = tokens.size(1)
+        self.mask[:, self.length:self.length + T] = True
+        self.length += T
+        positions = self.next_position + torch.arange(T, device=tokens.device)  # (B, T)
+        self.next_position = self.next_position + T
+        attention_mask = self.mask[:, :self.length] if self.padded else None
+        logits, _ = self.model(tokens, attention_mask=attention_mask, position_ids=positions, kv_cache=self.cache)
         return logits
 
+    def step(self, tokens: Tensor) -> Tensor:
+        return self.extend(tokens[:, None])[:, -1]
+
     def truncate(self, length: int, last_token: int | None = None) -> None:
-        """Forget the positions from ``length`` on (a rejected draft); ``last_token`` is the token now last."""
+        """Forget the positions from ``length`` on (a rejected draft); ``last_token`` is the token now last
+        (one row; a bigram-hash model needs it)."""
         if not isinstance(self.cache, KVCache):
             raise TinyLMError("this model keeps a state that cannot be rolled back (not a KV cache)")
         last = torch.tensor([last_token], device=self.mask.device) if last_token is not None else None
         self.cache.truncate(length, last_tokens=last)
+        self.mask[:, length:self.length] = False
+        self.next_position = self.next_position - (self.length - length)
         self.length = length
 
-    def reset(self) -> None:
-        self.cache.reset()
-        self.length = 0
+    def reorder(self, rows: Tensor) -> None:
+        self.cache.reorder(rows)
+        self.mask = self.mask[rows]
+        self.next_position = self.next_position[rows]
+        self._look_for_padding()
 
-    def step(self, tokens: Tensor) -> Tensor:
-        self.mask[:, self.length] = True
-        self.length += 1
-        attention_mask = self.mask[:, :self.length] if self.padded else None  # no padding: no mask needed
-        logits = decode_one_token(self.model, tokens, self.cache, attention_mask, self.next_position)
-        self.next_position = self.next_position + 1
-        return logits
+    @classmethod
+    def merged(cls, parts: Sequence[tuple[CachedDecoder, Tensor]], width: int, capacity: int) -> CachedDecoder:
+        first = parts[0][0]
+        decoder = cls.__new__(cls)
+        decoder.model = first.model
+        decoder.cache = KVCache.merged([(d.cache, rows) for d, rows in parts], width, capacity)
+        decoder.mask = merge_rows([(d.mask[..., None], rows, d.length) for d, rows in parts], width, capacity)[..., 0]
+        decoder.next_position = torch.cat([d.next_position[rows] for d, rows in parts])
+        decoder.length = width
+        decoder._look_for_padding()
+        return decoder
 
 
 def context_start(n: int, block_size: int, keep: int) -> int:
