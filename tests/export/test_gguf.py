@@ -17,7 +17,6 @@ Three kinds of evidence:
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import sys
 
 import numpy as np
@@ -32,7 +31,7 @@ from tinylm.export.weights import rope_deinterleave, rope_interleave
 from tinylm.tokenizers import CharTokenizer
 from tinylm.tokenizers.formats import to_hf_tokenizer_json
 
-gguf = pytest.importorskip("gguf", reason="GGUF export needs the gguf package (pip install gguf)")
+import gguf
 from gguf_reference import GGUFModel  # noqa: E402  (imports gguf)
 
 
@@ -294,14 +293,6 @@ def test_a_pattern_llama_cpp_does_not_know_is_refused_unless_named(tmp_path):
 
 # ----- llama.cpp itself ---------------------------------------------------------------------------------
 
-LLAMA_CPP_SKIP = None if importlib.util.find_spec("llama_cpp") else (
-    "llama.cpp is not installed: the package index has no llama-cpp-python wheel for this platform, and its sdist "
-    "compiles llama.cpp from C++ source (pip install llama-cpp-python takes many minutes); the llama.cpp-style "
-    "reference run above checks the same files without it"
-)
-
-
-@pytest.mark.skipif(LLAMA_CPP_SKIP is not None, reason=LLAMA_CPP_SKIP or "")
 @pytest.mark.parametrize("name", ["gpt2", "llama-gqa", "llama-mha-bias-untied", "qwen3-gqa", "qwen3-mha-untied"])
 def test_llama_cpp_tokenizes_like_us_and_continues_greedily_like_us(tmp_path, tokenizer, name):
     from llama_cpp import Llama

@@ -19,7 +19,7 @@ from tinylm.config import Config, TrainConfig, dump_toml
 from tinylm.export import export_run
 from tinylm.run import checkpoint_path, save_checkpoint, write_run_info
 
-transformers = pytest.importorskip("transformers", reason="transformers is the oracle for these tests")
+import transformers
 
 PROMPT = "ROMEO.\n    def wrap(text"
 N = 16
@@ -63,7 +63,7 @@ def test_transformers_continues_the_hf_export_as_tinylm_sample_does(run_dir, sam
 
 
 def test_llama_cpp_continues_the_gguf_export_as_tinylm_sample_does(run_dir, sampled, tmp_path):
-    llama_cpp = pytest.importorskip("llama_cpp", reason="llama.cpp (llama-cpp-python) is the oracle for this test")
+    import llama_cpp
     out = export_run(run_dir, tmp_path / "m.gguf", "gguf")
     llm = llama_cpp.Llama(model_path=str(out), n_ctx=64, n_threads=1, verbose=False)
     # what tinylm never samples (BOS, PAD, reserved ids) the HF export's generation config names for transformers;

@@ -59,6 +59,16 @@ def counted_ngram(tokenizer, block_size: int = 64) -> NGramLM:
     return NGramLM(counted, GPTConfig(family="ngram", vocab_size=tokenizer.vocab_size, block_size=block_size, order=3))
 
 
+def wait_for(condition, timeout: float = 5.0, poll: float = 0.01) -> bool:
+    """Whether ``condition()`` came true within ``timeout`` seconds: every wait in these tests has an end."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(poll)
+    return False
+
+
 def wait_healthy(base_url: str, timeout: float = 60.0, process: subprocess.Popen | None = None) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import sys
 import threading
-import time
 
 import pytest
 import torch
-from servekit import ScriptedLM, SlowLM, counted_ngram
+from servekit import ScriptedLM, SlowLM, counted_ngram, wait_for
 
 import tinylm.serve.scheduler as scheduler_module
 from tinylm.config import GPTConfig
 from tinylm.errors import TinyLMError
 from tinylm.generate import SamplingParams, generate
+from tinylm.generate.fast import StaticDecoder
 from tinylm.model import RecurrentLM
 from tinylm.serve.jobs import ChoiceEvent, Job, JobDone, JobFailed
 from tinylm.serve.scheduler import Scheduler
@@ -90,8 +90,7 @@ def test_a_short_request_joins_a_running_batch_and_finishes_first(run):
     try:
         long, short = Recorder("long", order), Recorder("short", order)
         scheduler.submit(Job([run.start_ids], SamplingParams(max_new_tokens=40, temperature=0), on_event=long))
-        while scheduler.stats()["steps"] < 5:
-            time.sleep(0.001)  # the long job is running
+        assert wait_for(lambda: scheduler.stats()["steps"] >= 5, timeout=30, poll=0.001)  # the long job is running
         scheduler.submit(Job([run.start_ids + [70]], SamplingParams(max_new_tokens=3, temperature=0), on_event=short))
         assert long.result() and short.result()
         assert order == ["short", "long"] and scheduler.stats()["largest_batch"] == 2
@@ -124,8 +123,7 @@ def test_cancelling_a_running_job_frees_its_slot(run):
         job = Job([run.start_ids], SamplingParams(max_new_tokens=50, temperature=0), on_event=first)
         scheduler.submit(job)
         scheduler.submit(Job([run.start_ids], SamplingParams(max_new_tokens=4, temperature=0), on_event=second))
-        while scheduler.stats()["steps"] < 3:
-            time.sleep(0.001)
+        assert wait_for(lambda: scheduler.stats()["steps"] >= 3, timeout=30, poll=0.001)
         scheduler.cancel(job)
         assert len(second.result()) == 1  # admitted once the only slot was freed
         assert not first.done.is_set() and scheduler.stats()["cancelled_rows"] == 1
@@ -210,15 +208,14 @@ def test_a_cancel_landing_in_the_middle_of_a_merge_fails_no_one(run, monkeypatch
     scheduler = Scheduler(run.model, run.tokenizer)
     stay, leave = Recorder(), Recorder()
     leaving = Job([ids], SamplingParams(max_new_tokens=12, seed=2), on_event=leave)
-    sized = scheduler_module.KVCache.for_model.__func__
+    merged = StaticDecoder.merged.__func__
 
     def sized_then_cancelled(cls, *args, **kwargs):
-        cache = sized(cls, *args, **kwargs)
-        if sys._getframe(1).f_code.co_name == "_merge" and not leaving.cancelled:  # not the prefill's cache
+        if sys._getframe(1).f_code.co_name == "_merge" and not leaving.cancelled:  # after `_merge` sized it
             scheduler.cancel(leaving)  # as a client's disconnect would, at the worst moment
-        return cache
+        return merged(cls, *args, **kwargs)
 
-    monkeypatch.setattr(scheduler_module.KVCache, "for_model", classmethod(sized_then_cancelled))
+    monkeypatch.setattr(StaticDecoder, "merged", classmethod(sized_then_cancelled))
     scheduler.submit(Job([ids], params, on_event=stay))
     scheduler.submit(leaving)
     scheduler.start()  # both jobs are admitted together: the first merge sizes a cache for four rows
@@ -364,8 +361,7 @@ def test_end_all_fails_running_and_waiting_jobs_with_503_and_refuses_new_ones(ru
         running, waiting = Recorder(), Recorder()
         scheduler.submit(Job([run.start_ids], SamplingParams(max_new_tokens=50, temperature=0), on_event=running))
         scheduler.submit(Job([run.start_ids], SamplingParams(max_new_tokens=50, temperature=0), on_event=waiting))
-        while scheduler.stats()["steps"] < 2:
-            time.sleep(0.001)
+        assert wait_for(lambda: scheduler.stats()["steps"] >= 2, timeout=30, poll=0.001)
         scheduler.end_all()
         for recorder in (running, waiting):
             assert recorder.done.wait(5) and recorder.failed == "the server is shutting down"
