@@ -99,10 +99,11 @@ import torch
 from torch import Tensor, nn
 
 from tinylm.errors import TinyLMError
-from tinylm.generate.cache import KVCache, cache_for
+from tinylm.generate.fast import make_decoder
+from tinylm.generate.rounds import check_drafts
 from tinylm.generate.sampling import excluded_mask, prompt_generators, sample, token_logprobs
-from tinylm.generate.speculative import Draft, Pacer, judge_round
-from tinylm.generate.steps import FinishReason, accept_token, decode_one_token, left_pad, real_positions
+from tinylm.generate.speculative import Draft, Pacer
+from tinylm.generate.steps import Decoder, FinishReason, accept_token, left_pad
 from tinylm.generate.stream import TextStream
 from tinylm.serve.jobs import ChoiceEvent, Job, JobDone, JobFailed, PromptEvent, TokenLogprob, is_crash
 from tinylm.tokenizers.base import Tokenizer, default_stop_ids
@@ -150,13 +151,10 @@ class _Row:
 
 @dataclass
 class _Batch:
-    """Rows that share one KV cache: right-aligned (every row's last fed token in column ``length - 1``)."""
+    """Rows decoded together by one `Decoder`: right-aligned (every row's last fed token in column ``length - 1``)."""
 
     rows: list[_Row]
-    cache: KVCache
-    mask: Tensor  # (B, capacity) bool, False at padding
-    length: int  # columns filled
-    padded: bool  # any False in mask[:, :length] (else attention needs no mask)
+    decoder: Decoder
 
 
 # ----- the scheduler ---------------------------------------------------------------------------------
@@ -389,11 +387,8 @@ class Scheduler:
         if not keep:
             return None
         if len(keep) < len(batch.rows):
-            index = torch.tensor(keep, device=self.device)
-            batch.cache.reorder(index)
-            batch.mask = batch.mask[index]
+            batch.decoder.reorder(torch.tensor(keep, device=self.device))
             batch.rows = [batch.rows[i] for i in keep]
-            batch.padded = not bool(batch.mask[:, :batch.length].all())
         return batch
 
     def _prefill_groups(self, rows: list[_Row]) -> list[list[_Row]]:
@@ -415,11 +410,8 @@ class Scheduler:
         idx, mask = left_pad([r.seq for r in rows], self.device)  # (Bn, P), (Bn, P)
         Bn, P = idx.shape
         capacity = P if self.continuous else P + max(r.remaining for r in rows)
-        cache = cache_for(self.model, Bn, capacity)
-        padded = not bool(mask.all())
-        position_ids = real_positions(mask)  # (Bn, P): each row counts its own tokens
-        logits, _ = self.model(idx, attention_mask=mask if padded else None, position_ids=position_ids,
-                               kv_cache=cache)  # (Bn, P, V)
+        decoder = make_decoder(self.model, Bn, capacity)  # a GPT's: the decoding layout
+        logits = decoder.start(idx, mask, every=True)  # (Bn, P, V): each row counts its own tokens
         for b, row in enumerate(rows):
             job = row.job
             if job.prompt_logprobs and row.index % job.n == 0:  # once per prompt
@@ -431,9 +423,7 @@ class Scheduler:
                 outbox[row.job].append(ChoiceEvent(row.index, row.stream.finish(), finish_reason="length"))
         if drawing:
             self._draw([rows[b] for b in drawing], logits[drawing, -1], outbox)  # (b, V) last positions
-        full_mask = torch.zeros(Bn, capacity, dtype=torch.bool, device=self.device)
-        full_mask[:, :P] = mask
-        return _Batch(rows, cache, full_mask, P, padded)
+        return _Batch(rows, decoder)
 
     def _decode(self, batch: _Batch, outbox: dict[Job, list]) -> None:
         """One step for every row: feed its newest token, draw the next (a speculative round for a lone row)."""
@@ -443,11 +433,7 @@ class Scheduler:
         if lone and self._speculate(batch, outbox):
             return
         tokens = torch.tensor([r.seq[-1] for r in rows], device=self.device)  # (B,)
-        position_ids = torch.tensor([[r.fed] for r in rows], device=self.device)  # (B, 1)
-        batch.mask[:, batch.length] = True
-        batch.length += 1
-        attention_mask = batch.mask[:, :batch.length] if batch.padded else None  # (B, T_k)
-        logits = decode_one_token(self.model, tokens, batch.cache, attention_mask, position_ids)  # (B, V)
+        logits = batch.decoder.step(tokens)  # (B, V): each row's token at its own position (r.fed)
         self.steps += 1
         self._draw(rows, logits, outbox)
         if lone:
@@ -457,36 +443,24 @@ class Scheduler:
         """A speculative round for a batch of one row; False (nothing done) when no draft is proposed."""
         row = batch.rows[0]
         params = row.job.params
-        room = min(batch.mask.size(1) - batch.length - 1, row.remaining - 1)  # columns after the pending token
+        decoder = batch.decoder
+        room = min(decoder.max_len - decoder.length - 1, row.remaining - 1)  # columns after the pending token
         n = min(self.pacer.drafts(), room)
         if n <= 0:
             return False
         started = time.perf_counter()
         width = self.model.config.vocab_size
         excluded = self._excluded_for(row.job, width)
-        drafts, q = self.draft.propose(row.seq, n, excluded if excluded is not None
-                                       else torch.zeros(width, dtype=torch.bool, device=self.device),
-                                       params, row.generator)
+        if excluded is None:
+            excluded = torch.zeros(width, dtype=torch.bool, device=self.device)
+        drafts, q = self.draft.propose(row.seq, n, excluded, params, row.generator)
         drafts = drafts[:n]
         if not drafts:
             return False
-        fed = [row.seq[-1], *drafts]
-        end = batch.length + len(fed)
-        batch.mask[:, batch.length:end] = True
-        attention_mask = batch.mask[:, :end] if batch.padded else None
-        positions = torch.arange(row.fed, row.fed + len(fed), device=self.device)[None]  # (1, 1 + n)
-        logits, _ = self.model(torch.tensor([fed], device=self.device), attention_mask=attention_mask,
-                               position_ids=positions, kv_cache=batch.cache)
         try:
-            new, kept, logprobs = judge_round(logits[0], excluded, params, drafts, q, row.generator)
-        except Exception:  # settings sampling cannot take: undo the round; the plain step fails the job as usual
-            batch.cache.truncate(batch.length, last_tokens=torch.tensor([row.seq[-2]], device=self.device))
-            batch.mask[:, batch.length:end] = False
+            new, kept, logprobs = check_drafts(decoder, row.seq, drafts, q, excluded, params, row.generator)
+        except Exception:  # settings sampling cannot take: the round was undone; the plain step fails the job
             return False
-        # keep the pending token and the drafts kept; the columns after them are free again
-        batch.cache.truncate(batch.length + 1 + kept, last_tokens=torch.tensor([fed[kept]], device=self.device))
-        batch.mask[:, batch.length + 1 + kept:end] = False
-        batch.length += 1 + kept
         self.steps += 1
         self.drafted += len(drafts)
         self.kept += kept
@@ -644,30 +618,8 @@ class Scheduler:
             return None
         L = max(r.fed for r in rows)
         capacity = L + min(r.remaining for r in rows)
-        cache = KVCache.for_model(self.model, len(rows), capacity)
-        mask = torch.zeros(len(rows), capacity, dtype=torch.bool, device=self.device)
-        parts = [(b, torch.tensor(keep, device=self.device), min(b.length, L))  # (batch, rows kept, columns taken)
-                 for b, keep in zip(batches, keeps) if keep]
-        start = 0
-        for b, keep, width in parts:
-            mask[start:start + len(keep), L - width:L] = b.mask[keep, b.length - width:b.length]
-            start += len(keep)
-        for layer, target in enumerate(cache):
-            ks, vs = [], []
-            for b, keep, width in parts:
-                source = b.cache[layer]
-                k = source.k[keep, :, b.length - width:b.length]  # (kept, n_kv, width, hs)
-                v = source.v[keep, :, b.length - width:b.length]
-                ks.append(torch.nn.functional.pad(k, (0, 0, L - width, 0)))  # pad columns on the left
-                vs.append(torch.nn.functional.pad(v, (0, 0, L - width, 0)))
-            k, v = torch.cat(ks), torch.cat(vs)  # (B, n_kv, L, hs)
-            if k.size(0) != len(rows):  # `update` would broadcast one row over all of them without a word
-                raise RuntimeError(f"merging {len(rows)} rows gathered keys for {k.size(0)}")
-            target.update(k, v)
-        lasts = [b.cache.last_tokens for b, _, _ in parts]
-        if all(t is not None for t in lasts):  # a bigram-hash model: each row's last token goes with it
-            cache.last_tokens = torch.cat([t[keep] for t, (_, keep, _) in zip(lasts, parts)])
-        return _Batch(rows, cache, mask, L, padded=not bool(mask[:, :L].all()))
+        parts = [(b.decoder, torch.tensor(keep, device=self.device)) for b, keep in zip(batches, keeps) if keep]
+        return _Batch(rows, type(parts[0][0]).merged(parts, L, capacity))
 
     def _deliver(self, outbox: dict[Job, list]) -> None:
         for job, events in outbox.items():
