@@ -78,7 +78,7 @@ from tinylm.generate.steps import (
 from tinylm.generate.rounds import FIRST_PAUSE, ROUNDS_PER_CHECK, Pacer, check_drafts, draw_one
 from tinylm.generate.stream import TextStream
 from tinylm.model import NGramLM, NGramModel
-from tinylm.tokenizers.base import Tokenizer, default_stop_ids
+from tinylm.tokenizers.base import Tokenizer, check_same_tokenizer, default_stop_ids
 
 @dataclass
 class SpeculativeStats:
@@ -230,9 +230,8 @@ def ngram_draft(run_dir: str | os.PathLike, tokenizer: Tokenizer, order: int = N
         raise TinyLMError(f"no n-gram draft for {run_dir}: {where}. Prepare them again with `tinylm prepare` and "
                           f"count one with `tinylm train --model ngram`, then pass that run folder as --draft")
     shards = ShardSet.open(shards_dir)
-    if shards.meta["tokenizer"]["fingerprint"] != tokenizer.fingerprint():
-        raise TinyLMError(f"the shards in {shards_dir} were made with another tokenizer than the run's: "
-                          "the n-gram draft must count the model's own tokens")
+    check_same_tokenizer(shards.meta["tokenizer"]["fingerprint"], tokenizer, f"the shards in {shards_dir} were made "
+                         "with another tokenizer than the run's", "the n-gram draft must count the model's own tokens")
     started = time.perf_counter()
     ngram = NGramModel.fit_shards(shards, order, smoothing="kn")
     ngram.save(path)
@@ -254,9 +253,8 @@ def load_draft(spec: str, run: tinylm.run.Run, checkpoint: str = "best",
     if spec == "ngram":
         return NGramDraft(ngram_draft(run.path, run.tokenizer, log=log))
     other = tinylm.run.load_run(spec, checkpoint=checkpoint)
-    if other.tokenizer.fingerprint() != run.tokenizer.fingerprint():
-        raise TinyLMError(f"the draft run {spec} has another tokenizer than the model's: a draft must "
-                          "share the model's tokenizer (train it on the same tokenizer.json)")
+    check_same_tokenizer(other.tokenizer, run.tokenizer, f"the draft run {spec} has another tokenizer than the model's",
+                         "a draft must share the model's tokenizer (train it on the same tokenizer.json)")
     if isinstance(other.model, NGramLM):
         return NGramDraft(other.model.ngram)
     return ModelDraft.of(other.model)
