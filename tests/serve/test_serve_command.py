@@ -170,3 +170,22 @@ def test_serve_refuses_a_draft_it_cannot_make_in_one_line(run_dir, capsys):
     assert main(["serve", "--run", str(run_dir), "--port", "0", "--draft", "ngram"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no n-gram draft" in err[0], err
+
+
+def test_python_callers_get_the_commands_policy(run, monkeypatch):
+    """`serve()` reads $TINYLM_API_KEY and checks its options before it binds or loads anything, and `create_app`
+    refuses what the command refuses, in the same words."""
+    from tinylm.errors import TinyLMError
+    from tinylm.serve import create_app, serve
+
+    monkeypatch.setenv("TINYLM_API_KEY", "  ")
+    with pytest.raises(TinyLMError, match=r"\$TINYLM_API_KEY holds only spaces"):
+        serve("runs/missing")
+    monkeypatch.delenv("TINYLM_API_KEY")
+    with pytest.raises(TinyLMError, match="is not an origin"):
+        serve("runs/missing", allow_origins=["http://localhost:3000/"])
+    for options, phrase in [({"allow_origins": ["localhost:3000"]}, "is not an origin"),
+                            ({"model_name": " "}, "model_name"), ({"api_key": ""}, "api_key"),
+                            ({"body_timeout": 0}, "above 0")]:
+        with pytest.raises(TinyLMError, match=phrase):
+            create_app(run, **options)

@@ -14,7 +14,7 @@ stderr with exit status 2 and no traceback; so is a bad flag value.
     tinylm eval runs/quick --stride 64             # sliding windows: more context for every target
 
 The commands are grouped by the part of the library they call, one module each: `tokenizer`,
-`data` (prepare), `train`, `evaluate` (eval, compare), `generate` (sample, next-token, serve), `export`
+`data` (prepare), `train`, `evaluate` (eval, compare), `generate` (sample, next-token), `serve`, `export`
 (export, import) and `explain` (tokens, sampling, cost, attention, forward); each has an `add_commands` that
 adds its subcommands to the parser, and
 `flags` holds what they share. A command imports the library it calls when it runs, so that
@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 from tinylm import __version__
 from tinylm.atomic import disk_failure
-from tinylm.cli import data, evaluate, explain, export, generate, tokenizer, train
+from tinylm.cli import data, evaluate, explain, export, generate, serve, tokenizer, train
 from tinylm.cli.flags import Parser, show_help
 from tinylm.errors import Stopped, TinyLMError
 
@@ -47,7 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"tinylm {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
-    for commands in (tokenizer, data, train, evaluate, generate, export, explain):  # the order of `tinylm --help`
+    # the order of `tinylm --help`
+    for commands in (tokenizer, data, train, evaluate, generate, serve, export, explain):
         commands.add_commands(sub)
     return parser
 

@@ -1,14 +1,13 @@
-"""`tinylm sample`, `tinylm next-token` and `tinylm serve`: text from a trained run.
+"""`tinylm sample` and `tinylm next-token`: text from a trained run.
 
-The flags are defined here; what each command does lives in `tinylm.generate.commands` and
-`tinylm.serve.server`.
+The flags are defined here; what each command does lives in `tinylm.generate.commands`.
 """
 
 from __future__ import annotations
 
 import argparse
 
-from tinylm.cli.flags import add_threads_flag, nonneg_float, port, positive_int, probability, seed_int
+from tinylm.cli.flags import add_threads_flag, nonneg_float, positive_int, probability, seed_int
 
 
 def cmd_sample(args: argparse.Namespace) -> int:
@@ -23,14 +22,8 @@ def cmd_next_token(args: argparse.Namespace) -> int:
     return next_token(args)
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
-    from tinylm.serve.server import cmd_serve as serve
-
-    return serve(args)
-
-
 def add_commands(sub: argparse._SubParsersAction) -> None:
-    """tinylm sample, next-token and serve."""
+    """tinylm sample and next-token."""
     # tinylm sample / next-token
     p = sub.add_parser("sample", help="generate text from a trained run",
                        description="Complete prompts with a trained model: sampling (temperature, top-k, top-p, "
@@ -88,38 +81,3 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    help="show the probabilities at several temperatures side by side, e.g. 0.5,1,2")
     add_threads_flag(p)
     p.set_defaults(func=cmd_next_token, parser=p)
-
-    # tinylm serve
-    p = sub.add_parser("serve", help="serve a trained run: an OpenAI-compatible API and a web playground",
-                       description="Serve a trained run over HTTP: the OpenAI API (/v1/models, /v1/completions, "
-                       "/v1/chat/completions, streaming by server-sent events) that the official openai clients "
-                       "use unchanged, and a playground page at / that streams completions and charts the "
-                       "next-token probabilities. Requests in flight are decoded together in batches.")
-    p.add_argument("--run", required=True, metavar="DIR", help="the run folder written by `tinylm train`")
-    p.add_argument("--host", default="127.0.0.1",
-                   help="the address to listen on (default: 127.0.0.1, this machine only; 0.0.0.0 for every network)")
-    p.add_argument("--port", type=port, default=8000, help="the port (default: 8000; 0 picks a free one)")
-    p.add_argument("--api-key", metavar="KEY",
-                   help="require 'Authorization: Bearer KEY' on the API (default: $TINYLM_API_KEY, else no key)")
-    p.add_argument("--model-name", metavar="NAME", help="the model id clients ask for (default: the run folder's name)")
-    p.add_argument("--allow-origin", action="append", metavar="ORIGIN",
-                   help="let web pages from this origin (e.g. http://localhost:3000, or * for any) call the API "
-                   "from a browser (CORS); repeat for several (default: none)")
-    p.add_argument("--max-batch-size", type=positive_int, default=32, metavar="N",
-                   help="the most samples decoded together; 1 serves one at a time (default: 32)")
-    p.add_argument("--batch-window-ms", type=nonneg_float, default=2.0, metavar="MS",
-                   help="how long an idle server waits for more requests to batch with the first (default: 2)")
-    p.add_argument("--body-timeout", type=float, metavar="SECONDS",
-                   help="how long a request's body may take to arrive; a client slower than that gets 408 and "
-                   "its connection closed (default: 30)")
-    p.add_argument("--checkpoint", choices=["best", "latest"], default="best", help="which checkpoint (default: best)")
-    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps (default: cpu)")
-    add_threads_flag(p)
-    p.add_argument("--draft", metavar="ngram|prompt|DIR",
-                   help="speculative decoding of a lone request (as tinylm sample --draft): the same greedy text, "
-                   "the same sampling distribution, faster where drafts are often kept (default: off)")
-    p.add_argument("--draft-k", type=positive_int, default=4, metavar="N",
-                   help="the most tokens drafted per model pass (default: 4)")
-    p.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"], default="info",
-                   help="the server's log level; info logs every request (default: info)")
-    p.set_defaults(func=cmd_serve, parser=p)

@@ -11,6 +11,7 @@ is put together here; the rest of the package holds its parts, one concern each:
 ``responses``               scheduler events -> OpenAI responses and server-sent events
 ``protocol``                request schemas and their checks, OpenAI's error and logprobs JSON
 ``middleware``              error answers, the crash guard, the API key gate, CORS
+``options``                 the serving options' policy: their checks, the key from the environment
 ``limits``                  the body's size and time limits, the worker lane for heavy replies
 ``scheduler``, ``jobs``     the batching decoder the routes hand their jobs to
 ==========================  ======================================================================
@@ -78,7 +79,6 @@ prompt never holds up the event loop (and /health and the streams it serves).
 
 from __future__ import annotations
 
-import math
 import sys
 from collections.abc import Sequence
 from contextlib import asynccontextmanager
@@ -88,12 +88,12 @@ from typing import Any
 from fastapi import FastAPI
 from starlette.concurrency import run_in_threadpool
 
-from tinylm.errors import TinyLMError
 from tinylm.generate.speculative import load_draft
 from tinylm.serve import inside, routes_openai, routes_site, routes_tokens
 from tinylm.serve.chat import ChatFormat
 from tinylm.serve.limits import BODY_TIMEOUT, MAX_BODY_BYTES, HeavyLane
 from tinylm.serve.middleware import JSON, add_error_handlers, add_middleware
+from tinylm.serve.options import check_options
 from tinylm.serve.scheduler import Scheduler
 from tinylm.serve.served import ServedModel, served_context
 
@@ -112,15 +112,10 @@ def create_app(run: Any, *, model_name: str | None = None, api_key: str | None =
     call the API from a browser (CORS); none by default, so another site's page cannot.
     ``draft`` and ``draft_k``: speculative decoding of a lone request (`tinylm.generate.speculative.load_draft`
     names the drafts). ``max_body_bytes`` and ``body_timeout`` (seconds): the most a request's body may
-    hold, and how long it may take to arrive (`tinylm.serve.limits`).
+    hold, and how long it may take to arrive (`tinylm.serve.limits`). A value that cannot be meant (an empty
+    key or name, an origin with a path) is refused as `tinylm serve` refuses it (`tinylm.serve.options`).
     """
-    if not 0 < body_timeout < math.inf:
-        raise TinyLMError(f"body_timeout is {body_timeout}: give the seconds a request's body may take to arrive "
-                          "(more than 0)")
-    if api_key is not None and not api_key.strip():
-        raise TinyLMError("the API key is empty: give the key clients must send, or None for no key")
-    if model_name is not None and not model_name.strip():
-        raise TinyLMError("the model name is empty: give the id clients ask for, or None for the run folder's name")
+    check_options(api_key=api_key, model_name=model_name, body_timeout=body_timeout, allow_origins=allow_origins)
     path = getattr(run, "path", None)
     served = ServedModel(name=model_name or (Path(path).name if path else "tinylm"), model=run.model,
                          tokenizer=run.tokenizer, start_ids=list(run.start_ids), block_size=served_context(run))

@@ -27,12 +27,11 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import tinylm.serve.protocol as protocol
+from tinylm.serve.options import BODY_TIMEOUT, MAX_BODY_BYTES  # the defaults, checked with the other options
 from tinylm.serve.protocol import APIError
 
 T = TypeVar("T")
 
-MAX_BODY_BYTES = 1 << 20  # 1 MiB: far more than any prompt a tinylm model's context can hold
-BODY_TIMEOUT = 30.0  # seconds for a whole body to arrive
 # a text's pieces are at most its UTF-8 bytes (4 a character) and each is ~60 bytes of JSON at worst, so this
 # bounds /explain/tokens' reply near 4 MB (16 Ki characters of English is ~4,000 tokens, past most contexts)
 MAX_EXPLAIN_CHARS = 16 * 1024

@@ -1,4 +1,4 @@
-"""Running the app: `serve` loads a run and serves it with uvicorn; `cmd_serve` is `tinylm serve`.
+"""Running the app: `serve` loads a run and serves it with uvicorn (what `tinylm serve` calls).
 
 The listening socket is bound here, before uvicorn starts, so that a port already in use or a
 host that cannot be listened on is one clear `TinyLMError` (the CLI prints one line and exits
@@ -6,10 +6,9 @@ with status 2) rather than a log message from inside the server. The default hos
 loopback address: the server is reachable from this machine only unless ``--host 0.0.0.0``
 says otherwise (and then ``--api-key`` is worth setting).
 
-The API key comes from ``--api-key``, else from ``$TINYLM_API_KEY`` (unset or empty: no key).
-An empty ``--api-key ""`` is refused rather than read as "no key": it would silently switch
-off a key set in the environment; so is a ``$TINYLM_API_KEY`` of spaces alone (a key no client
-could send), and an empty ``--model-name``.
+The API key comes from ``api_key`` (``--api-key``), else from ``$TINYLM_API_KEY`` (unset or empty:
+no key); the options are checked before the socket is bound or the run loaded, by the same rules
+`create_app` and the command apply (`tinylm.serve.options`).
 
 **Shutting down** (Ctrl+C, SIGTERM): the server stops taking connections and lets the requests
 in flight finish for up to ``graceful_timeout`` seconds (uvicorn's graceful shutdown). Shortly
@@ -31,9 +30,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import ipaddress
-import math
 import os
-import re
 import signal
 import socket
 import sys
@@ -41,8 +38,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from tinylm.errors import TinyLMError
+from tinylm.serve.options import API_KEY_ENV, api_key_or_env, check_options
 
-API_KEY_ENV = "TINYLM_API_KEY"
+__all__ = ["API_KEY_ENV", "bind_socket", "graceful_server", "is_loopback", "serve", "url_for"]
 GRACEFUL_TIMEOUT = 5.0  # seconds the requests in flight may run on once the server is asked to stop
 BACKLOG = 2048  # connections the kernel queues before the server accepts them (as uvicorn's default)
 END_MARGIN = 1.0  # end the generations this long before the graceful timeout, so that their answers go out
@@ -129,6 +127,7 @@ def serve(run_dir: str | os.PathLike, *, host: str = "127.0.0.1", port: int = 80
           threads: int | None = None) -> None:
     """Serve the run in ``run_dir`` until interrupted (Ctrl+C): the OpenAI API under /v1, the playground at /.
 
+    ``api_key``: the key clients must send; None reads ``$TINYLM_API_KEY`` (unset or empty: no key).
     ``draft`` ("ngram", "prompt" or a run folder) decodes a lone request by speculative rounds of up to
     ``draft_k`` drafts (`tinylm.serve.scheduler`).
 
@@ -148,6 +147,8 @@ def serve(run_dir: str | os.PathLike, *, host: str = "127.0.0.1", port: int = 80
     from tinylm.device import use_threads
     from tinylm.run import check_run_dir, load_run
 
+    api_key = api_key_or_env(api_key)
+    check_options(model_name=model_name, body_timeout=body_timeout, allow_origins=allow_origins)
     check_run_dir(run_dir)
     sock = bind_socket(host, port)  # before loading: a port in use is said at once, not after a long load
     try:
@@ -192,31 +193,3 @@ def url_for(host: str, port: int) -> str:
     if host in ("0.0.0.0", "::"):
         host = "127.0.0.1" if host == "0.0.0.0" else "::1"
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-
-
-def cmd_serve(args: Any) -> int:
-    """`tinylm serve`: the parsed flags -> `serve`."""
-    if args.api_key is not None and not args.api_key.strip():
-        raise TinyLMError(f"--api-key is empty: give the key clients must send, or leave the flag out "
-                          f"(then ${API_KEY_ENV} is used if set)")
-    if args.model_name is not None and not args.model_name.strip():
-        raise TinyLMError("--model-name is empty: give the id clients ask for, or leave the flag out "
-                          "(then the run folder's name is used)")
-    env_key = os.environ.get(API_KEY_ENV)
-    if args.api_key is None and env_key and not env_key.strip():
-        raise TinyLMError(f"${API_KEY_ENV} holds only spaces: set it to the key clients must send, or unset it "
-                          f"(or set it empty) to serve without a key")
-    api_key = args.api_key if args.api_key is not None else env_key or None
-    if args.body_timeout is not None and not 0 < args.body_timeout < math.inf:
-        raise TinyLMError(f"--body-timeout is {args.body_timeout}: give the seconds a request's body may take to "
-                          "arrive, a number above 0 (default: 30)")
-    for origin in args.allow_origin or ():
-        if origin != "*" and not re.fullmatch(r"[a-zA-Z][a-zA-Z0-9+.-]*://[^/\s]+", origin):
-            raise TinyLMError(f"--allow-origin {origin!r} is not an origin: give scheme://host[:port] with no path "
-                              "(e.g. http://localhost:3000), or * for any")
-    serve(args.run, host=args.host, port=args.port, api_key=api_key, model_name=args.model_name,
-          max_batch_size=args.max_batch_size, batch_window=args.batch_window_ms / 1000,
-          checkpoint=args.checkpoint, device=args.device, log_level=args.log_level,
-          allow_origins=args.allow_origin or (), draft=args.draft, draft_k=args.draft_k,
-          body_timeout=args.body_timeout, threads=args.threads)
-    return 0
