@@ -9,8 +9,9 @@ from types import SimpleNamespace
 import pytest
 
 from tinylm.errors import TinyLMError
-from tinylm.generate import commands
-from tinylm.generate.commands import cmd_next_token, cmd_sample, parse_temperatures, read_prompts, unescape
+from tinylm.cli import generate as commands
+from tinylm.cli.flags import parse_temperatures
+from tinylm.cli.generate import cmd_next_token, cmd_sample, read_prompts, unescape
 
 from toys import ScriptedLM
 

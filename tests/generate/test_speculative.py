@@ -18,7 +18,7 @@ import torch
 import tinylm.run
 from tinylm.errors import TinyLMError
 from tinylm.generate.cache import KVCache
-from tinylm.generate.commands import cmd_sample
+from tinylm.cli.generate import cmd_sample
 from tinylm.generate.engine import Engine
 from tinylm.generate.sampling import SamplingParams, sampling_distribution
 from tinylm.generate.speculative import (

@@ -65,7 +65,7 @@ def _numbers(text: str, flag: str) -> list[float]:
 
 def cmd_sampling(args: argparse.Namespace) -> int:
     from tinylm.explain.sampling import explain_logits, explain_run, format_sampling, plot_sampling
-    from tinylm.generate.commands import parse_temperatures
+    from tinylm.cli.flags import parse_temperatures
 
     temps = parse_temperatures(args.temperatures)
     if args.logits is not None:
@@ -75,7 +75,7 @@ def cmd_sampling(args: argparse.Namespace) -> int:
     else:
         if args.run is None:
             raise TinyLMError("give --run DIR and --text TEXT for a model's next token, or --logits 2,1,-1")
-        from tinylm.generate.commands import command_threads
+        from tinylm.cli.flags import command_threads
         from tinylm.run import load_run
 
         run = load_run(args.run)

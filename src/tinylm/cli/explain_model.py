@@ -52,7 +52,7 @@ def cmd_attention(args: argparse.Namespace) -> int:
     run = _run_unless_example(args, worked_example, format_example)
     if run is None:
         return 0
-    from tinylm.generate.commands import command_threads
+    from tinylm.cli.flags import command_threads
 
     with command_threads(args):
         maps = attention_of_text(run.model, run.tokenizer, args.text, start_ids=run.start_ids, layer=args.layer,
@@ -76,7 +76,7 @@ def cmd_forward(args: argparse.Namespace) -> int:
     run = _run_unless_example(args, two_token_loss, format_two_token_loss)
     if run is None:
         return 0
-    from tinylm.generate.commands import command_threads
+    from tinylm.cli.flags import command_threads
 
     if run.family != "gpt":
         raise TinyLMError(f"{args.run} holds {FAMILY_NAMES.get(run.family, run.family)} model; `explain forward` "

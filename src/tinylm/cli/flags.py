@@ -8,16 +8,20 @@ with their partners (`load_corpus_from(args)`), so every command spells a corpus
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import sys
 import typing
 from collections.abc import Callable
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from tinylm.config import DEFAULT_PRESET, SECTIONS, field_types, resolve_config
 from tinylm.config.fields import optional_inner
 from tinylm.errors import TinyLMError
+
+if TYPE_CHECKING:
+    from tinylm.device import ThreadChoice
 
 
 class Parser(argparse.ArgumentParser):
@@ -59,6 +63,26 @@ def add_threads_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=positive_int, metavar="N",
                    help="PyTorch CPU threads (default: one per core not busy now; the busy ones are left out and "
                    "named in one line)")
+
+
+def command_threads(args: argparse.Namespace) -> contextlib.AbstractContextManager[ThreadChoice]:
+    """A command's CPU threads: ``args.threads`` (--threads) or the busy-core rule of `tinylm.device.use_threads`,
+    said in one line on stderr (stdout keeps the text alone)."""
+    from tinylm.device import use_threads  # torch: only when a command runs
+
+    return use_threads(getattr(args, "device", "cpu"), getattr(args, "threads", None),
+                       log=lambda line: print(f"tinylm: {line}", file=sys.stderr))
+
+
+def parse_temperatures(text: str) -> list[float]:
+    """'0.5,1,2' -> [0.5, 1.0, 2.0]; each 0 or more."""
+    try:
+        values = [float(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise TinyLMError(f"--temperatures expects numbers separated by commas, e.g. 0.5,1,2; got {text!r}") from None
+    if not values or any(v < 0 for v in values):
+        raise TinyLMError(f"--temperatures expects numbers >= 0 separated by commas, got {text!r}")
+    return values
 
 
 def add_corpus_flags(p: argparse.ArgumentParser, default: str | None = "shakespeare", what: str = "") -> None:
