@@ -150,7 +150,7 @@ def test_overrides_as_a_dict_and_back_to_the_default_rule():
         (["--n-layer", "four"], r"--n-layer expects an integer, got 'four'"),
         (["--dropout", "lots"], "--dropout expects a number"),
         (["--bias", "maybe"], "--bias expects true or false"),
-        (["--mlp", "relu"], "mlp must be one of 'gelu', 'swiglu', 'relu2'; got 'relu'"),
+        (["--mlp", "relu"], "mlp must be one of 'gelu', 'swiglu', 'relu2', 'geglu'; got 'relu'"),
         (["--n-layer"], r"--n-layer needs a value"),
         (["n-layer", "4"], "expected a setting such as --n-layer"),
         (["--modle.n-layer", "1"], "unknown table 'modle'"),
