@@ -83,13 +83,15 @@ def test_a_prompt_of_a_million_spaces_is_answered_not_a_500(server, run):
         status, data = conn.post("/tokenize", json.dumps({"prompt": prompt}))
         assert status == 200, data
         assert json.loads(data)["tokens"] == list(run.start_ids) + run.tokenizer.encode_reference(prompt)
-        # far longer than the model's context: a completion is a 400 that says so, the next token is read
-        # from the last block_size tokens
+        # far longer than the model's context: like every long prompt, its end is kept and the reply says so (a
+        # completion keeps room for max_tokens; the next token is read from the last block_size tokens)
+        block = run.model.config.block_size
         status, data = conn.post(COMPLETIONS, json.dumps({"prompt": prompt, "max_tokens": 2}))
-        assert status == 400 and "context" in assert_openai_error(data, 400)["message"], data
+        assert status == 200 and json.loads(data)["usage"]["prompt_tokens"] == block - 2, data[:200]
         status, data = conn.post("/next_token", json.dumps({"prompt": prompt}))
-        assert status == 200 and json.loads(data)["prompt_tokens"] == len(run.start_ids) + len(
-            run.tokenizer.encode_reference(prompt)), data[:200]
+        reply = json.loads(data)
+        assert status == 200 and reply["prompt_tokens"] == block, data[:200]
+        assert f"keeping its last {block} tokens" in reply["warning"]
         assert_valid_request_succeeds(conn)
 
 
