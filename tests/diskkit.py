@@ -61,3 +61,14 @@ def read_only(disk: Path) -> None:
 def leftovers(folder: Path) -> list[str]:
     """Temporary and half-written files under ``folder`` (the hidden ones tinylm writes before renaming)."""
     return sorted(str(p.relative_to(folder)) for p in folder.rglob(".*"))
+
+
+def refused(capsys, argv: list[str]) -> str:
+    """The one line a command fails with (exit status 2, no traceback)."""
+    from tinylm.cli import main
+
+    code = main(argv)
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("tinylm: error: "), err
+    return lines[0].removeprefix("tinylm: error: ")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import json
 import textwrap
 
 import torch
@@ -17,6 +18,7 @@ import torch
 from tinylm.config import GPTConfig
 from tinylm.model import GPT
 from tinylm.tokenizers import BPETokenizer, train_bpe
+from tinylm.tokenizers.formats import save_hf_tokenizer_json
 
 # A few hundred tokens: the 256 bytes, 41 merges, bos, eos, pad and two reserved tokens.
 VOCAB_SIZE = 302
@@ -84,3 +86,15 @@ def greedy(logits_of, ids: list[int], steps: int = 20) -> list[int]:
         logits = logits_of(torch.tensor([ids]))  # (1, T, V)
         ids.append(int(logits[0, -1].argmax()))
     return ids
+
+
+def save(hf, folder, tokenizer) -> None:
+    """A transformers model and a tinylm tokenizer saved as a Hugging Face checkpoint folder."""
+    hf.save_pretrained(folder, safe_serialization=True)
+    save_hf_tokenizer_json(tokenizer, folder / "tokenizer.json")
+
+
+def edit_config(folder, **changes) -> None:
+    """Change some keys of a checkpoint folder's config.json, as a user editing it would."""
+    path = folder / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))

@@ -7,7 +7,7 @@ a weights file without its config.json nor a mix of new and old files; a GGUF fi
 from __future__ import annotations
 
 import pytest
-from diskkit import fill, leftovers, read_only, small_disk
+from diskkit import fill, leftovers, read_only, refused, small_disk
 from exportkit import tiny_model
 
 from tinylm.cli import main
@@ -29,15 +29,6 @@ def run(tmp_path_factory, tokenizer):
 def disk(tmp_path):
     with small_disk(tmp_path / "disk") as mounted:
         yield mounted
-
-
-def refused(capsys, argv: list[str]) -> str:
-    """The one line a command fails with (exit status 2, no traceback)."""
-    code = main(argv)
-    err = capsys.readouterr().err
-    lines = err.strip().splitlines()
-    assert code == 2 and len(lines) == 1 and lines[0].startswith("tinylm: error: "), err
-    return lines[0].removeprefix("tinylm: error: ")
 
 
 @pytest.mark.parametrize("fmt, out", [("hf", "hf"), ("gguf", "model.gguf")])

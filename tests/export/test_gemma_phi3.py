@@ -15,13 +15,12 @@ import json
 import numpy as np
 import pytest
 import torch
-from exportkit import PROMPT, greedy, randomize
+from exportkit import PROMPT, edit_config, greedy, randomize, save
 
 from tinylm.errors import TinyLMError
 from tinylm.export import export_gguf, export_hf, import_hf
 from tinylm.generate.engine import Engine
 from tinylm.generate.sampling import SamplingParams
-from tinylm.tokenizers.formats import save_hf_tokenizer_json
 
 import transformers
 from transformers import (  # noqa: E402
@@ -72,16 +71,6 @@ def hf_phi3(**changes) -> Phi3ForCausalLM:
 
 MAKERS = {"gemma2": hf_gemma2, "gemma3": hf_gemma3, "phi3": hf_phi3}
 CLASSES = {"gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM"}
-
-
-def save(hf, folder, tokenizer) -> None:
-    hf.save_pretrained(folder, safe_serialization=True)
-    save_hf_tokenizer_json(tokenizer, folder / "tokenizer.json")
-
-
-def edit_config(folder, **changes) -> None:
-    path = folder / "config.json"
-    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
 
 
 @pytest.fixture(scope="module", params=list(MAKERS))

@@ -16,13 +16,12 @@ import json
 import numpy as np
 import pytest
 import torch
-from exportkit import PROMPT, greedy, randomize
+from exportkit import PROMPT, edit_config, greedy, randomize, save
 
 from tinylm.errors import TinyLMError
 from tinylm.export import architecture_for, export_gguf, export_hf, import_hf
 from tinylm.generate.engine import Engine
 from tinylm.generate.sampling import SamplingParams
-from tinylm.tokenizers.formats import save_hf_tokenizer_json
 
 import transformers
 from transformers import (  # noqa: E402
@@ -74,16 +73,6 @@ MAKERS = {
     "mistral-windowed": hf_mistral,
 }
 CLASSES = {"llama3": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
-
-
-def save(hf, folder, tokenizer) -> None:
-    hf.save_pretrained(folder, safe_serialization=True)
-    save_hf_tokenizer_json(tokenizer, folder / "tokenizer.json")
-
-
-def edit_config(folder, **changes) -> None:
-    path = folder / "config.json"
-    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
 
 
 def cached_greedy(model, start: list[int], steps: int) -> list[int]:

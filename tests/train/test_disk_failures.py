@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from diskkit import fill, leftovers, read_only, small_disk
+from diskkit import fill, leftovers, read_only, refused, small_disk
 from trainkit import tiny_config
 
 from tinylm.atomic import disk_writes
@@ -43,15 +43,6 @@ def run_on(folder: Path, trained: Path) -> Path:
     run = folder / "run"
     shutil.copytree(trained, run)
     return run
-
-
-def refused(capsys, argv: list[str]) -> str:
-    """The one line a command fails with (exit status 2, no traceback)."""
-    code = main(argv)
-    err = capsys.readouterr().err
-    lines = err.strip().splitlines()
-    assert code == 2 and len(lines) == 1 and lines[0].startswith("tinylm: error: "), err
-    return lines[0].removeprefix("tinylm: error: ")
 
 
 def save_again(folder: Path, **change) -> None:
