@@ -160,6 +160,7 @@ def test_the_latin1_example_is_latin1():
             data.decode("utf-8")
 
 
+@pytest.mark.slow
 def test_the_readme_python_block_runs(tmp_path, monkeypatch, shakespeare_corpus):
     """The "From Python" block, run as written but for its budgets: the same lines, with a smaller
     vocabulary and a two-step run (the rewrites are the two replacements below, nothing else)."""

@@ -142,6 +142,7 @@ def test_bad_input_is_one_line_and_a_nonzero_exit(run_dir, tmp_path, args, messa
     assert out.stderr.count("\n") == 1 and message in out.stderr, out.stderr
 
 
+@pytest.mark.slow
 def test_the_commands_draw_and_trace_a_run(run_dir, tmp_path):
     out = tinylm("attention", "--run", str(run_dir), "--text", "To be", "--out", str(tmp_path / "a.png"), "--json")
     assert out.returncode == 0, out.stderr
@@ -152,6 +153,7 @@ def test_the_commands_draw_and_trace_a_run(run_dir, tmp_path):
     assert "q = h W^Q" in out.stdout and "loss" in out.stdout
 
 
+@pytest.mark.slow
 def test_a_run_without_attention_is_one_line(tmp_path):
     tok = BPETokenizer([], pattern="gpt2")
     from tinylm.model import RecurrentLM

@@ -96,6 +96,7 @@ def test_the_picture(tmp_path):
     assert image.shape[:2] == (round(4.2 * 110), 7 * 110) and image[..., :3].std() > 0.05
 
 
+@pytest.mark.slow
 def test_the_command_prints_the_worked_numbers(tmp_path):
     out = explain("cost", "--n-layer", "1", "--d-model", "512", "--n-head", "8", "--out", str(tmp_path / "c.png"))
     assert out.returncode == 0, out.stderr

@@ -107,6 +107,7 @@ def test_run_then_truncate_forgets_the_slots_past_the_cut():
         decoder.truncate(9)
 
 
+@pytest.mark.slow
 def test_the_compiled_steps_give_the_eager_steps_tokens_in_the_engine_and_in_speculative_rounds(monkeypatch):
     """Compiles three graphs (tens of seconds): one token (the engine's), and the padded round and one token
     of speculative decoding; each computes what the eager step does (used even where it is slower)."""

@@ -181,6 +181,7 @@ def disagreeing_ngram() -> NGramDraft:
     return NGramDraft(NGramModel.fit(stream, 2, vocab_size=5, bos_id=4, eos_id=3))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("draft_kind", ["model", "lookup", "ngram"])
 @torch.inference_mode()
 def test_sampled_tokens_follow_the_models_distribution_with_a_disagreeing_draft(draft_kind):

@@ -6,6 +6,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from tinylm.generate import SamplingParams, generate
 
 PROMPTS = ["To be, or", "Naïve café", "東京 and"]
@@ -18,6 +20,7 @@ def sample(run_dir, *args: str) -> str:
     return done.stdout
 
 
+@pytest.mark.slow
 def test_the_sample_command_gives_a_prompt_its_text_alone_or_among_others(run_dir):
     alone = sample(run_dir, "--prompt", "東京 and")
     together = sample(run_dir, *[a for p in PROMPTS for a in ("--prompt", p)])

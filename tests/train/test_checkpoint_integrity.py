@@ -120,6 +120,7 @@ def refused(capsys, argv: list[str]) -> str:
     return lines[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", DAMAGES)
 @pytest.mark.parametrize("cmd", COMMANDS)
 def test_every_damage_is_refused_by_every_command_naming_the_file_and_the_other_checkpoint(

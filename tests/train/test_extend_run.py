@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import tomllib
 
+import pytest
 import torch
 from trainkit import cli_flags, run_cli, tiny_config
 
@@ -14,6 +15,7 @@ from tinylm.train import train
 WSD = dict(decay="wsd", decay_fraction=0.25, eval_interval=1000, log_interval=5, checkpoint_interval=5)
 
 
+@pytest.mark.slow
 def test_a_wsd_run_extended_before_its_decay_is_the_longer_run_bitwise(tmp_path, corpus, data_dir):
     out = tmp_path / "extended"
     # 20 steps asked for (decay from step 15), stopped at 10, then extended to 30 (decay from step 23)
@@ -36,6 +38,7 @@ def test_a_wsd_run_extended_before_its_decay_is_the_longer_run_bitwise(tmp_path,
     assert again.returncode == 0 and "already trained: 30 of 30 steps" in again.stdout
 
 
+@pytest.mark.slow
 def test_a_finished_cosine_run_is_stretched_and_says_so(tmp_path, corpus, data_dir):
     out = tmp_path / "cosine"
     done = run_cli("train", *cli_flags(corpus, data_dir, max_steps=8), "--out", str(out))

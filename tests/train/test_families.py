@@ -42,6 +42,7 @@ def runs(tmp_path_factory, corpus, data_dir):
     return made
 
 
+@pytest.mark.slow
 def test_train_model_flag_builds_each_family(runs):
     for family, out in runs.items():
         run = load_run(out)
@@ -67,6 +68,7 @@ def test_recurrent_training_resumes_exactly(tmp_path, corpus, data_dir):
     assert all(torch.equal(p, q) for p, q in zip(a.state_dict().values(), b.state_dict().values()))
 
 
+@pytest.mark.slow
 def test_eval_reports_every_family_and_bits_per_byte_is_the_formula(runs, data_dir):
     shards = ShardSet.open(data_dir)
     val_bytes = shards.meta["splits"]["val"]["bytes"]
@@ -82,6 +84,7 @@ def test_eval_reports_every_family_and_bits_per_byte_is_the_formula(runs, data_d
         assert re.search(r"\d+\.\d s$", proc.stdout.strip())  # the time it took
 
 
+@pytest.mark.slow
 def test_ngram_run_evaluates_as_the_counted_model_does(runs, data_dir):
     shards = ShardSet.open(data_dir)
     direct = NGramModel.fit_shards(shards, 4).evaluate_shards(shards, "val")
@@ -97,6 +100,7 @@ def test_ngram_run_evaluates_as_the_counted_model_does(runs, data_dir):
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_eval_on_any_corpus_and_mle_reports_infinity(tmp_path, runs, corpus, data_dir):
     text = tmp_path / "new.txt"
     text.write_text("The king rode out. Zebras! Quixotic jazz.\n", encoding="utf-8")  # letters never seen
@@ -118,6 +122,7 @@ def test_eval_on_any_corpus_and_mle_reports_infinity(tmp_path, runs, corpus, dat
     assert report["loss"] == report["perplexity"] == report["bits_per_byte"] == "inf"
 
 
+@pytest.mark.slow
 def test_sample_from_every_family_is_reproducible(runs):
     for family, out in runs.items():
         args = ("sample", "--run", str(out), "--prompt", "The king", "--max-new-tokens", "20", "--seed", "7",
@@ -138,6 +143,7 @@ def test_ngram_counting_refuses_resume_and_overwrites_only_with_force(runs, corp
     assert (out / "ngram.npz").read_bytes() == before
 
 
+@pytest.mark.slow
 def test_compare_three_runs_with_different_tokenizers(tmp_path, runs, corpus, data_dir):
     # a word-level run on the same corpus: another tokenizer, the same held-out documents
     word = tmp_path / "word-ngram"
@@ -175,6 +181,7 @@ def test_compare_refuses_to_overwrite_what_is_not_a_chart(tmp_path, runs):
     assert proc.returncode == 2 and "does not exist" in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_unknown_characters_are_charged_for_their_bytes(tmp_path, runs, data_dir):
     tok = load_run(runs["ngram"]).tokenizer
     text = tmp_path / "new.txt"
@@ -194,6 +201,7 @@ def test_unknown_characters_are_charged_for_their_bytes(tmp_path, runs, data_dir
         assert bpb == pytest.approx(by_hand, abs=2e-4)
 
 
+@pytest.mark.slow
 def test_an_ngram_samples_from_its_whole_context_whatever_the_block_size(tmp_path, corpus, data_dir):
     out = tmp_path / "ng"
     proc = run_cli("train", "--model", "ngram", "--order", "6", *cli_flags(corpus, data_dir, block_size=4),
@@ -218,6 +226,7 @@ def test_an_ngram_never_generates_padding_or_markers(runs):
     assert not run.model.training
 
 
+@pytest.mark.slow
 def test_a_mistake_with_force_leaves_the_old_run_in_place(tmp_path, runs, corpus, data_dir):
     import shutil
 
@@ -231,6 +240,7 @@ def test_a_mistake_with_force_leaves_the_old_run_in_place(tmp_path, runs, corpus
         assert sorted(p.name for p in victim.rglob("*")) == before
 
 
+@pytest.mark.slow
 def test_family_mismatches_are_one_clear_line(tmp_path, runs, corpus, data_dir):
     cases = [
         (("train", "--model", "ngram", *cli_flags(corpus, data_dir), "--out", str(runs["lstm"]), "--resume"),
@@ -256,6 +266,7 @@ def test_family_mismatches_are_one_clear_line(tmp_path, runs, corpus, data_dir):
         assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
 
+@pytest.mark.slow
 def test_second_review_mistakes_are_one_clear_line(tmp_path, runs, corpus, data_dir):
     import shutil
 
@@ -295,6 +306,7 @@ def test_settings_a_family_does_not_read_are_named(tmp_path, corpus, data_dir):
     assert "do not apply to an n-gram model" in warning[0]
 
 
+@pytest.mark.slow
 def test_an_lstm_fine_tunes_with_another_bptt(tmp_path, runs, corpus, data_dir):
     proc = run_cli("train", "--init-from", str(runs["lstm"]), "--bptt", "4", *cli_flags(corpus, data_dir, max_steps=2),
                    "--out", str(tmp_path / "ft"))
@@ -303,6 +315,7 @@ def test_an_lstm_fine_tunes_with_another_bptt(tmp_path, runs, corpus, data_dir):
 
 
 
+@pytest.mark.slow
 def test_corpora_that_are_not_utf8_read_with_errors_in_train_eval_and_compare(tmp_path, runs, corpus):
     """--errors (and --glob, --text-field) reach every command that reads a corpus, as in `tinylm prepare`."""
     folder = tmp_path / "latin1"
@@ -346,6 +359,7 @@ def test_corpora_that_are_not_utf8_read_with_errors_in_train_eval_and_compare(tm
     assert lonely.returncode == 2 and "give --corpus too" in lonely.stderr and lonely.stderr.count("\n") == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["word", "bpe"])
 def test_shards_are_reused_when_the_corpus_cannot_fill_the_vocabulary(tmp_path, corpus, kind):
     """The test corpus has 33 distinct words: a word or BPE tokenizer asked for 4096 tokens gets fewer. The same
@@ -395,6 +409,7 @@ def test_model_and_family_flags_must_agree_and_kn_nltk_order_is_checked_first(tm
     assert "tokenizer" not in early.stdout  # refused before any data was prepared
 
 
+@pytest.mark.slow
 def test_a_run_folders_ngram_file_finds_its_tokenizer_and_a_file_is_no_out_folder(tmp_path, runs, corpus, data_dir):
     text = tmp_path / "t.txt"
     text.write_text("The king rode out.\n", encoding="utf-8")
@@ -420,6 +435,7 @@ def test_a_run_folders_ngram_file_finds_its_tokenizer_and_a_file_is_no_out_folde
     assert a_file.read_text(encoding="utf-8") == "keep me"
 
 
+@pytest.mark.slow
 def test_eval_and_compare_print_json_for_scripts(tmp_path, runs):
     text = run_cli("eval", "--run", str(runs["lstm"]))
     as_json = run_cli("eval", "--run", str(runs["lstm"]), "--json")
@@ -468,6 +484,7 @@ def test_eval_with_a_stride_scores_every_target_once_in_every_family(runs, data_
     assert "on the val split (sliding windows of 32 tokens, stride 8): loss" in first
 
 
+@pytest.mark.slow
 def test_eval_and_compare_refuse_a_stride_outside_the_block_size_in_one_line(tmp_path, runs, capsys):
     proc = run_cli("eval", "--run", str(runs["gpt"]), "--stride", "0")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr

@@ -125,6 +125,7 @@ def logged_run(tmp_path_factory, corpus, data_dir, wandb_home) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_tensorboard_holds_every_number_of_metrics_jsonl(logged_run):
     rows = read_metrics(logged_run)
     expected = expected_scalars(rows)

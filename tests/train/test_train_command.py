@@ -23,6 +23,7 @@ from tinylm.train import train
 from tinylm.train.loop import _Trainer
 
 
+@pytest.mark.slow
 def test_train_end_to_end_writes_the_run_and_prints_a_sample(tmp_path, corpus, data_dir):
     out = tmp_path / "run"
     done = run_cli("train", *cli_flags(corpus, data_dir, sample_tokens=40), "--out", str(out))
@@ -53,6 +54,7 @@ def test_train_end_to_end_writes_the_run_and_prints_a_sample(tmp_path, corpus, d
     assert f"{final['bits_per_byte']:.4f} bits per byte" in evaluated.stdout
 
 
+@pytest.mark.slow
 def test_a_hard_kill_then_resume_ends_with_the_weights_of_an_uninterrupted_run(tmp_path, corpus, data_dir):
     settings = dict(max_steps=150, checkpoint_interval=10, eval_interval=1000, log_interval=50)
     out = tmp_path / "killed"

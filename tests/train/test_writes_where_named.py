@@ -10,6 +10,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from trainkit import cli_flags, run_cli
 
 from tinylm.run import checkpoint_path
@@ -53,6 +55,7 @@ def test_prepare_refuses_a_folder_holding_other_files(tmp_path, corpus):
     assert "reused" in done.stdout
 
 
+@pytest.mark.slow
 def test_train_puts_no_shards_into_a_run_folder(tmp_path, corpus, data_dir):
     ref = tmp_path / "runs" / "ref"
     done = run_cli("train", *cli_flags(corpus, data_dir, max_steps=2, eval_interval=2), "--out", str(ref))
@@ -67,6 +70,7 @@ def test_train_puts_no_shards_into_a_run_folder(tmp_path, corpus, data_dir):
     assert snapshot(ref) == before
 
 
+@pytest.mark.slow
 def test_resume_never_writes_where_run_json_points(tmp_path, corpus):
     out = tmp_path / "run"
     flags = cli_flags(corpus, tmp_path, max_steps=400, checkpoint_interval=5, eval_interval=1000, log_interval=100)
