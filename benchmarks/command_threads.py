@@ -10,14 +10,16 @@ Every command that runs a model picks its CPU threads by `tinylm.device.use_thre
 that is idle when it starts, the busy ones left out. This times each command as a user runs it (a
 fresh `python -m tinylm` process, start-up included), first alone, then beside ``--neighbours``
 processes that each keep one core busy (a Python busy loop, like another training run or a test
-suite), alternating within each of ``--repeats`` rounds. It prints the medians, the thread line
-each command said, and the ratio of the busy time to the idle one: the rule's aim is that a busy
-neighbour costs a command little more than the cores it takes.
+suite), and last alone again with ``--threads`` set to the count it should choose beside them. It
+prints the medians, the thread line each command said, and the ratio of the busy time to the idle
+time at the chosen count: the rule's aim is that a busy neighbour costs a command little more than
+the cores it takes (and the ratio to the idle time with every core, for comparison).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import subprocess
 import sys
@@ -49,17 +51,21 @@ def main() -> None:
         "sample": ["sample", "--run", args.run, "--prompt", "ROMEO:", "--max-new-tokens", str(args.new_tokens),
                    "--temperature", "0", "--stop", "\\n\\n\\n"],
     }
-    times: dict[tuple[str, int], list[float]] = {}
-    lines: dict[tuple[str, int], str] = {}
-    for neighbours in (0, args.neighbours):
+    # the thread count a command should choose beside the neighbours: one per core they leave free
+    free = max(1, len(os.sched_getaffinity(0)) - args.neighbours)
+    conditions = {"idle": (0, []), "busy": (args.neighbours, []),
+                  "idle at the chosen count": (0, ["--threads", str(free)])}
+    times: dict[tuple[str, str], list[float]] = {}
+    lines: dict[tuple[str, str], str] = {}
+    for condition, (neighbours, extra) in conditions.items():
         spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(neighbours)]
         try:
             time.sleep(0.5 if neighbours else 0)  # the neighbours are running before a command looks
             for _ in range(args.repeats):
                 for name, argv in commands.items():
-                    seconds, line = timed(argv)
-                    times.setdefault((name, neighbours), []).append(seconds)
-                    lines[(name, neighbours)] = line
+                    seconds, line = timed(argv + extra)
+                    times.setdefault((name, condition), []).append(seconds)
+                    lines[(name, condition)] = line if not extra else f"--threads {free}"
         finally:
             for p in spinners:
                 p.kill()
@@ -67,12 +73,12 @@ def main() -> None:
     print(f"{args.run}: eval --tokens {args.tokens}, sample --max-new-tokens {args.new_tokens}; medians of "
           f"{args.repeats} runs, whole commands (start-up included)")
     for name in commands:
-        idle = statistics.median(times[(name, 0)])
-        busy = statistics.median(times[(name, args.neighbours)])
-        print(f"  {name}: idle {idle:.2f} s ({lines[(name, 0)]})")
-        print(f"  {name}: beside {args.neighbours} busy neighbour(s) {busy:.2f} s ({lines[(name, args.neighbours)]})")
-        print(f"  {name}: busy / idle = x{busy / idle:.2f}")
-
+        median = {condition: statistics.median(times[(name, condition)]) for condition in conditions}
+        for condition in conditions:
+            where = f"beside {args.neighbours} busy neighbour(s)" if condition == "busy" else condition
+            print(f"  {name}: {where} {median[condition]:.2f} s ({lines[(name, condition)]})")
+        print(f"  {name}: busy / idle at the chosen count = x{median['busy'] / median['idle at the chosen count']:.2f}"
+              f"; busy / idle = x{median['busy'] / median['idle']:.2f}")
 
 if __name__ == "__main__":
     main()
