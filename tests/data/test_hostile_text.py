@@ -10,6 +10,7 @@ NULs, invalid UTF-8 and huge lines, under a watchdog that fails the test instead
 from __future__ import annotations
 
 import faulthandler
+import functools
 import os
 import subprocess
 import sys
@@ -83,6 +84,16 @@ def _die(tokenizer, texts, dtype):
     os._exit(3)  # a worker killed outright, as the out-of-memory killer would
 
 
+_encode_in_worker = shards_module._encode_in_worker  # bound at import, so in a worker it is the real one
+
+
+def _failing_worker(failure, batch):
+    """The workers' own function, with the encoder under it replaced in the worker: workers are
+    spawned, so they import `shards` afresh and a patch in this process never reaches them."""
+    shards_module._encode_texts = failure
+    return _encode_in_worker(batch)
+
+
 def _big_corpus() -> Corpus:
     docs = [Document(f"d{i}", SEED_TEXT * 20) for i in range(6)]
     return Corpus("big", lambda corpus: iter(docs))
@@ -91,9 +102,8 @@ def _big_corpus() -> Corpus:
 @pytest.mark.parametrize("failure,needle", [(_raise_base_exception, "_Boom: the Rust side panicked"),
                                             (_die, "worker process died")])
 def test_a_failing_worker_ends_prepare_with_an_error(tmp_path, monkeypatch, failure, needle):
-    # Workers are forked, so they inherit the patched encoder. A hang fails the test: the watchdog
-    # dumps every thread's stack and exits.
-    monkeypatch.setattr(shards_module, "_encode_texts", failure)
+    # A hang fails the test: the watchdog dumps every thread's stack and exits.
+    monkeypatch.setattr(shards_module, "_encode_in_worker", functools.partial(_failing_worker, failure))
     tok = CharTokenizer.train([SEED_TEXT])
     faulthandler.dump_traceback_later(120, exit=True)
     try:

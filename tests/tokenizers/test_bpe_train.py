@@ -178,15 +178,15 @@ def test_two_workers_count_the_same_as_one(shakespeare_corpus, monkeypatch):
     monkeypatch.setattr(bpe_train, "BATCH_CHARS", 50_000)
     monkeypatch.setattr(bpe_train, "POOL_MIN_CHARS", 1)
     pools = []
-    real_pool = bpe_train.multiprocessing.Pool
+    real_pool = bpe_train.in_order
 
     def spy_pool(*args, **kwargs):
-        pools.append(args)
+        pools.append(kwargs["workers"])
         return real_pool(*args, **kwargs)
 
-    monkeypatch.setattr(bpe_train.multiprocessing, "Pool", spy_pool)
+    monkeypatch.setattr(bpe_train, "in_order", spy_pool)
     two = count_chunks(iter(texts), PATTERNS["gpt4"], workers=2)
-    assert pools == [(2,)]
+    assert pools == [2]
     assert two == one
     assert train_merges(texts, vocab_for(100), PATTERNS["gpt4"], workers=2) == train_merges(
         texts, vocab_for(100), PATTERNS["gpt4"], workers=1
@@ -197,7 +197,7 @@ def test_small_inputs_do_not_start_a_pool(monkeypatch):
     def no_pool(*args, **kwargs):
         raise AssertionError("a pool was started for a tiny input")
 
-    monkeypatch.setattr(bpe_train.multiprocessing, "Pool", no_pool)
+    monkeypatch.setattr(bpe_train, "in_order", no_pool)
     assert count_chunks(["to be or not to be"], PATTERNS["gpt2"], workers=4) == Counter(
         {"to": 1, " be": 2, " or": 1, " not": 1, " to": 1}
     )

@@ -46,22 +46,13 @@ read of a split refuses ids past the vocabulary, each as one line.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import hashlib
 import json
-import multiprocessing
 import os
 import re
-import signal
-import sys
 import tempfile
-import threading
-import time
 from array import array
-from collections import deque
 from collections.abc import Iterator, Sequence
-from concurrent.futures import Future, ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -76,6 +67,7 @@ from tinylm.jsonfile import JSONFormat
 from tinylm.lock import LOCK_FILE
 from tinylm.tokenizers.base import FORMAT_NAME as TOKENIZER_FORMAT
 from tinylm.tokenizers.base import Tokenizer, check_same_tokenizer, load_tokenizer, tokenizer_from_dict
+from tinylm.workers import alive, in_order
 
 SHARDS_FILE = JSONFormat(  # meta.json
     "tinylm.shards", 1,
@@ -216,48 +208,14 @@ def _encode_texts(tokenizer: Tokenizer, texts: Sequence[str], dtype: np.dtype) -
 _worker: dict[str, Any] = {}
 
 
-def _init_worker(tokenizer_dict: dict[str, Any], dtype: str, parent: int) -> None:
-    _die_with(parent)
+def _init_worker(tokenizer_dict: dict[str, Any], dtype: str) -> None:
     _worker["tokenizer"] = tokenizer_from_dict(tokenizer_dict)
     _worker["dtype"] = np.dtype(dtype)
 
 
-_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
-
-
-def _die_with(parent: int) -> None:
-    """End this worker process as soon as ``parent`` (the process that runs `prepare`) is gone, however it went.
-
-    A worker waits on the pool's task queue, and every sibling holds the writing end of that queue too,
-    so when `prepare` is killed outright (kill -9, the out-of-memory killer: nothing of it runs again)
-    no end-of-file ever wakes the workers: they would wait forever, each holding its memory and the
-    deleted temporary shard files open. On Linux the kernel kills the worker with its parent
-    (PR_SET_PDEATHSIG); on every system a daemon thread also looks twice a second whether the parent
-    is still there, which covers the instant before the prctl call and systems without it.
-    """
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        except (OSError, AttributeError):  # no prctl to call: the thread below still watches
-            pass
-    ppid = os.getppid()
-
-    def orphaned() -> bool:
-        # a process that is gone leaves its children to another parent (init, or a subreaper)
-        return os.getppid() != ppid or (ppid != parent and not _running(parent))
-
-    if orphaned():
-        os._exit(1)
-
-    def watch() -> None:
-        while not orphaned():
-            time.sleep(0.5)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="tinylm-watch-parent", daemon=True).start()
-
-
-def _encode_in_worker(texts: list[str]) -> list[np.ndarray]:
+def _encode_in_worker(batch: tuple[list[str], list[str]]) -> list[np.ndarray]:
+    """A batch's (splits, texts) to the texts' arrays, in a worker."""
+    texts = batch[1]
     try:
         return _encode_texts(_worker["tokenizer"], texts, _worker["dtype"])
     except TinyLMError:
@@ -274,35 +232,10 @@ def _encoded(
         for splits, texts in batches:
             yield splits, texts, _encode_texts(tokenizer, texts, dtype)
         return
-    # A process pool from concurrent.futures, not multiprocessing.Pool: when a worker dies (killed
-    # for memory, or a BaseException) the futures fail with BrokenProcessPool instead of waiting
-    # forever for a result that will never come.
-    pool = ProcessPoolExecutor(workers, multiprocessing.get_context(), _init_worker,
-                               (tokenizer.to_dict(), dtype.str, os.getpid()))
-    try:
-        # map() would read the whole corpus into its task queue; keeping at most two batches per
-        # worker in flight keeps memory bounded and the order intact.
-        pending: deque = deque()
-        for splits, texts in batches:
-            pending.append((splits, texts, pool.submit(_encode_in_worker, texts)))
-            if len(pending) >= 2 * workers:
-                s, t, future = pending.popleft()
-                yield s, t, _result(future)
-        while pending:
-            s, t, future = pending.popleft()
-            yield s, t, _result(future)
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)
-
-
-def _result(future: Future) -> list[np.ndarray]:
-    try:
-        return future.result()
-    except BrokenProcessPool:
-        raise TinyLMError(
-            "a tokenizing worker process died (out of memory, or killed); "
-            "run again with --workers 1 to tokenize in this process and see the error"
-        ) from None
+    work = in_order(_encode_in_worker, batches, workers=workers, died="a tokenizing worker process died",
+                    initializer=_init_worker, initargs=(tokenizer.to_dict(), dtype.str))
+    for (splits, texts), arrays in work:
+        yield splits, texts, arrays
 
 
 # ----- prepare ------------------------------------------------------------------------------------
@@ -472,30 +405,8 @@ def _remove_stale_temporaries(out: Path) -> None:
         return
     for path in out.iterdir():
         m = _TEMPORARY.fullmatch(path.name)
-        if m and not _process_alive(int(m.group(1))):
+        if m and not alive(int(m.group(1))):
             path.unlink(missing_ok=True)
-
-
-def _process_alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process
-        return True
-    return True
-
-
-def _running(pid: int) -> bool:
-    """Whether the process ``pid`` still runs: a killed one that nobody has reaped yet (a zombie) does not."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            # "pid (name) state ...": the name may hold spaces and parentheses, so read after the last ")"
-            return f.read().rpartition(b")")[2].split()[0] not in (b"Z", b"X")
-    except (OSError, IndexError):
-        return _process_alive(pid)  # no /proc: a zombie counts as running, and the prctl or ppid check decides
 
 
 def _written_by_someone_else(path: Path, format_name: str) -> bool:

@@ -18,14 +18,14 @@ Usage::
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 import multiprocessing
 import os
 import warnings
-from collections import Counter, defaultdict, deque
+from collections import Counter, defaultdict
 from collections.abc import Iterable, Iterator
-from multiprocessing.pool import AsyncResult
 from typing import Any
 
 import regex
@@ -33,6 +33,7 @@ import regex
 from tinylm.errors import TinyLMError
 from tinylm.tokenizers.base import special_token_names
 from tinylm.tokenizers.bpe import PATTERNS, BPETokenizer, resolve_pattern
+from tinylm.workers import in_order
 
 # A text longer than this (in characters) is cut into pieces of about this size before it is
 # split into chunks, so that one giant document does not become one giant list of chunks.
@@ -130,16 +131,10 @@ def count_chunks(texts: Iterable[str], pattern: str, workers: int | None = None)
         for batch in all_batches:
             _count_batch(pattern, batch, total)
         return total
-    with multiprocessing.Pool(workers) as pool:
-        # Keep only a few batches in flight. (`pool.imap` would read the whole input into its
-        # task queue at once, which defeats streaming a corpus bigger than memory.)
-        in_flight: deque[AsyncResult[Counter[str]]] = deque()
-        for batch in all_batches:
-            in_flight.append(pool.apply_async(_count_batch, (pattern, batch)))
-            if len(in_flight) >= 2 * workers:
-                total.update(in_flight.popleft().get())
-        while in_flight:
-            total.update(in_flight.popleft().get())
+    counted = in_order(functools.partial(_count_batch, pattern), all_batches, workers=workers,
+                       died="a chunk-counting worker process died")
+    for _, counts in counted:
+        total.update(counts)
     return total
 
 
