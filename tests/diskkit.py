@@ -4,6 +4,8 @@ A tmpfs of a few megabytes fills up in milliseconds, and fails a write with the 
 read-only, EROFS) a real disk gives, through every layer (Python's buffers, numpy's tofile, safetensors),
 which no monkeypatched ``open`` can promise. Mounting needs root, as tinylm's CI runs; elsewhere the
 tests that need it are skipped, saying why.
+
+`refused` runs a command that must fail with one error line; every test of a refusal uses it.
 """
 
 from __future__ import annotations
@@ -63,12 +65,22 @@ def leftovers(folder: Path) -> list[str]:
     return sorted(str(p.relative_to(folder)) for p in folder.rglob(".*"))
 
 
-def refused(capsys, argv: list[str]) -> str:
-    """The one line a command fails with (exit status 2, no traceback)."""
+def refused(capsys, argv: list[str], *expected: str) -> str:
+    """The one line ``tinylm argv`` fails with, without its "tinylm: error: " prefix.
+
+    The command must exit with status 2 and print exactly one line on stderr, that error line and no
+    traceback; each of ``expected`` must be part of it. Shared by every test of a refusal, not only the
+    disk ones.
+    """
     from tinylm.cli import main
 
     code = main(argv)
     err = capsys.readouterr().err
     lines = err.strip().splitlines()
-    assert code == 2 and len(lines) == 1 and lines[0].startswith("tinylm: error: "), err
-    return lines[0].removeprefix("tinylm: error: ")
+    assert code == 2, f"exit status {code}, not 2:\n{err}"
+    assert "Traceback" not in err, err
+    assert len(lines) == 1 and lines[0].startswith("tinylm: error: "), err
+    line = lines[0].removeprefix("tinylm: error: ")
+    for part in expected:
+        assert part in line, f"{part!r} not in {line!r}"
+    return line

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import uvicorn
+from diskkit import refused
 from trainkit import cli_flags, run_cli, tiny_config
 
 from tinylm.cli import main
@@ -109,15 +110,6 @@ def no_server_starts(monkeypatch):
 
 def command(name: str, run_dir: Path, runs: dict) -> list[str]:
     return COMMANDS[name][0](run_dir, runs["flags"])
-
-
-def refused(capsys, argv: list[str]) -> str:
-    """The one line a command fails with (exit status 2, no traceback)."""
-    code = main(argv)
-    err = capsys.readouterr().err
-    lines = err.strip().splitlines()
-    assert code == 2 and len(lines) == 1 and lines[0].startswith("tinylm: error: "), err
-    return lines[0]
 
 
 @pytest.mark.slow

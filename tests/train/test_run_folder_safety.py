@@ -13,6 +13,7 @@ import time
 
 import pytest
 import torch
+from diskkit import refused
 from trainkit import cli_flags, tiny_config
 
 from tinylm.cli import main
@@ -22,15 +23,6 @@ from tinylm.lock import LOCK_FILE, folder_lock
 from tinylm.run import checkpoint_path, load_checkpoint, read_metrics, read_run_info
 from tinylm.train import train
 from tinylm.train.stopping import StopRequest
-
-
-def one_error_line(capsys, argv) -> str:
-    code = main(argv)
-    err = capsys.readouterr().err
-    assert code == 2, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("tinylm: error: "), err
-    return lines[0]
 
 
 def project_folder(path):
@@ -51,7 +43,7 @@ def test_force_never_deletes_a_folder_tinylm_did_not_make(tmp_path, capsys, corp
     folder = tmp_path / "project"
     before = project_folder(folder)
     for extra in ([], ["--model", "ngram"]):
-        line = one_error_line(capsys, ["train", *cli_flags(corpus, data_dir), *extra, "--out", str(folder), "--force"])
+        line = refused(capsys, ["train", *cli_flags(corpus, data_dir), *extra, "--out", str(folder), "--force"])
         assert "is not a tinylm run folder" in line and "config.toml" in line and "notes.md" in line, line
         assert unchanged(folder, before)
     with pytest.raises(TinyLMError, match="is not a tinylm run folder"):
@@ -76,12 +68,12 @@ def test_force_deletes_only_what_a_run_holds(tmp_path, corpus, data_dir):
 def test_a_locked_run_or_data_folder_is_refused_with_the_holder_named(tmp_path, capsys, corpus, data_dir):
     out = tmp_path / "run"
     with folder_lock(out, "train"):
-        line = one_error_line(capsys, ["train", *cli_flags(corpus, data_dir), "--out", str(out)])
+        line = refused(capsys, ["train", *cli_flags(corpus, data_dir), "--out", str(out)])
         assert f"{out} is in use by another tinylm process (pid {os.getpid()}" in line, line
     assert not out.exists()  # the lock made the folder, and took it away again
     shards = tmp_path / "shards"
     with folder_lock(shards, "prepare"):
-        line = one_error_line(capsys, ["prepare", "--corpus", str(corpus), "--kind", "char", "--out", str(shards)])
+        line = refused(capsys, ["prepare", "--corpus", str(corpus), "--kind", "char", "--out", str(shards)])
         assert "in use by another tinylm process" in line
     assert main(["prepare", "--corpus", str(corpus), "--kind", "char", "--out", str(shards)]) == 0
     assert not (shards / LOCK_FILE).exists()
@@ -131,7 +123,7 @@ def test_a_signal_stops_after_the_step_with_a_checkpoint_of_it(tmp_path, capsys,
             time.sleep(0.02)
         assert proc.poll() is None, proc.stderr.read()
         if signum == signal.SIGTERM:  # while it runs, nobody else may write there
-            line = one_error_line(capsys, ["train", "--out", str(out), "--resume"])
+            line = refused(capsys, ["train", "--out", str(out), "--resume"])
             assert f"in use by another tinylm process (pid {proc.pid}" in line
         proc.send_signal(signum)
         stdout, stderr = proc.communicate(timeout=60)

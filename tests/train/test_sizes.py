@@ -7,20 +7,11 @@ import dataclasses
 import re
 
 import pytest
+from diskkit import refused
 from trainkit import cli_flags, tiny_config
 
-from tinylm.cli import main
 from tinylm.model import memory
 from tinylm.train.progress import out_of_memory_advice
-
-
-def refused(capsys, argv: list[str]) -> str:
-    """The one error line `tinylm` prints for ``argv``, which must exit with status 2 and no traceback."""
-    code = main(argv)
-    err = capsys.readouterr().err
-    lines = err.strip().splitlines()
-    assert code == 2 and len(lines) == 1 and lines[0].startswith("tinylm: error: "), err
-    return lines[0]
 
 
 # The corpus does not exist and the data folder is never made: the refusal comes before any data work.

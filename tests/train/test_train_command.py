@@ -14,6 +14,7 @@ import tomllib
 import matplotlib.image
 import pytest
 import torch
+from diskkit import refused
 from trainkit import cli_flags, run_cli, tiny_config
 
 from tinylm.cli import main
@@ -105,29 +106,19 @@ def run_copy(tmp_path, half_run):
     return target
 
 
-def fails_with(capsys, argv, message):
-    code = main(argv)
-    err = capsys.readouterr().err
-    assert code == 2, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("tinylm: error: "), err
-    assert message in lines[0], lines[0]
-    return lines[0]
-
-
 def test_a_missing_or_empty_corpus(tmp_path, capsys, corpus, data_dir):
     flags = cli_flags(corpus, tmp_path / "data")
     at = flags.index("--corpus") + 1
     flags[at] = str(tmp_path / "no-such-file.txt")
-    fails_with(capsys, ["train", *flags, "--out", str(tmp_path / "a")], "does not exist")
+    refused(capsys, ["train", *flags, "--out", str(tmp_path / "a")], "does not exist")
     (tmp_path / "empty.txt").write_text("")
     flags[at] = str(tmp_path / "empty.txt")
-    fails_with(capsys, ["train", *flags, "--out", str(tmp_path / "b")], "is empty")
+    refused(capsys, ["train", *flags, "--out", str(tmp_path / "b")], "is empty")
 
 
 def test_an_existing_run_is_not_overwritten(capsys, run_copy, corpus, data_dir):
     before = (checkpoint_path(run_copy) / "model.safetensors").read_bytes()
-    fails_with(capsys, ["train", *cli_flags(corpus, data_dir), "--out", str(run_copy)], "already exists; continue that run with --resume")
+    refused(capsys, ["train", *cli_flags(corpus, data_dir), "--out", str(run_copy)], "already exists; continue that run with --resume")
     assert (checkpoint_path(run_copy) / "model.safetensors").read_bytes() == before
 
 
@@ -136,16 +127,16 @@ def test_resuming_with_another_tokenizer_or_configuration(tmp_path, capsys, run_
     from tinylm.tokenizers import CharTokenizer
 
     CharTokenizer.train("a completely different alphabet: xyz").save(other)
-    fails_with(capsys, ["train", "--out", str(run_copy), "--resume", "--tokenizer", str(other)],
-               "does not match the one this run was trained with")
-    fails_with(capsys, ["train", "--out", str(run_copy), "--resume", "--n-layer", "3"],
-               "was trained with another configuration ([model] n_layer: 2 -> 3)")
+    refused(capsys, ["train", "--out", str(run_copy), "--resume", "--tokenizer", str(other)],
+            "does not match the one this run was trained with")
+    refused(capsys, ["train", "--out", str(run_copy), "--resume", "--n-layer", "3"],
+            "was trained with another configuration ([model] n_layer: 2 -> 3)")
 
 
 def test_a_corrupt_checkpoint_names_the_file_and_the_other_checkpoint(capsys, run_copy):
     weights = checkpoint_path(run_copy) / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[: len(weights.read_bytes()) // 2])
-    line = fails_with(capsys, ["train", "--out", str(run_copy), "--resume"], "truncated")
+    line = refused(capsys, ["train", "--out", str(run_copy), "--resume"], "truncated")
     assert str(weights) in line and "use the other checkpoint" in line
     # the other checkpoint still works
     assert main(["train", "--out", str(run_copy), "--resume", "best", "--no-progress"]) == 0
@@ -153,22 +144,22 @@ def test_a_corrupt_checkpoint_names_the_file_and_the_other_checkpoint(capsys, ru
 
 def test_a_non_finite_loss_and_out_of_memory(tmp_path, capsys, monkeypatch, corpus, data_dir):
     flags = cli_flags(corpus, data_dir, optimizer="sgd", lr=1e30, warmup_steps=0, grad_clip=0.0)
-    fails_with(capsys, ["train", *flags, "--out", str(tmp_path / "nan")], "at step")
+    refused(capsys, ["train", *flags, "--out", str(tmp_path / "nan")], "at step")
 
     def too_big(self, step):
         raise MemoryError()
 
     monkeypatch.setattr(_Trainer, "_train_step", too_big)
-    fails_with(capsys, ["train", *cli_flags(corpus, data_dir), "--out", str(tmp_path / "oom")],
-               "out of memory on cpu with batch_size 4 x block_size 32: lower batch_size")
+    refused(capsys, ["train", *cli_flags(corpus, data_dir), "--out", str(tmp_path / "oom")],
+            "out of memory on cpu with batch_size 4 x block_size 32: lower batch_size")
 
 
 def test_bad_settings(tmp_path, capsys, corpus, data_dir):
     base = ["train", "--out", str(tmp_path / "x"), *cli_flags(corpus, data_dir)]
-    fails_with(capsys, base + ["--lr", "fast"], "--lr expects a number")
-    fails_with(capsys, base + ["--batch-mode", "shuffled"], "must be one of 'packed', 'documents'")
-    fails_with(capsys, base + ["--warmup-steps", "-3"], "warmup_steps must be 0 or more")
-    fails_with(capsys, base + ["--max-steps", "none"], "no training budget")
+    refused(capsys, base + ["--lr", "fast"], "--lr expects a number")
+    refused(capsys, base + ["--batch-mode", "shuffled"], "must be one of 'packed', 'documents'")
+    refused(capsys, base + ["--warmup-steps", "-3"], "warmup_steps must be 0 or more")
+    refused(capsys, base + ["--max-steps", "none"], "no training budget")
     with pytest.raises(SystemExit) as exit_info:  # a misspelt flag: argparse's one line, status 2
         main(base + ["--n-layers", "3"])
     assert exit_info.value.code == 2
