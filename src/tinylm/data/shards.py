@@ -52,7 +52,7 @@ import os
 import re
 import tempfile
 from array import array
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -265,103 +265,170 @@ def prepare(
     read from disk, such as a run's run.json, rather than by the user). A folder holding files
     prepare did not write is refused, ``overwrite`` or not.
     """
-    if not 0 <= val_fraction < 1:
-        raise TinyLMError(f"the validation fraction must be at least 0 and below 1, got {val_fraction}")
-    if workers is not None and workers < 1:
-        raise TinyLMError(f"workers must be 1 or more, got {workers}")
+    _check_arguments(val_fraction, workers)
     out = Path(out_dir)
     check_output_folder(out)
-
-    existing = None
-    if not overwrite and (out / META_FILE).exists():
-        existing = ShardSet.open(out)
-        _check_same_recipe(existing, tokenizer, val_fraction, seed)
-
+    existing = None if overwrite else _shards_of_same_recipe(out, tokenizer, val_fraction, seed)
     plan = _plan(corpus, val_fraction, seed, progress)
     if existing is not None:
-        if existing.meta["input_fingerprint"] == plan.fingerprint:
-            existing.reused = True
-            return existing
-        raise TinyLMError(
-            f"{out} already holds shards of different text (corpus {existing.meta['corpus']!r}); "
-            "choose another output folder or pass --force"
-        )
+        return _reuse(existing, plan, out)
     if reuse_only:
         raise TinyLMError(f"{out} does not hold finished shards of corpus {corpus.name!r}, and tinylm writes only "
                           "where you name it: pass --data-dir with a folder to prepare them in")
     _remove_stale_temporaries(out)
 
     dtype = token_dtype(tokenizer.vocab_size)
-    if workers is None:
-        from tinylm.device import available_cpus  # here: tokenizing needs no torch, which tinylm.device imports
-
-        workers = 1 if plan.n_bytes < _SERIAL_BELOW_BYTES else available_cpus()
+    workers = _worker_count(workers, plan)
     # a full or read-only disk: one line, the temporary files gone, finished shards already there untouched
     with disk_writes(f"token shards in {out}", lambda: _intact(out)):
         out.mkdir(parents=True, exist_ok=True)
-        stats = {split: {"file": f"{split}.bin", "documents": 0, "tokens": 0, "bytes": 0} for split in SPLITS}
-        temps: dict[str, Path] = {}
-        handles: dict[str, Any] = {}
-        try:
-            for split in SPLITS:
-                fd, name = tempfile.mkstemp(prefix=f".{split}.bin.{os.getpid()}.", suffix=".tmp", dir=out)
-                os.chmod(fd, 0o644)  # mkstemp makes the file private; shards are ordinary data
-                temps[split] = Path(name)
-                handles[split] = os.fdopen(fd, "wb")
-            with tqdm(total=plan.n_bytes, desc="tokenizing", unit="B", unit_scale=True, disable=not progress) as bar:
-                batches = _batches(_pieces(corpus, plan, val_fraction))
-                # closing(): on an error here the pool inside the generator is shut down at once,
-                # not whenever the traceback that still references the generator is freed
-                with contextlib.closing(_encoded(batches, tokenizer, dtype, workers)) as encoded:
-                    for splits, texts, arrays in encoded:
-                        for split, text, arr in zip(splits, texts, arrays):
-                            arr.tofile(handles[split])
-                            n_text_bytes = len(text.encode("utf-8"))
-                            st = stats[split]
-                            st["documents"] += 1
-                            st["tokens"] += len(arr)
-                            st["bytes"] += n_text_bytes
-                            bar.update(n_text_bytes)
-            for f in handles.values():
-                f.flush()
-                os.fsync(f.fileno())
-                f.close()
-
-            meta = {
-                **SHARDS_FILE.header(),
-                "corpus": corpus.name,
-                "input_fingerprint": plan.fingerprint,
-                "tokenizer": {
-                    "kind": tokenizer.kind,
-                    "fingerprint": tokenizer.fingerprint(),
-                    "vocab_size": tokenizer.vocab_size,
-                    "eos_id": tokenizer.eos_id,
-                    "file": TOKENIZER_FILE,
-                },
-                "dtype": dtype.name,
-                "val_fraction": val_fraction,
-                "seed": seed,
-                "split_method": "single document cut at a line boundary" if plan.cut_single else "by document",
-                "splits": stats,
-                "skipped_documents": len(corpus.skipped),
-            }
-            temps["tokenizer"] = tokenizer.save(out / f".{TOKENIZER_FILE}.{os.getpid()}.tmp")
-            temps["meta"] = out / f".{META_FILE}.{os.getpid()}.tmp"
-            temps["meta"].write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
-
-            # Unmark the folder first: between here and the last rename it must not look complete.
-            (out / META_FILE).unlink(missing_ok=True)
-            for split in SPLITS:
-                os.replace(temps.pop(split), out / f"{split}.bin")
-            os.replace(temps.pop("tokenizer"), out / TOKENIZER_FILE)
-            os.replace(temps.pop("meta"), out / META_FILE)
-        finally:
-            for f in handles.values():
-                with contextlib.suppress(OSError):  # a full disk fails the last flush again: the file goes anyway
-                    f.close()
-            for path in temps.values():
-                path.unlink(missing_ok=True)
+        with _staging(out) as (temps, shard_files):
+            encoded = _encoded(_batches(_pieces(corpus, plan, val_fraction)), tokenizer, dtype, workers)
+            stats = _write_shards(encoded, shard_files, plan.n_bytes, progress)
+            _sync_and_close(shard_files)
+            meta = _meta(corpus, plan, tokenizer, dtype, val_fraction, seed, stats)
+            _stage_tokenizer_and_meta(out, temps, tokenizer, meta)
+            _move_into_place(out, temps)
     return ShardSet.open(out)
+
+
+def _check_arguments(val_fraction: float, workers: int | None) -> None:
+    if not 0 <= val_fraction < 1:
+        raise TinyLMError(f"the validation fraction must be at least 0 and below 1, got {val_fraction}")
+    if workers is not None and workers < 1:
+        raise TinyLMError(f"workers must be 1 or more, got {workers}")
+
+
+def _shards_of_same_recipe(out: Path, tokenizer: Tokenizer, val_fraction: float, seed: int) -> ShardSet | None:
+    """The shards already in ``out``, if any, after checking they were made with this tokenizer and split."""
+    if not (out / META_FILE).exists():
+        return None
+    existing = ShardSet.open(out)
+    _check_same_recipe(existing, tokenizer, val_fraction, seed)
+    return existing
+
+
+def _reuse(existing: ShardSet, plan: _Plan, out: Path) -> ShardSet:
+    """The existing shards, marked reused, if they were made from the same text; else an error."""
+    if existing.meta["input_fingerprint"] == plan.fingerprint:
+        existing.reused = True
+        return existing
+    raise TinyLMError(
+        f"{out} already holds shards of different text (corpus {existing.meta['corpus']!r}); "
+        "choose another output folder or pass --force"
+    )
+
+
+def _worker_count(workers: int | None, plan: _Plan) -> int:
+    """The number of encoding processes asked for, or by default: one for little text, else every core."""
+    if workers is not None:
+        return workers
+    from tinylm.device import available_cpus  # here: tokenizing needs no torch, which tinylm.device imports
+
+    return 1 if plan.n_bytes < _SERIAL_BELOW_BYTES else available_cpus()
+
+
+@contextlib.contextmanager
+def _staging(out: Path) -> Iterator[tuple[dict[str, Path], dict[str, Any]]]:
+    """(temporary paths, open shard files): a temporary file in ``out`` per split, open for writing.
+
+    Every file still in the paths when the block ends, by an error or not, is closed and removed;
+    `_move_into_place` takes out those it renames.
+    """
+    temps: dict[str, Path] = {}
+    shard_files: dict[str, Any] = {}
+    try:
+        for split in SPLITS:
+            fd, name = tempfile.mkstemp(prefix=f".{split}.bin.{os.getpid()}.", suffix=".tmp", dir=out)
+            os.chmod(fd, 0o644)  # mkstemp makes the file private; shards are ordinary data
+            temps[split] = Path(name)
+            shard_files[split] = os.fdopen(fd, "wb")
+        yield temps, shard_files
+    finally:
+        for f in shard_files.values():
+            with contextlib.suppress(OSError):  # a full disk fails the last flush again: the file goes anyway
+                f.close()
+        for path in temps.values():
+            path.unlink(missing_ok=True)
+
+
+def _write_shards(
+    encoded: Generator[tuple[list[str], list[str], list[np.ndarray]], None, None],
+    shard_files: dict[str, Any],
+    n_bytes: int,
+    progress: bool,
+) -> dict[str, dict[str, Any]]:
+    """Append each encoded piece to its split's file; per split, the file name and the documents,
+    tokens and UTF-8 bytes of text written."""
+    stats = {split: {"file": f"{split}.bin", "documents": 0, "tokens": 0, "bytes": 0} for split in SPLITS}
+    with tqdm(total=n_bytes, desc="tokenizing", unit="B", unit_scale=True, disable=not progress) as bar:
+        # closing(): on an error here the pool inside the generator is shut down at once,
+        # not whenever the traceback that still references the generator is freed
+        with contextlib.closing(encoded):
+            for splits, texts, arrays in encoded:
+                for split, text, arr in zip(splits, texts, arrays):
+                    arr.tofile(shard_files[split])
+                    n_text_bytes = len(text.encode("utf-8"))
+                    st = stats[split]
+                    st["documents"] += 1
+                    st["tokens"] += len(arr)
+                    st["bytes"] += n_text_bytes
+                    bar.update(n_text_bytes)
+    return stats
+
+
+def _sync_and_close(shard_files: dict[str, Any]) -> None:
+    for f in shard_files.values():
+        f.flush()
+        os.fsync(f.fileno())
+        f.close()
+
+
+def _meta(
+    corpus: Corpus,
+    plan: _Plan,
+    tokenizer: Tokenizer,
+    dtype: np.dtype,
+    val_fraction: float,
+    seed: int,
+    stats: dict[str, dict[str, Any]],
+) -> dict[str, Any]:
+    """meta.json's content: what was made and from what."""
+    return {
+        **SHARDS_FILE.header(),
+        "corpus": corpus.name,
+        "input_fingerprint": plan.fingerprint,
+        "tokenizer": {
+            "kind": tokenizer.kind,
+            "fingerprint": tokenizer.fingerprint(),
+            "vocab_size": tokenizer.vocab_size,
+            "eos_id": tokenizer.eos_id,
+            "file": TOKENIZER_FILE,
+        },
+        "dtype": dtype.name,
+        "val_fraction": val_fraction,
+        "seed": seed,
+        "split_method": "single document cut at a line boundary" if plan.cut_single else "by document",
+        "splits": stats,
+        "skipped_documents": len(corpus.skipped),
+    }
+
+
+def _stage_tokenizer_and_meta(out: Path, temps: dict[str, Path], tokenizer: Tokenizer, meta: dict[str, Any]) -> None:
+    """Write tokenizer.json and meta.json under temporary names, adding them to ``temps``."""
+    temps["tokenizer"] = tokenizer.save(out / f".{TOKENIZER_FILE}.{os.getpid()}.tmp")
+    temps["meta"] = out / f".{META_FILE}.{os.getpid()}.tmp"
+    temps["meta"].write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
+
+
+def _move_into_place(out: Path, temps: dict[str, Path]) -> None:
+    """Rename the temporary files to their names, meta.json last, taking each out of ``temps``."""
+    # Unmark the folder first: between here and the last rename it must not look complete.
+    (out / META_FILE).unlink(missing_ok=True)
+    for split in SPLITS:
+        os.replace(temps.pop(split), out / f"{split}.bin")
+    os.replace(temps.pop("tokenizer"), out / TOKENIZER_FILE)
+    os.replace(temps.pop("meta"), out / META_FILE)
 
 
 SHARD_FILES = ("train.bin", "val.bin", TOKENIZER_FILE, META_FILE)
