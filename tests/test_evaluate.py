@@ -198,6 +198,16 @@ def test_an_ngram_model_is_scored_the_same_whatever_the_stride(shards):
         evaluate_model(model, text, tok, block_size=16, stride=0)
 
 
+def test_an_ngram_model_scores_into_the_same_result_as_the_networks(shards):
+    ngram = NGramModel.fit_shards(shards, 3)
+    model = NGramLM(ngram, GPTConfig(family="ngram", vocab_size=ngram.vocab_size, block_size=16, order=3))
+    via_engine = evaluate_model(model, split_text(shards, "val"), shards.tokenizer(), block_size=16)
+    own = ngram.evaluate_shards(shards, "val")
+    assert type(own) is type(via_engine) is type(evaluate(Unigram(shards.vocab_size), shards, block_size=16))
+    assert {**own.report(), "seconds": 0} == {**via_engine.report(), "seconds": 0}  # no <unk> in this text
+    assert own.as_dict() == via_engine.as_dict() and own.describe_windows() == "an n-gram's own context, no windows"
+
+
 def test_evaluation_shows_progress_and_batches_by_tokens(capsys):
     from tinylm.evaluate import EVAL_BATCH_TOKENS, eval_batch_size, evaluate_tokens
 

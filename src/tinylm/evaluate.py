@@ -18,13 +18,14 @@ Usage::
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -37,75 +38,9 @@ from tinylm.data.shards import ShardSet
 from tinylm.device import use_threads
 from tinylm.errors import TinyLMError
 from tinylm.model import IGNORE_INDEX, NGramLM
+from tinylm.model.eval_result import EvalResult
 from tinylm.run import load_run
 from tinylm.tokenizers.base import Tokenizer, check_same_tokenizer
-
-
-@dataclass
-class EvalResult:
-    """Sums and their ratios for one evaluation; ``window_losses`` are the per-window sums (nats) over the
-    ``window_tokens`` targets each window scored."""
-
-    split: str
-    loss_sum: float  # total -log p over every target, in nats
-    tokens: int  # targets evaluated
-    bytes: float  # UTF-8 bytes those targets stand for (prorated when not the whole split)
-    prorated: bool  # True when only part of the split was evaluated
-    window_starts: np.ndarray = field(repr=False)
-    window_losses: np.ndarray = field(repr=False)
-    window_tokens: np.ndarray = field(repr=False)
-    seconds: float = 0.0  # how long the evaluation took
-    unknown_tokens: int = 0  # <unk> targets among them
-    unknown_bytes: float = 0.0  # the bytes those stand for, charged 8 bits each (prorated like bytes)
-    block_size: int | None = None  # the windows' length; None: no windows (an n-gram model)
-    stride: int | None = None  # targets from one window's start to the next; block_size: disjoint windows
-
-    @property
-    def loss(self) -> float:
-        """Mean next-token cross-entropy, nats per token."""
-        return self.loss_sum / self.tokens
-
-    @property
-    def perplexity(self) -> float:
-        return math.inf if self.loss > 700 else math.exp(self.loss)  # exp overflows a float past ~709
-
-    @property
-    def bits_per_byte(self) -> float:
-        """(loss_sum / ln 2 + 8 x unknown_bytes) / bytes: the text's code length per byte (module docstring)."""
-        return (self.loss_sum / math.log(2) + 8 * self.unknown_bytes) / self.bytes
-
-    @property
-    def windows(self) -> str:
-        """How the text was cut: "disjoint" windows, "sliding" ones (stride < block_size), or "none" (n-gram)."""
-        if self.block_size is None:
-            return "none"
-        return "disjoint" if self.stride == self.block_size else "sliding"
-
-    def describe_windows(self) -> str:
-        """The windows in words, for a report: "sliding windows of 32 tokens, stride 8"."""
-        if self.windows == "none":
-            return "an n-gram's own context, no windows"
-        if self.windows == "disjoint":
-            return f"disjoint windows of {self.block_size} tokens"
-        return f"sliding windows of {self.block_size} tokens, stride {self.stride}"
-
-    def report(self) -> dict[str, Any]:
-        """Everything `tinylm eval --json` prints; an infinite loss is the string "inf" (JSON has no infinity)."""
-        def number(x: float) -> float | str:
-            return x if math.isfinite(x) else "inf"
-
-        return {"text": self.split, "loss": number(self.loss), "perplexity": number(self.perplexity),
-                "bits_per_byte": number(self.bits_per_byte), "tokens": self.tokens,
-                "bytes": self.bytes if self.prorated else round(self.bytes),  # a count, unless prorated
-                "prorated": self.prorated, "unknown_tokens": self.unknown_tokens,
-                "unknown_bytes": self.unknown_bytes if self.prorated else round(self.unknown_bytes),
-                "windows": self.windows, "block_size": self.block_size, "stride": self.stride,
-                "seconds": self.seconds}
-
-    def as_dict(self, prefix: str = "val_") -> dict[str, float | int | bool]:
-        """The numbers for a metrics log line."""
-        return {f"{prefix}loss": self.loss, f"{prefix}ppl": self.perplexity, f"{prefix}bpb": self.bits_per_byte,
-                f"{prefix}tokens": self.tokens, f"{prefix}prorated": self.prorated}
 
 
 def unknown_pieces(tokens: np.ndarray, n_bytes: int, tokenizer: Tokenizer | None) -> tuple[int, int]:
@@ -386,11 +321,10 @@ def evaluate_model(
         raise TinyLMError(f"the {text.name} text is empty: there is nothing to evaluate")
     if isinstance(model, NGramLM):
         started = time.perf_counter()
-        result = model.ngram.evaluate(text.tokens, text.bytes)
-        n = result.tokens
+        result = model.ngram.evaluate(text.tokens, text.bytes, split=text.name)
         n_unk, unk_bytes = unknown_pieces(text.tokens, text.bytes, tokenizer)
-        return EvalResult(text.name, result.loss_sum, n, float(text.bytes), False, np.zeros(1, dtype=np.int64),
-                          np.array([result.loss_sum]), np.array([n]), time.perf_counter() - started, n_unk, unk_bytes)
+        return dataclasses.replace(result, seconds=time.perf_counter() - started, unknown_tokens=n_unk,
+                                   unknown_bytes=unk_bytes)
     first = tokenizer.eos_id if start_id is None else start_id
     return evaluate_tokens(model, text.tokens, text.bytes, first, split=text.name, block_size=block_size,
                            batch_size=batch_size or eval_batch_size(block_size), max_tokens=max_tokens,

@@ -9,7 +9,7 @@ with h the *context* (n-1 tokens) and w the token predicted. Usage::
 
     model = NGramModel.fit(train_ids, order=5, tokenizer=tok)      # smoothing="kn" by default
     model = NGramModel.fit_shards(shards, order=5)                 # from `tinylm prepare` output
-    result = model.evaluate(val_ids, n_bytes)                      # loss, perplexity, bits per byte
+    result = model.evaluate(val_ids, n_bytes)                      # an EvalResult: loss, perplexity, bpb
     logp = model.score(val_ids)                                    # (T,) log p of every token, vectorised
     probs = model.next_token_distribution(context)                 # (|V|,), sums to one
     model.save("shakespeare-5gram.npz"); model = NGramModel.load("shakespeare-5gram.npz")
@@ -108,6 +108,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from tinylm.errors import TinyLMError
+from tinylm.model.eval_result import EvalResult
 from tinylm.model.ngram_counts import (
     NGRAM_FILE,
     TokenData,
@@ -142,33 +143,6 @@ class _Level:
     alpha: np.ndarray  # (rows of order j,) float64: the discounted share of each seen n-gram
     gamma: np.ndarray  # (rows of order j-1,) float64: the mass each context hands down
     active: np.ndarray  # (rows of order j-1,) bool: this order applies to that context
-
-
-@dataclass(frozen=True)
-class NGramEval:
-    """Loss, perplexity and bits per byte of an n-gram model on a token stream."""
-
-    loss_sum: float  # total -log p over every target, in nats (inf if some target had p = 0)
-    tokens: int  # targets scored
-    bytes: float  # UTF-8 bytes of the text those tokens stand for
-
-    @property
-    def loss(self) -> float:
-        """Mean next-token cross-entropy, nats per token."""
-        return self.loss_sum / self.tokens
-
-    @property
-    def perplexity(self) -> float:
-        return math.inf if self.loss > 700 else math.exp(self.loss)  # exp overflows past ~709
-
-    @property
-    def bits_per_byte(self) -> float:
-        """loss x tokens / (bytes x ln 2): the text's code length per byte, tokenizer-independent."""
-        return self.loss_sum / (self.bytes * math.log(2))
-
-    def as_dict(self, prefix: str = "val_") -> dict[str, float | int]:
-        return {f"{prefix}loss": self.loss, f"{prefix}ppl": self.perplexity, f"{prefix}bpb": self.bits_per_byte,
-                f"{prefix}tokens": self.tokens, f"{prefix}bytes": self.bytes}
 
 
 # ----- the model -----------------------------------------------------------------------------------
@@ -426,23 +400,24 @@ class NGramModel:
         p = float(self.next_token_distribution(context)[token])
         return math.log(p) if p > 0 else -math.inf
 
-    def evaluate(self, tokens: TokenData, n_bytes: float) -> NGramEval:
-        """Loss per token, perplexity and bits per byte on a stream whose text is ``n_bytes`` UTF-8 bytes."""
+    def evaluate(self, tokens: TokenData, n_bytes: float, split: str = "text") -> EvalResult:
+        """Loss per token, perplexity and bits per byte on a stream whose text is ``n_bytes`` UTF-8 bytes
+        (``split`` names it in the result); scored all in one piece, with no windows."""
         logp = self.score(tokens)
         if len(logp) == 0:
             raise TinyLMError("there are no tokens to evaluate")
         if n_bytes <= 0:
             raise TinyLMError(f"the text's size in bytes must be positive, got {n_bytes}")
-        return NGramEval(float(-logp.sum()), len(logp), float(n_bytes))
+        return EvalResult.without_windows(split, float(-logp.sum()), len(logp), n_bytes)
 
-    def evaluate_shards(self, shards: ShardSet, split: str = "val") -> NGramEval:
+    def evaluate_shards(self, shards: ShardSet, split: str = "val") -> EvalResult:
         """`evaluate` on a split of token shards, its byte count from the shards' meta."""
         if shards.vocab_size != self.vocab_size or shards.eos_id != self.eos_id:
             raise TinyLMError(
                 f"these shards use a tokenizer with {shards.vocab_size} tokens (EOS {shards.eos_id}), "
                 f"the model {self.vocab_size} (EOS {self.eos_id}); evaluate on shards of the same tokenizer"
             )
-        return self.evaluate(shards.tokens(split), shards.meta["splits"][split]["bytes"])
+        return self.evaluate(shards.tokens(split), shards.meta["splits"][split]["bytes"], split)
 
     # ----- saving and loading -----------------------------------------------------------------
 
