@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 
@@ -88,3 +89,13 @@ def test_a_process_that_ended_is_neither_alive_nor_running():
     assert alive(child.pid) and not running(child.pid)
     child.wait()
     assert not alive(child.pid) and not running(child.pid)
+
+
+def test_a_script_without_a_main_guard_runs_once(tmp_path):
+    # spawn's default would run this script again in each worker, which would start pools of its own
+    script = tmp_path / "script.py"
+    script.write_text("from tinylm.workers import in_order\n"
+                      "print('start')\n"
+                      "print(sum(r for _, r in in_order(abs, [-1, -2, -3, -4], workers=2, died='x')))\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stdout) == (0, "start\n10\n"), done.stderr

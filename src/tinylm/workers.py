@@ -12,6 +12,11 @@ Each rule here answers a way a pool went wrong:
   reader), so a child can wait for ever on a lock that nobody will release; and it inherits
   tinylm's SIGTERM handler, Python code that a stuck child never gets to run, so ending the pool
   waited for ever too.
+- A spawned worker does not run the caller's script. Plain "spawn" imports ``__main__`` again in
+  every worker, so a script that trains a tokenizer at its top level, with no ``if __name__ ==
+  "__main__"`` guard, would start over in each of them; the work here is tinylm's own functions,
+  which need nothing of the script, so ``__main__`` is hidden while the workers start (as joblib's
+  workers do).
 - At most two items per worker are in flight and results come back in the items' order, so memory
   stays bounded whatever the input's size (``Executor.map`` would read all of it into its queue).
 - A worker that dies (killed for memory, say) fails the call with one line instead of leaving it
@@ -22,6 +27,7 @@ Each rule here answers a way a pool went wrong:
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import multiprocessing
 import os
@@ -29,6 +35,7 @@ import signal
 import sys
 import threading
 import time
+import types
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
@@ -54,7 +61,8 @@ def in_order(work: Callable[[Item], Result], items: Iterable[Item], *, workers: 
     try:
         pending: deque[tuple[Item, Future[Result]]] = deque()
         for item in items:
-            pending.append((item, pool.submit(work, item)))
+            with _script_hidden():  # a submit may start a worker process
+                pending.append((item, pool.submit(work, item)))
             if len(pending) >= 2 * workers:
                 done, future = pending.popleft()
                 yield done, _result(future, died)
@@ -63,6 +71,17 @@ def in_order(work: Callable[[Item], Result], items: Iterable[Item], *, workers: 
             yield done, _result(future, died)
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
+
+
+@contextlib.contextmanager
+def _script_hidden() -> Iterator[None]:
+    """While a worker is spawned, ``__main__`` is an empty module: the worker imports nothing of the caller's script."""
+    script = sys.modules["__main__"]
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        sys.modules["__main__"] = script
 
 
 def _result(future: Future[Result], died: str) -> Result:
