@@ -12,10 +12,13 @@ import dataclasses
 import inspect
 import json
 import textwrap
+from collections.abc import Callable
 
+import pytest
 import torch
 
 from tinylm.config import GPTConfig
+from tinylm.export import import_hf
 from tinylm.model import GPT
 from tinylm.tokenizers import BPETokenizer, train_bpe
 from tinylm.tokenizers.formats import save_hf_tokenizer_json
@@ -98,3 +101,20 @@ def edit_config(folder, **changes) -> None:
     """Change some keys of a checkpoint folder's config.json, as a user editing it would."""
     path = folder / "config.json"
     path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+
+
+def imported_fixture(makers: dict[str, Callable[[], torch.nn.Module]]):
+    """A module-scoped fixture, once for each of ``makers``: (name, the transformers model, tinylm's import of it).
+
+    Each maker's model is saved with the session's tokenizer as a Hugging Face checkpoint folder and read back
+    with `import_hf`. A test module takes it as ``imported = imported_fixture(MAKERS)``.
+    """
+
+    @pytest.fixture(scope="module", params=list(makers))
+    def imported(request, tmp_path_factory, tokenizer):
+        hf = makers[request.param]().eval()
+        folder = tmp_path_factory.mktemp(request.param) / "hf"
+        save(hf, folder, tokenizer)
+        return request.param, hf, import_hf(folder)[0]
+
+    return imported

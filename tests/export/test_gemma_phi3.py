@@ -15,7 +15,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from exportkit import PROMPT, edit_config, greedy, randomize, save
+from exportkit import PROMPT, edit_config, greedy, imported_fixture, randomize, save
 
 from tinylm.errors import TinyLMError
 from tinylm.export import export_gguf, export_hf, import_hf
@@ -73,14 +73,7 @@ MAKERS = {"gemma2": hf_gemma2, "gemma3": hf_gemma3, "phi3": hf_phi3}
 CLASSES = {"gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM"}
 
 
-@pytest.fixture(scope="module", params=list(MAKERS))
-def imported(request, tmp_path_factory, tokenizer):
-    """(name, the transformers model, tinylm's import of it)."""
-    hf = MAKERS[request.param]().eval()
-    folder = tmp_path_factory.mktemp(request.param) / "hf"
-    save(hf, folder, tokenizer)
-    model, _, _ = import_hf(folder)
-    return request.param, hf, model
+imported = imported_fixture(MAKERS)
 
 
 def test_the_checkpoint_imports_with_the_same_logits_and_greedy_tokens_as_generate(imported, tokenizer):

@@ -16,7 +16,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from exportkit import PROMPT, edit_config, greedy, randomize, save
+from exportkit import PROMPT, edit_config, greedy, imported_fixture, randomize, save
 
 from tinylm.errors import TinyLMError
 from tinylm.export import architecture_for, export_gguf, export_hf, import_hf
@@ -82,18 +82,11 @@ def cached_greedy(model, start: list[int], steps: int) -> list[int]:
     return start + completion.token_ids
 
 
-@pytest.fixture(scope="module", params=list(MAKERS))
-def imported(request, tmp_path_factory, tokenizer):
-    """(name, the transformers model, its folder, tinylm's import of it)."""
-    hf = MAKERS[request.param]().eval()
-    folder = tmp_path_factory.mktemp(request.param) / "hf"
-    save(hf, folder, tokenizer)
-    model, _, config = import_hf(folder)
-    return request.param, hf, folder, model
+imported = imported_fixture(MAKERS)
 
 
 def test_the_checkpoint_imports_with_the_same_logits_and_cached_greedy_tokens(imported, tokenizer):
-    name, hf, _, model = imported
+    name, hf, model = imported
     config = model.config
     assert config.qkv_bias == name.startswith("qwen2") and not config.bias
     assert config.sliding_window == (WINDOW if "windowed" in name else None)
@@ -114,7 +107,7 @@ def test_the_checkpoint_imports_with_the_same_logits_and_cached_greedy_tokens(im
 def test_without_the_family_switch_the_logits_differ(imported, tokenizer):
     """The checks above can fail: the same weights without the scaling, the window or the q, k, v biases compute
     something else."""
-    name, hf, _, model = imported
+    name, hf, model = imported
     switch = {"llama3": dict(rope_scaling="none", rope_factor=None, rope_low_freq_factor=None,
                              rope_high_freq_factor=None, rope_original_context=None),
               "qwen2": dict(sliding_window=None) if "windowed" in name else dict(rope_scaling="none", rope_factor=None),
@@ -127,7 +120,7 @@ def test_without_the_family_switch_the_logits_differ(imported, tokenizer):
 
 
 def test_export_back_gives_the_same_architecture_and_logits(imported, tokenizer, tmp_path):
-    name, hf, _, model = imported
+    name, hf, model = imported
     export_hf(model, tokenizer, tmp_path / "back")
     again = AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
     assert type(again).__name__ == CLASSES[name.split("-")[0]]
