@@ -22,7 +22,7 @@ import dataclasses
 import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -189,64 +189,129 @@ def evaluate_tokens(
         raise TinyLMError(f"batch_size must be positive, got {batch_size}")
     started = time.perf_counter()
     device = torch.device(device)
-    n_tokens = len(data)
-    if n_tokens == 0:
+    if len(data) == 0:
         raise TinyLMError("there are no tokens to evaluate")
     stride = check_stride(stride, block_size)
+    plan = _plan_windows(len(data), block_size, batch_size, max_tokens, stride)
+    with _eval_mode(model), tqdm(total=len(plan.starts), desc=f"evaluating {split}", unit="window",
+                                 disable=not progress, leave=False) as bar:
+        losses = _score_windows(model, data, plan, eos_id, device, autocast, rank, world_size, bar.update)
+    return _windowed_result(split, data, split_bytes, tokenizer, plan, losses, started, block_size, stride)
+
+
+@dataclass
+class _WindowPlan:
+    """The windows an evaluation reads (`window_starts`, `window_spans`), and the batches they are read in."""
+
+    starts: np.ndarray  # each window's first target
+    lengths: np.ndarray  # the targets it holds
+    skips: np.ndarray  # how many of its first targets the window before scored
+    batches: list[np.ndarray]  # indices into the windows, one forward pass each
+
+    @property
+    def scored(self) -> np.ndarray:
+        """The targets each window scores: every target of the evaluated text once over all of them."""
+        return (self.lengths - self.skips).astype(np.int64)
+
+
+def _plan_windows(n_tokens: int, block_size: int, batch_size: int, max_tokens: int, stride: int) -> _WindowPlan:
     starts = window_starts(n_tokens, block_size, max_tokens, stride=stride)
     lengths, skips = window_spans(starts, n_tokens, block_size, stride)
     # full windows in batches, the one short tail window (if evaluated) as a batch of its own
     full = np.flatnonzero(lengths == block_size)
     batches = [full[i : i + batch_size] for i in range(0, len(full), batch_size)]
     batches += [np.array([i]) for i in np.flatnonzero(lengths < block_size)]
-    losses = torch.zeros(len(starts), dtype=torch.float64, device=device)  # per window, nats
-    context = eos_id
+    return _WindowPlan(starts, lengths, skips, batches)
+
+
+@contextlib.contextmanager
+def _eval_mode(model: object) -> Iterator[None]:
+    """``model`` in eval mode (no dropout) inside the block, back in training mode after it if it was."""
     was_training = getattr(model, "training", False)
     if isinstance(model, torch.nn.Module):
         model.eval()
+    try:
+        yield
+    finally:
+        if was_training and isinstance(model, torch.nn.Module):
+            model.train()
+
+
+def _score_windows(
+    model: torch.nn.Module | Callable[[Tensor], Tensor | tuple[Tensor, ...]],
+    data: np.ndarray,
+    plan: _WindowPlan,
+    context: int,
+    device: torch.device,
+    autocast: Callable[[], contextlib.AbstractContextManager],
+    rank: int,
+    world_size: int,
+    done: Callable[[int], object],
+) -> np.ndarray:
+    """Each window's summed -log p of the targets it scores (nats, float64), in the plan's order; ``context``
+    is the token read before the text's first. This process scores its share of the batches (`_my_batches`),
+    telling ``done`` how many windows each finished; with ``world_size`` > 1 the sums are all-reduced."""
+    losses = torch.zeros(len(plan.starts), dtype=torch.float64, device=device)  # per window, nats
     # inference mode skips autograd's bookkeeping altogether; a sharded model's collectives (FSDP
     # inside training) keep to no_grad, which they are written for
     no_autograd = torch.inference_mode() if world_size == 1 else torch.no_grad()
-    with no_autograd, tqdm(total=len(starts), desc=f"evaluating {split}", unit="window", disable=not progress,
-                           leave=False) as bar:
-        try:
-            # Every process runs the same number of forward passes (a sharded model needs all of them
-            # for each one): when the batches do not divide evenly, some repeat batch 0 and discard it.
-            rounds = math.ceil(len(batches) / world_size)
-            for k in range(rounds):
-                b = k * world_size + rank
-                keep = b < len(batches)
-                index = batches[b if keep else 0]
-                pairs = [_window(data, int(starts[i]), int(lengths[i]), context) for i in index]
-                x = torch.from_numpy(np.stack([p[0] for p in pairs])).to(device)  # (B, T)
-                y = np.stack([p[1] for p in pairs])  # (B, T)
-                for row, i in enumerate(index):
-                    y[row, : skips[i]] = IGNORE_INDEX  # scored by the window before (sliding windows only)
-                y = torch.from_numpy(y).to(device)  # (B, T)
-                with autocast():
-                    out = model(x)
-                logits = out[0] if isinstance(out, tuple) else out  # (B, T, |V|)
-                nll = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=IGNORE_INDEX,
-                                      reduction="none")  # (B*T,), 0 where masked
-                if keep:
-                    losses[torch.from_numpy(index).to(device)] = nll.view(len(index), -1).double().sum(dim=1)
-                    bar.update(len(index))
-        finally:
-            if was_training and isinstance(model, torch.nn.Module):
-                model.train()
+    with no_autograd:
+        for index, keep in _my_batches(plan.batches, rank, world_size):
+            x, y = _batch(data, plan, index, context, device)
+            with autocast():
+                out = model(x)
+            logits = out[0] if isinstance(out, tuple) else out  # (B, T, |V|)
+            nll = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=IGNORE_INDEX,
+                                  reduction="none")  # (B*T,), 0 where masked
+            if keep:
+                losses[torch.from_numpy(index).to(device)] = nll.view(len(index), -1).double().sum(dim=1)
+                done(len(index))
     if world_size > 1:
         import torch.distributed as dist
 
         dist.all_reduce(losses)  # each window was filled in by exactly one process, zeros elsewhere
-    window_losses = losses.cpu().numpy()
-    scored = (lengths - skips).astype(np.int64)  # targets per window
+    return losses.cpu().numpy()
+
+
+def _my_batches(batches: list[np.ndarray], rank: int, world_size: int) -> Iterator[tuple[np.ndarray, bool]]:
+    """(windows, keep) for each forward pass of process ``rank``: every world_size-th batch from its own.
+
+    Every process runs the same number of forward passes (a sharded model needs all of them for each
+    one): when the batches do not divide evenly, some repeat batch 0 and discard it (keep False).
+    """
+    for k in range(math.ceil(len(batches) / world_size)):
+        b = k * world_size + rank
+        yield (batches[b], True) if b < len(batches) else (batches[0], False)
+
+
+def _batch(data: np.ndarray, plan: _WindowPlan, index: np.ndarray, context: int, device: torch.device
+           ) -> tuple[Tensor, Tensor]:
+    """Inputs x (B, T) and targets y (B, T) of the windows ``index``; a target another window scores is masked."""
+    pairs = [_window(data, int(plan.starts[i]), int(plan.lengths[i]), context) for i in index]
+    x = torch.from_numpy(np.stack([p[0] for p in pairs])).to(device)  # (B, T)
+    y = np.stack([p[1] for p in pairs])  # (B, T)
+    for row, i in enumerate(index):
+        y[row, : plan.skips[i]] = IGNORE_INDEX  # scored by the window before (sliding windows only)
+    return x, torch.from_numpy(y).to(device)  # (B, T), (B, T)
+
+
+def _prorated_bytes(split_bytes: int, tokens: int, n_split_tokens: int) -> tuple[bool, float]:
+    """(whether ``tokens`` are only part of the split, the bytes they stand for: the split's share of them)."""
+    prorated = tokens != n_split_tokens
+    return prorated, split_bytes * tokens / n_split_tokens if prorated else float(split_bytes)
+
+
+def _windowed_result(split: str, data: np.ndarray, split_bytes: int, tokenizer: Tokenizer | None,
+                     plan: _WindowPlan, window_losses: np.ndarray, started: float, block_size: int, stride: int
+                     ) -> EvalResult:
+    """The sums over the windows of ``plan``, bytes and <unk> pieces prorated when they are not the whole text."""
+    scored = plan.scored  # targets per window
     tokens = int(scored.sum())
-    prorated = tokens != n_tokens
-    n_bytes = split_bytes * tokens / n_tokens if prorated else float(split_bytes)
+    prorated, n_bytes = _prorated_bytes(split_bytes, tokens, len(data))
     n_unk, unk_bytes = unknown_pieces(data, split_bytes, tokenizer)
-    share = tokens / n_tokens
+    share = tokens / len(data)
     return EvalResult(split, float(window_losses.sum()), tokens, n_bytes, prorated,
-                      starts, window_losses, scored, time.perf_counter() - started,
+                      plan.starts, window_losses, scored, time.perf_counter() - started,
                       round(n_unk * share), unk_bytes * share, block_size, stride)
 
 
@@ -256,8 +321,7 @@ def restrict(result: EvalResult, starts: np.ndarray, n_split_tokens: int, split_
     if keep.sum() != len(starts):
         raise TinyLMError("those windows were not all evaluated")
     tokens = int(result.window_tokens[keep].sum())
-    prorated = tokens != n_split_tokens
-    n_bytes = split_bytes * tokens / n_split_tokens if prorated else float(split_bytes)
+    prorated, n_bytes = _prorated_bytes(split_bytes, tokens, n_split_tokens)
     share = tokens / result.tokens  # the unknown pieces, prorated like the bytes
     return EvalResult(result.split, float(result.window_losses[keep].sum()), tokens, n_bytes, prorated,
                       result.window_starts[keep], result.window_losses[keep], result.window_tokens[keep],
