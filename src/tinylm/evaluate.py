@@ -29,7 +29,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 from tqdm import tqdm
 
@@ -39,6 +38,7 @@ from tinylm.device import use_threads
 from tinylm.errors import TinyLMError
 from tinylm.model import IGNORE_INDEX, NGramLM
 from tinylm.model.eval_result import EvalResult
+from tinylm.model.head_loss import next_token_loss
 from tinylm.run import load_run
 from tinylm.tokenizers.base import Tokenizer, check_same_tokenizer
 
@@ -261,8 +261,7 @@ def _score_windows(
             with autocast():
                 out = model(x)
             logits = out[0] if isinstance(out, tuple) else out  # (B, T, |V|)
-            nll = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=IGNORE_INDEX,
-                                  reduction="none")  # (B*T,), 0 where masked
+            nll = next_token_loss(logits.float(), y, reduction="none")  # (B*T,), 0 where masked
             if keep:
                 losses[torch.from_numpy(index).to(device)] = nll.view(len(index), -1).double().sum(dim=1)
                 done(len(index))

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from tinylm.config import GPTConfig
 from tinylm.model.gpt import GPT
-from tinylm.model.head_loss import IGNORE_INDEX, head_loss
+from tinylm.model.head_loss import IGNORE_INDEX, head_loss, next_token_loss
 
 
 def plain(h, W, y, softcap):
@@ -34,6 +34,20 @@ def test_equals_cross_entropy_of_the_full_logits_in_float64(softcap, chunk):
     torch.testing.assert_close(dh, gh, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(dW, gW, rtol=1e-10, atol=1e-12)
     assert dh[[0, 5, 28]].abs().max() == 0  # an ignored position gets no gradient
+
+
+
+def test_the_plain_next_token_loss_from_logits_is_the_same_loss():
+    g = torch.Generator().manual_seed(1)
+    h = torch.randn(3, 5, 6, generator=g, dtype=torch.float64)  # (B, T, d)
+    W = torch.randn(11, 6, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 11, (3, 5), generator=g)
+    y[0, :2] = IGNORE_INDEX
+    total = head_loss(h.flatten(0, 1), W, y.flatten(), torch.float64)
+    each = next_token_loss(h @ W.T, y, reduction="none")  # (B*T,)
+    assert each.shape == (15,) and (each[:2] == 0).all()
+    torch.testing.assert_close(next_token_loss(h @ W.T, y, reduction="sum"), total, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(next_token_loss(h @ W.T, y), total / 13, rtol=1e-12, atol=1e-12)  # 13 targets count
 
 
 def test_a_hand_worked_case():

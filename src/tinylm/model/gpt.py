@@ -38,7 +38,7 @@ from torch import Tensor, nn
 from tinylm.config import GPTConfig
 from tinylm.errors import TinyLMError
 from tinylm.model.attention import CausalSelfAttention, KVCacheLayer
-from tinylm.model.head_loss import IGNORE_INDEX, head_loss
+from tinylm.model.head_loss import IGNORE_INDEX, head_loss, next_token_loss
 from tinylm.model.memory import check_fits
 from tinylm.model.positions import LearnedPositions, RopeScaling, RotaryPositions, SinusoidalPositions
 
@@ -133,6 +133,12 @@ class Block(nn.Module):
             h = self.norm_1(h + self.dropout(a))  # (B, T, d)
             h = self.norm_2(h + self.dropout(self.mlp(h)))  # (B, T, d)
         return h, weights
+
+
+def check_token_ids(idx: Tensor) -> None:
+    """Refuse anything but a (B, T) tensor of integer token ids as a model's input."""
+    if idx.dim() != 2 or idx.dtype not in (torch.long, torch.int32):
+        raise TinyLMError(f"idx must be a (batch, time) tensor of token ids, got {tuple(idx.shape)} {idx.dtype}")
 
 
 class GPT(nn.Module):
@@ -231,8 +237,7 @@ class GPT(nn.Module):
             logits = cap * torch.tanh(logits / cap)  # (B, T, |V|), every entry in (-cap, cap)
         loss = None
         if targets is not None:
-            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX,
-                                   reduction=reduction)
+            loss = next_token_loss(logits, targets, reduction)
         return logits, loss
 
     @torch.no_grad()
@@ -281,8 +286,7 @@ class GPT(nn.Module):
         need_weights: bool,
     ) -> tuple[Tensor, list[Tensor]]:
         """The final hidden states (B, T, d) and, if asked, each layer's attention weights."""
-        if idx.dim() != 2 or idx.dtype not in (torch.long, torch.int32):
-            raise TinyLMError(f"idx must be a (batch, time) tensor of token ids, got {tuple(idx.shape)} {idx.dtype}")
+        check_token_ids(idx)
         B, T = idx.shape
         T_past = 0
         if kv_cache is not None:

@@ -20,18 +20,30 @@ the softmax and the sums in float32. A target equal to `IGNORE_INDEX` contribute
 weight's gradient is taken from the weight as it is during the forward pass (as it is in training,
 where the optimizer steps after the backward pass).
 
+`next_token_loss` is the plain form, from logits every model family already has: the one loss
+that training, evaluation and each family's forward compute.
+
 Usage::
 
     loss_sum = head_loss(h.flatten(0, 1), model.lm_head.weight, targets.flatten(), torch.bfloat16)
     loss_sum.backward()
+    loss = next_token_loss(logits, targets)       # logits (B, T, |V|), targets (B, T): the mean
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 IGNORE_INDEX = -100  # a target with this id contributes nothing to the loss (PyTorch's convention)
+
+
+def next_token_loss(logits: Tensor, targets: Tensor, reduction: str = "mean") -> Tensor:
+    """-log softmax(u_t)[x_t] for logits u (B, T, |V|) and targets x (B, T), a target of `IGNORE_INDEX` left out:
+    the mean over the targets that count ("mean"), their "sum", or "none": one per position (B*T,), 0 where
+    left out."""
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction=reduction)
 
 
 class _HeadLoss(torch.autograd.Function):

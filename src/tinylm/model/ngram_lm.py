@@ -32,12 +32,11 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tinylm.config import GPTConfig
 from tinylm.model.cursor import CacheCursor
-from tinylm.model.gpt import IGNORE_INDEX
+from tinylm.model.head_loss import next_token_loss
 from tinylm.model.ngram import NGramModel
 
 
@@ -109,5 +108,5 @@ class NGramLM(nn.Module):
         logits = torch.from_numpy(logp).to(self.anchor.device)
         loss = None
         if targets is not None:
-            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
+            loss = next_token_loss(logits, targets)
         return logits, loss

@@ -12,13 +12,13 @@ docs/model.md has the equations and why the LSTM remembers longer.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tinylm.config import GPTConfig
 from tinylm.errors import TinyLMError
 from tinylm.model.cursor import CacheCursor
-from tinylm.model.gpt import IGNORE_INDEX
+from tinylm.model.gpt import check_token_ids
+from tinylm.model.head_loss import next_token_loss
 from tinylm.model.memory import check_fits, count_recurrent_params
 
 State = tuple[Tensor, ...]  # (h,) for an RNN, (h, c) for an LSTM; each (n_layer, B, d)
@@ -142,8 +142,7 @@ class RecurrentLM(nn.Module):
           document batches, needs nothing: nothing after it is predicted.)
         - ``kv_cache``: a `RecurrentState` to start from and to advance (generation).
         """
-        if idx.dim() != 2 or idx.dtype not in (torch.long, torch.int32):
-            raise TinyLMError(f"idx must be a (batch, time) tensor of token ids, got {tuple(idx.shape)} {idx.dtype}")
+        check_token_ids(idx)
         B, T = idx.shape
         state = kv_cache.tensors if kv_cache is not None else self.zero_state(B)
         mask = None
@@ -163,7 +162,7 @@ class RecurrentLM(nn.Module):
         logits = self.lm_head(self.dropout(out))  # (B, T, |V|)
         loss = None
         if targets is not None:
-            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
+            loss = next_token_loss(logits, targets)
         return logits, loss
 
     def _truncated(self, x: Tensor, state: State, bptt: int) -> tuple[Tensor, State]:
