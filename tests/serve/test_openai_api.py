@@ -13,6 +13,7 @@ import asyncio
 import base64
 import json
 import math
+import warnings
 from types import SimpleNamespace
 
 import httpx
@@ -48,6 +49,22 @@ def test_a_trailing_slash_lists_the_models_and_head_probes_health(server, run_di
     assert listed.status_code == 200 and [m["id"] for m in listed.json()["data"]] == [run_dir.name]
     probe = httpx.head(server.base_url + "/health")
     assert probe.status_code == 200 and probe.content == b""
+
+
+def test_the_api_schema_gives_each_operation_its_own_id_without_a_warning(run):
+    """GET and HEAD of a path as one route gave both operations one id, and FastAPI warned "Duplicate Operation
+    ID" while building /openapi.json. HEAD is GET without the body: the schema lists GET alone (HEAD still
+    answers, as the tests of HEAD requests check)."""
+    from tinylm.serve.app import create_app
+
+    app = create_app(run)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        schema = app.openapi()
+    ids = [operation["operationId"] for operations in schema["paths"].values() for operation in operations.values()]
+    assert len(ids) == len(set(ids)), ids
+    for path in ("/health", "/v1/models", "/v1/models/{model_id}"):
+        assert set(schema["paths"][path]) == {"get"}, path
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)

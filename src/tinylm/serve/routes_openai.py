@@ -21,12 +21,14 @@ from tinylm.serve.responses import ChatCompletions, Completions, JobStream, resp
 router = APIRouter()
 
 
-@router.api_route("/v1/models", methods=["GET", "HEAD"])
+@router.head("/v1/models", include_in_schema=False)  # GET without the body; the docs list GET alone
+@router.get("/v1/models")
 async def list_models(request: Request) -> dict[str, Any]:
     return {"object": "list", "data": [request.app.state.model.card()]}
 
 
-@router.api_route("/v1/models/{model_id:path}", methods=["GET", "HEAD"])
+@router.head("/v1/models/{model_id:path}", include_in_schema=False)  # GET without the body; the docs list GET alone
+@router.get("/v1/models/{model_id:path}")
 async def retrieve_model(model_id: str, request: Request) -> dict[str, Any]:
     if not model_id:  # GET /v1/models/ (a trailing slash) is the list, not a model named ""
         return await list_models(request)

@@ -24,7 +24,10 @@ DOCS_ASSETS_URL = "/static/docs"
 router = APIRouter()
 
 
-@router.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers' and monitors' liveness probe
+# HEAD: load balancers' and monitors' liveness probe. It is GET without the body, so the docs list GET alone:
+# one route for both would put two operations with one operation id in /openapi.json
+@router.head("/health", include_in_schema=False)
+@router.get("/health")
 async def health(request: Request) -> dict[str, Any]:
     state = request.app.state
     return {"status": "ok", "model": state.model.name, "scheduler": state.scheduler.stats()}
