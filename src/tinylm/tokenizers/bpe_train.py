@@ -212,13 +212,7 @@ def _learn_merges(
     words: list[list[int]], freqs: list[int], n_merges: int, progress: bool
 ) -> list[tuple[int, int]]:
     """The merge loop. ``words[i]`` (token ids) occurs ``freqs[i]`` times; edits ``words`` in place."""
-    # Count every adjacent pair once, and remember which words hold it.
-    pair_counts: defaultdict[tuple[int, int], int] = defaultdict(int)
-    where: defaultdict[tuple[int, int], set[int]] = defaultdict(set)
-    for i, (word, freq) in enumerate(zip(words, freqs)):
-        for pair in zip(word, word[1:]):
-            pair_counts[pair] += freq
-            where[pair].add(i)
+    pair_counts, where = _count_pairs(words, freqs)
     # A min-heap on -count is a max-heap on count; equal counts pop the smallest pair first.
     heap = [(-count, a, b) for (a, b), count in pair_counts.items()]
     heapq.heapify(heap)
@@ -228,78 +222,118 @@ def _learn_merges(
     merges: list[tuple[int, int]] = []
     bar = _progress_bar(n_merges) if progress else None
 
-    while len(merges) < n_merges and heap:
-        neg_count, a, b = heapq.heappop(heap)
-        count = pair_counts.get((a, b), 0)
-        if count != -neg_count:  # stale entry: the pair lost occurrences since it was pushed
-            if count > 0:
-                heapq.heappush(heap, (-count, a, b))
-            continue
-        new_bytes = vocab[a] + vocab[b]
+    while len(merges) < n_merges and (pair := _pop_most_frequent(heap, pair_counts)) is not None:
+        new_bytes = vocab[pair[0]] + vocab[pair[1]]
         if new_bytes in known:  # would duplicate a token: never merge this pair
             continue
         z = 256 + len(merges)
-        merges.append((a, b))
+        merges.append(pair)
         vocab.append(new_bytes)
         known.add(new_bytes)
-
-        # Replace (a, b) by z in every word that holds it, and update the pairs around each
-        # replacement. Pairs with z are all new: collect them apart, push them at the end.
-        new_counts: defaultdict[tuple[int, int], int] = defaultdict(int)
-        new_where: defaultdict[tuple[int, int], set[int]] = defaultdict(set)
-        for w in where.pop((a, b)):
-            word = words[w]
-            freq = freqs[w]
-            n = len(word)
-            out: list[int] = []  # the word after the merge
-            copied = 0  # word[:copied] is already in `out`
-            prev_end = -1  # where the previous replacement in this word ended
-            start = 0  # where to look for the next `a`
-            while True:
-                try:
-                    i = word.index(a, start)  # C-speed search for the next candidate
-                except ValueError:
-                    break
-                if i >= n - 1:
-                    break
-                if word[i + 1] != b:
-                    start = i + 1
-                    continue
-                # word[i:i+2] == (a, b): replace it by z.
-                out.extend(word[copied:i])
-                out.append(z)
-                copied = i + 2
-                if i > 0:  # the left neighbour
-                    if prev_end == i:  # ... is the z we just made: (b, a) was already removed
-                        pair = (z, z)
-                    else:
-                        left = word[i - 1]
-                        pair_counts[left, a] -= freq
-                        pair = (left, z)
-                    new_counts[pair] += freq
-                    new_where[pair].add(w)
-                if i + 2 < n:  # the right neighbour
-                    right = word[i + 2]
-                    pair_counts[b, right] -= freq
-                    # if another (a, b) starts right here, that replacement adds (z, z)
-                    if not (right == a and i + 3 < n and word[i + 3] == b):
-                        pair = (z, right)
-                        new_counts[pair] += freq
-                        new_where[pair].add(w)
-                prev_end = start = i + 2
-            if copied:
-                out.extend(word[copied:])
-                words[w] = out
-        del pair_counts[a, b]  # every occurrence is gone
-        for pair, count in new_counts.items():
-            pair_counts[pair] = count
-            where[pair] = new_where[pair]
-            heapq.heappush(heap, (-count, *pair))
+        new_counts, new_where = _replace_pair(pair, z, where.pop(pair), words, freqs, pair_counts)
+        del pair_counts[pair]  # every occurrence is gone
+        for new_pair, count in new_counts.items():
+            pair_counts[new_pair] = count
+            where[new_pair] = new_where[new_pair]
+            heapq.heappush(heap, (-count, *new_pair))
         if bar is not None:
             bar.update(1)
     if bar is not None:
         bar.close()
     return merges
+
+
+def _count_pairs(
+    words: list[list[int]], freqs: list[int]
+) -> tuple[defaultdict[tuple[int, int], int], defaultdict[tuple[int, int], set[int]]]:
+    """Every adjacent pair's count over all words, and which words hold it."""
+    pair_counts: defaultdict[tuple[int, int], int] = defaultdict(int)
+    where: defaultdict[tuple[int, int], set[int]] = defaultdict(set)
+    for i, (word, freq) in enumerate(zip(words, freqs)):
+        for pair in zip(word, word[1:]):
+            pair_counts[pair] += freq
+            where[pair].add(i)
+    return pair_counts, where
+
+
+def _pop_most_frequent(
+    heap: list[tuple[int, int, int]], pair_counts: dict[tuple[int, int], int]
+) -> tuple[int, int] | None:
+    """The pair with the highest count (of equal counts, the smallest pair), or None once no pair is left.
+
+    The heap is lazy: an entry whose count is no longer the pair's is stale, and goes back in with
+    the pair's current count, if it still occurs at all.
+    """
+    while heap:
+        neg_count, a, b = heapq.heappop(heap)
+        count = pair_counts.get((a, b), 0)
+        if count == -neg_count:
+            return a, b
+        if count > 0:  # stale entry: the pair lost occurrences since it was pushed
+            heapq.heappush(heap, (-count, a, b))
+    return None
+
+
+def _replace_pair(
+    pair: tuple[int, int],
+    z: int,
+    holders: set[int],
+    words: list[list[int]],
+    freqs: list[int],
+    pair_counts: defaultdict[tuple[int, int], int],
+) -> tuple[defaultdict[tuple[int, int], int], defaultdict[tuple[int, int], set[int]]]:
+    """Replace ``pair`` by ``z`` in every word of ``holders``, and update the pairs around each replacement.
+
+    The pairs that lose occurrences are counted down in ``pair_counts``. Pairs with z are all new:
+    they are collected apart and returned, with the words that hold them, for the caller to add.
+    """
+    a, b = pair
+    new_counts: defaultdict[tuple[int, int], int] = defaultdict(int)
+    new_where: defaultdict[tuple[int, int], set[int]] = defaultdict(set)
+    for w in holders:
+        word = words[w]
+        freq = freqs[w]
+        n = len(word)
+        out: list[int] = []  # the word after the merge
+        copied = 0  # word[:copied] is already in `out`
+        prev_end = -1  # where the previous replacement in this word ended
+        start = 0  # where to look for the next `a`
+        while True:
+            try:
+                i = word.index(a, start)  # C-speed search for the next candidate
+            except ValueError:
+                break
+            if i >= n - 1:
+                break
+            if word[i + 1] != b:
+                start = i + 1
+                continue
+            # word[i:i+2] == (a, b): replace it by z.
+            out.extend(word[copied:i])
+            out.append(z)
+            copied = i + 2
+            if i > 0:  # the left neighbour
+                if prev_end == i:  # ... is the z we just made: (b, a) was already removed
+                    new_pair = (z, z)
+                else:
+                    left = word[i - 1]
+                    pair_counts[left, a] -= freq
+                    new_pair = (left, z)
+                new_counts[new_pair] += freq
+                new_where[new_pair].add(w)
+            if i + 2 < n:  # the right neighbour
+                right = word[i + 2]
+                pair_counts[b, right] -= freq
+                # if another (a, b) starts right here, that replacement adds (z, z)
+                if not (right == a and i + 3 < n and word[i + 3] == b):
+                    new_pair = (z, right)
+                    new_counts[new_pair] += freq
+                    new_where[new_pair].add(w)
+            prev_end = start = i + 2
+        if copied:
+            out.extend(word[copied:])
+            words[w] = out
+    return new_counts, new_where
 
 
 def _progress_bar(total: int) -> Any:
