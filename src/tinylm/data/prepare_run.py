@@ -2,17 +2,23 @@
 
 `prepare_data` is what `tinylm train` (every model family) does before its first step; the
 shards go to a folder named for the corpus and the tokenizer (`default_data_dir`), so runs with
-the same settings share them, and so share one validation split. `tinylm prepare` is the same
-work with the tokenizer given or trained by hand (`tinylm.data.shards.prepare`).
+the same settings share them, and so share one validation split. A tokenizer already there is
+reused only if it is the one the settings ask for.
+
+`prepare_corpus` is `tinylm prepare`: the folder is named for the corpus alone (data/docs for
+docs.jsonl), and whatever tokenizer a prepare left there is reused until ``force`` trains a new one,
+so running it again costs nothing. Both lock the folder while they write it.
 
 Usage::
 
     shards = prepare_data(resolve_config(preset="tiny").train)   # data/shakespeare-bpe-512, say
     shards.tokenizer(), shards.num_tokens("train")
+    shards = prepare_corpus("notes/", kind="char")               # data/notes, as `tinylm prepare`
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 import warnings
@@ -22,7 +28,7 @@ from pathlib import Path
 from tinylm.config import TrainConfig
 from tinylm.config import corpus_stem
 from tinylm.data.corpora import Corpus, load_corpus
-from tinylm.data.shards import META_FILE, TOKENIZER_FILE, ShardSet, prepare
+from tinylm.data.shards import META_FILE, TOKENIZER_FILE, ShardSet, check_output_folder, prepare
 from tinylm.errors import TinyLMError
 from tinylm.lock import folder_lock
 from tinylm.tokenizers import train_tokenizer
@@ -106,6 +112,81 @@ def _prepare(corpus: Corpus, tc: TrainConfig, tokenizer: Tokenizer | None, data_
     if shards.num_tokens("train") == 0 or shards.num_tokens("val") == 0:
         raise TinyLMError(f"corpus {corpus.name!r} is too small to give both a training and a validation split")
     return shards
+
+
+def default_prepare_dir(corpus_name: str) -> Path:
+    """data/<corpus>: where `prepare_corpus` (`tinylm prepare`) writes when no folder is named."""
+    return Path("data") / corpus_stem(corpus_name)
+
+
+def prepare_corpus(
+    corpus: str | os.PathLike | Corpus,
+    out: str | os.PathLike | None = None,
+    *,
+    tokenizer: str | os.PathLike | Tokenizer | None = None,
+    kind: str = "bpe",
+    vocab_size: int | None = 4096,
+    pattern: str = "gpt4",
+    unknown: str = "unk",
+    n_reserved: int = 0,
+    val_fraction: float = 0.1,
+    seed: int = 0,
+    workers: int | None = None,
+    force: bool = False,
+    log: Callable[[str], None] = print,
+) -> ShardSet:
+    """`tinylm prepare`: ``corpus`` (a name or path, as for `load_corpus`, or a `Corpus`) into train/validation
+    token shards in ``out``, by default `default_prepare_dir` (data/<corpus>).
+
+    The tokenizer is ``tokenizer`` (a tinylm tokenizer file, or a `Tokenizer`) if given; else the one a
+    prepare left in the folder, whatever its kind and size, unless ``force``; else one trained on the corpus
+    now (``kind``, ``vocab_size``, ``pattern``, ``unknown``, ``n_reserved``: see `train_tokenizer`) and saved
+    in the folder before the shards are written, so that a prepare stopped part way reuses it. ``force``
+    also rewrites shards of other text, tokenizer or split (``val_fraction``, ``seed``), which are
+    otherwise refused; the same ones are reused. A folder holding files prepare did not write is refused
+    before anything is trained, ``force`` or not, and so is one another tinylm process is writing.
+    ``workers``: processes for training the tokenizer and encoding (None: every core). ``log`` gets one
+    line on the tokenizer (reused or trained) and one on the shards (reused, or written in how long).
+    """
+    if not 0 < val_fraction < 1:
+        raise TinyLMError(f"val_fraction must be strictly between 0 and 1 (training needs a validation split), "
+                          f"got {val_fraction}")
+    if not isinstance(corpus, Corpus):
+        corpus = load_corpus(corpus)
+    out = Path(out) if out is not None else default_prepare_dir(corpus.name)
+    check_output_folder(out)  # before the lock makes the folder, and before a tokenizer is trained and saved there
+
+    def train() -> Tokenizer:
+        return train_tokenizer(kind, corpus.texts(), vocab_size=vocab_size, pattern=pattern, unknown=unknown,
+                               n_reserved=n_reserved, workers=workers, progress=_stderr_is_terminal())
+
+    with folder_lock(out, "prepare"):
+        tok = _prepare_tokenizer(out, tokenizer, force, train, log)
+        start = time.perf_counter()
+        shards = prepare(corpus, tok, out, val_fraction=val_fraction, seed=seed, workers=workers,
+                         progress=_stderr_is_terminal(), overwrite=force)
+        seconds = time.perf_counter() - start
+    log(f"{'reused' if shards.reused else f'wrote in {seconds:.1f}s'}: token shards in {out}")
+    return shards
+
+
+def _prepare_tokenizer(out: Path, tokenizer: str | os.PathLike | Tokenizer | None, force: bool,
+                       train: Callable[[], Tokenizer], log: Callable[[str], None]) -> Tokenizer:
+    """`prepare_corpus`'s tokenizer: the one given, the one left in ``out`` (unless ``force``), or one trained now
+    (``train``) and saved in ``out``."""
+    if isinstance(tokenizer, Tokenizer):
+        return tokenizer
+    if tokenizer is not None:
+        return load_tokenizer(tokenizer)
+    path = out / TOKENIZER_FILE
+    if path.exists() and not force:
+        log(f"reusing the tokenizer in {path} (pass --force to train a new one)")
+        return load_tokenizer(path)
+    start = time.perf_counter()
+    tok = train()
+    tok.save(path)
+    log(f"trained a {tok.kind} tokenizer with |V| = {tok.vocab_size} in {time.perf_counter() - start:.1f}s: {path}")
+    return tok
 
 
 def _is_requested_tokenizer(tok: Tokenizer, tc: TrainConfig, smaller: bool = False) -> bool:
