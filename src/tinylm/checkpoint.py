@@ -63,10 +63,10 @@ from torch import Tensor
 from tinylm.atomic import disk_writes
 from tinylm.config import Config, build_config, dump_toml, load_config_file
 from tinylm.errors import TinyLMError
+from tinylm.jsonfile import JSONFormat, read_json_object
 from tinylm.model import build_model
 from tinylm.tokenizers.base import Tokenizer, check_same_tokenizer, load_tokenizer
 
-CHECKPOINT_FORMAT = "tinylm.checkpoint"
 FORMAT_VERSION = 1  # of checkpoints and of run.json
 
 # a checkpoint carries copies of its run's configuration and tokenizer, under the same names
@@ -79,8 +79,21 @@ MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.safetensors"
 RNG_FILE = "rng.safetensors"
 STATE_FILE = "state.json"  # a folder without it is not a checkpoint
+STATE = JSONFormat(  # {way_out}: what to load instead (`_way_out`)
+    "tinylm.checkpoint", FORMAT_VERSION,
+    missing="{folder} is not a complete checkpoint (no {file}); {way_out}",
+    unreadable="{path} is corrupt ({error}); {way_out}",
+    foreign="{folder} is not a tinylm checkpoint (its {file} has no format {name!r})",
+    wrong_version="{folder} is a checkpoint of format version {found!r}; this tinylm reads version {version}",
+)
 CHECKSUMS_FILE = "checksums.json"  # written last: every other file's size and SHA-256
-CHECKSUMS_FORMAT = "tinylm.checksums"
+CHECKSUMS = JSONFormat(  # no version: its files and its own checksum are all it holds
+    "tinylm.checksums", None,
+    missing="checkpoint file {path} is missing",
+    unreadable="checkpoint file {path} is corrupt ({error})",
+    foreign="checkpoint file {path} is corrupt (it does not match its own checksum)",
+    valid=lambda manifest: _has_own_checksum(manifest),
+)
 # what a model's weights may be stored as: the float types a model trains or runs in (and float64)
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -109,7 +122,7 @@ def save_checkpoint(
 
     def write(folder: Path) -> None:
         tensors, aliases = _unique_tensors(model_state)
-        metadata = {"format": CHECKPOINT_FORMAT}
+        metadata = {"format": STATE.name}
         save_safetensors(tensors, folder / MODEL_FILE, {**metadata, "aliases": json.dumps(aliases)})
         info = dict(state)
         if optimizer_state is not None:
@@ -119,8 +132,8 @@ def save_checkpoint(
         save_safetensors(rng, folder / RNG_FILE, metadata)
         (folder / CONFIG_FILE).write_text(dump_toml(config.to_dict()), encoding="utf-8")
         tokenizer.save(folder / TOKENIZER_FILE)
-        info = {"format": CHECKPOINT_FORMAT, "version": FORMAT_VERSION,
-                "tokenizer_fingerprint": tokenizer.fingerprint(), "checksums": CHECKSUMS_FILE, **info}
+        info = {**STATE.header(), "tokenizer_fingerprint": tokenizer.fingerprint(), "checksums": CHECKSUMS_FILE,
+                **info}
         (folder / STATE_FILE).write_text(json.dumps(info, indent=1) + "\n", encoding="utf-8")
         _write_checksums(folder)
 
@@ -175,7 +188,7 @@ def _write_checksums(folder: Path) -> None:
     for name in files:
         _fsync(folder / name)
     # its own checksum too, so that a damaged checksums.json blames itself, not a file it lists
-    manifest = {"format": CHECKSUMS_FORMAT, "files": files}
+    manifest = {**CHECKSUMS.header(), "files": files}
     manifest["sha256"] = _json_sha256(manifest)
     (folder / CHECKSUMS_FILE).write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
     _fsync(folder / CHECKSUMS_FILE)
@@ -188,6 +201,12 @@ def _digest(path: Path) -> dict[str, Any]:
 
 def _json_sha256(value: Any) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True).encode("utf-8")).hexdigest()
+
+
+def _has_own_checksum(manifest: dict[str, Any]) -> bool:
+    """Whether a checksums.json lists its files and matches the checksum it holds of itself."""
+    body = {key: value for key, value in manifest.items() if key != "sha256"}
+    return isinstance(body.get("files"), dict) and manifest.get("sha256") == _json_sha256(body)
 
 
 def _replace_folder(path: Path, write) -> Path:
@@ -229,10 +248,10 @@ def _remove(path: Path) -> None:
 def _intact(path: Path) -> str:
     """What is still there after a failed write of the checkpoint ``path``: the one it was to replace, if any."""
     for folder in (path, path.with_name(f".{path.name}.old")):
-        try:
-            step = json.loads((folder / STATE_FILE).read_text(encoding="utf-8")).get("step")
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+        state = _state_json(folder)
+        if state is None:
             continue
+        step = state.get("step")
         where = "there" if folder == path else f"in {folder}"
         return f"the checkpoint of step {step} is intact {where}" if isinstance(step, int) else \
             f"the checkpoint there before is intact {where}"
@@ -246,13 +265,19 @@ def _retry(path: Path) -> str:
         return "try again"
     latest = path.with_name("latest")
     for folder in (latest, latest.with_name(".latest.old")):
-        try:
-            state = json.loads((folder / STATE_FILE).read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-            continue
-        if isinstance(state, dict) and "imported_from" not in state:
+        state = _state_json(folder)
+        if state is not None and "imported_from" not in state:
             return "continue with --resume"
     return "run it again with --force"
+
+
+def _state_json(folder: Path) -> dict[str, Any] | None:
+    """The object in ``folder``'s state.json as it is, or None where there is none to read: what is said about a
+    folder that may be half-written or damaged (`load_checkpoint` reads it checked)."""
+    try:
+        return read_json_object(folder / STATE_FILE)
+    except TinyLMError:
+        return None
 
 
 def _fsync(path: Path) -> None:
@@ -380,22 +405,14 @@ def _damage(path: Path) -> str | None:
     """What is wrong with the files of the checkpoint folder ``path``, or None."""
     manifest_file = path / CHECKSUMS_FILE
     if not manifest_file.is_file():
-        try:
-            state = json.loads((path / STATE_FILE).read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-            return None  # load_checkpoint says what is wrong with state.json
-        if isinstance(state, dict) and state.get("checksums"):
+        state = _state_json(path)  # (if there is none, load_checkpoint says what is wrong with state.json)
+        if state is not None and state.get("checksums"):
             return f"checkpoint file {manifest_file} is missing (its {STATE_FILE} says it was written)"
         return None  # written before checkpoints had checksums
     try:
-        manifest = json.loads(manifest_file.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        return f"checkpoint file {manifest_file} is corrupt ({e})"
-    body = {key: value for key, value in manifest.items() if key != "sha256"} if isinstance(manifest, dict) else {}
-    files = body.get("files")
-    if body.get("format") != CHECKSUMS_FORMAT or not isinstance(files, dict) or \
-            manifest.get("sha256") != _json_sha256(body):
-        return f"checkpoint file {manifest_file} is corrupt (it does not match its own checksum)"
+        files = CHECKSUMS.read(manifest_file)["files"]
+    except TinyLMError as e:
+        return str(e)
     damaged = {name: why for name, written in files.items() if (why := _file_damage(path / name, written))}
     if len(damaged) == 1:
         ((name, why),) = damaged.items()
@@ -557,15 +574,7 @@ def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
     """Read a checkpoint folder's configuration, tokenizer and state, once its files are verified
     (see `find_checkpoint` and `verify_checkpoint`)."""
     path = verify_checkpoint(path)
-    try:
-        state = json.loads((path / STATE_FILE).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise TinyLMError(f"{path / STATE_FILE} is corrupt ({e}); {_way_out(path)}") from None
-    if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
-        raise TinyLMError(f"{path} is not a tinylm checkpoint (its {STATE_FILE} has no format {CHECKPOINT_FORMAT!r})")
-    if state.get("version") != FORMAT_VERSION:
-        raise TinyLMError(f"{path} is a checkpoint of format version {state.get('version')!r}; this tinylm reads "
-                          f"version {FORMAT_VERSION}")
+    state = STATE.read(path / STATE_FILE, way_out=lambda: _way_out(path))
     config = build_config(load_config_file(path / CONFIG_FILE))
     tokenizer = load_tokenizer(path / TOKENIZER_FILE)
     check_same_tokenizer(str(state.get("tokenizer_fingerprint")), tokenizer,

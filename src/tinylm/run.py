@@ -65,12 +65,17 @@ from tinylm.config import FAMILY_NAMES, Config, build_config, dump_toml, load_co
 from tinylm.data.shards import ShardSet
 from tinylm.device import resolve_device
 from tinylm.errors import TinyLMError
+from tinylm.jsonfile import JSONFormat
 from tinylm.lock import LOCK_FILE
 from tinylm.model import NGramLM, NGramModel
 from tinylm.tokenizers.base import Tokenizer, check_same_tokenizer, generation_excluded, load_tokenizer
 
-RUN_FORMAT = "tinylm.run"
 RUN_FILE = "run.json"
+RUN_INFO = JSONFormat(  # run.json: its version is written, and a run.json of any version is read
+    "tinylm.run", FORMAT_VERSION, any_version=True,
+    missing="{run_dir} is not a tinylm run (no {file}); train one with `tinylm train`",
+    foreign="{path} is not a tinylm run description",
+)
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "loss.png"
 SCHEDULE_FILE = "schedule.png"  # each optimizer group's learning rate, step by step
@@ -112,21 +117,11 @@ def write_metrics(path: str | os.PathLike, rows: Iterable[Mapping[str, Any]]) ->
 
 
 def read_run_info(run_dir: str | os.PathLike) -> dict[str, Any]:
-    path = Path(run_dir) / RUN_FILE
-    try:
-        info = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise TinyLMError(f"{run_dir} is not a tinylm run (no {RUN_FILE}); train one with `tinylm train`") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise TinyLMError(f"{path} is unreadable ({e})") from None
-    if not isinstance(info, dict) or info.get("format") != RUN_FORMAT:
-        raise TinyLMError(f"{path} is not a tinylm run description")
-    return info
+    return RUN_INFO.read(Path(run_dir) / RUN_FILE, run_dir=run_dir)
 
 
 def write_run_info(run_dir: str | os.PathLike, info: Mapping[str, Any]) -> None:
-    atomic_write_text(Path(run_dir) / RUN_FILE, json.dumps({"format": RUN_FORMAT, "version": FORMAT_VERSION, **info},
-                                                           indent=1) + "\n")
+    atomic_write_text(Path(run_dir) / RUN_FILE, json.dumps({**RUN_INFO.header(), **info}, indent=1) + "\n")
 
 
 def start_ids(config: Config, tokenizer: Tokenizer) -> list[int]:

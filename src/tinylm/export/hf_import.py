@@ -15,7 +15,6 @@ Usage::
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -32,7 +31,7 @@ from tinylm.export.hf import CONFIG_FILE, TOKENIZER_FILE, WEIGHTS_FILE, WEIGHTS_
 from tinylm.export.hf_families import (HF_CLASSES, MODEL_TYPES, Architecture, default_rule, llama_family_config,
                                       refusal, required)
 from tinylm.export.weights import architecture_for, convert_to_ours, hf_rules
-from tinylm.jsonfile import parse_json
+from tinylm.jsonfile import read_json_object
 from tinylm.lock import folder_lock
 from tinylm.model.gpt import GPT
 from tinylm.run import CONFIG_FILE as RUN_CONFIG_FILE
@@ -53,15 +52,7 @@ _TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
 
 
 def _read_json(path: Path, what: str) -> dict[str, Any]:
-    try:
-        data = parse_json(path.read_text(encoding="utf-8"), path)
-    except FileNotFoundError:
-        raise TinyLMError(f"{path} is missing: a Hugging Face checkpoint folder has {what}") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise TinyLMError(f"cannot read {path}: {e}") from None
-    if not isinstance(data, dict):
-        raise TinyLMError(f"{path} is not a JSON object")
-    return data
+    return read_json_object(path, missing="{path} is missing: a Hugging Face checkpoint folder has {what}", what=what)
 
 
 def _arch_of(hf: Mapping[str, Any], source: str) -> Architecture:
