@@ -2,45 +2,45 @@
 
 The setting flags are generated from the configuration dataclasses, each with the help written
 beside its field. What the flags mean together (which preset a family starts from, fine-tuning
-with --init-from, resuming, the run folder's name) is `tinylm.config.resolve_config`'s and
-`default_run_dir`'s: this module hands them the flags as given, so Python gets what the command does.
+with --init-from, resuming, the run folder's name, the settings a family ignores and warns of) is
+`tinylm.config.resolve_config`'s and `default_run_dir`'s: this module hands them the flags as given, so
+Python gets what the command does.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
+import warnings
 from pathlib import Path
 
 from tinylm.cli.flags import SETTING_PREFIX, OneFamily, add_setting_flags, positive_int, settings_from
-from tinylm.config import FAMILY_NAMES, default_run_dir, dump_toml, load_config_file, resolve_config, unused_settings
+from tinylm.config import FAMILY_NAMES, default_run_dir, dump_toml, load_config_file, resolve_config
+from tinylm.config.resolve import warn_ignored
 
 
 def cmd_train(args: argparse.Namespace) -> int:
     settings = settings_from(args)
     if args.out is None:
         args.out = str(default_run_dir(args.preset, args.config, settings))
-    if args.resume and not (args.preset or args.config or settings):
-        config = None  # --resume with nothing changed: the run's own configuration, as saved
-    else:
-        config = resolve_config(args.preset, args.config, settings, init_from=args.init_from,
-                                resume=args.out if args.resume else None)
+    # what resolving warns of (settings the family does not read) is printed with the run's first line, so that
+    # a run refused before it starts shows its error alone
+    with warnings.catch_warnings(record=True) as held:
+        if args.resume and not (args.preset or args.config or settings):
+            config = None  # --resume with nothing changed: the run's own configuration, as saved
+        else:
+            config = resolve_config(args.preset, args.config, settings, init_from=args.init_from,
+                                    resume=args.out if args.resume else None)
+        if config is not None and config.model.family == "ngram" and args.stop_after is not None:
+            warn_ignored("ngram", ["--stop-after"])  # an argument of the loop, which counting has no steps for
     if args.print_config:
         print(dump_toml(load_config_file(Path(args.out) / "config.toml") if config is None else config.to_dict()),
               end="")
         return 0
-    unused = unused_settings(config, settings) if config is not None else []
-    if config is not None and config.model.family == "ngram" and args.stop_after is not None:
-        unused = sorted([*unused, "--stop-after"])  # a flag of the loop, which counting has no steps for
-    pending = []
-    if unused:
-        pending.append(f"tinylm: warning: {', '.join(unused)} {'does' if len(unused) == 1 else 'do'} not apply to "
-                       f"{FAMILY_NAMES[config.model.family]} model and {'is' if len(unused) == 1 else 'are'} ignored")
 
     def log(line: str) -> None:
-        # the warning goes out with the run's first line: a run refused before it starts shows its error alone
-        while pending:
-            print(pending.pop(0), file=sys.stderr, flush=True)
+        while held:
+            said = held.pop(0)
+            warnings.showwarning(said.message, said.category, said.filename, said.lineno)
         print(line, flush=True)
 
     from tinylm.train import train  # here, not at the top: torch loads only when a model trains

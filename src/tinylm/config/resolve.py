@@ -6,11 +6,15 @@ script calling them with the same arguments gets the same configuration and the 
     config = resolve_config(overrides={"family": "lstm"})       # = tinylm train --model lstm
     config = resolve_config(path="my-run.toml", overrides=["--warmup-steps", "50"], init_from="runs/base")
     out = default_run_dir(overrides={"family": "lstm"})          # runs/lstm-shakespeare
+
+Overrides the family has no use for (``--n-head`` for an LSTM, ``--lr`` for an n-gram model) are
+ignored with a warning (`warnings.warn`, one line that names them), the same one `tinylm train` prints.
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -75,6 +79,7 @@ def resolve_config(
             base = merge_tables(base, load_config_file(path, default_preset=None if preset else default))
     config = build_config(tie_without_head_settings(apply_overrides(base, overrides), apply_overrides(mine, overrides)))
     check_lr_alone(config, mine, overrides)
+    warn_ignored(config.model.family, unused_settings(config, overrides))  # said where resolve_config is called
     return config
 
 
@@ -148,7 +153,7 @@ _COUNTING_READS = frozenset({
 
 def unused_settings(config: Config, overrides: Overrides) -> list[str]:
     """The flags among ``overrides`` that ``config.model.family`` has no use for, e.g. ``["--n-head"]`` for an
-    LSTM: `tinylm train` warns that they are ignored."""
+    LSTM: `resolve_config` warns that they are ignored (`warn_ignored`)."""
     family = config.model.family
     given = override_keys(overrides)
     unused = []
@@ -164,3 +169,14 @@ def unused_settings(config: Config, overrides: Overrides) -> list[str]:
     if family == "ngram" and ("model", "add_k") in given and config.model.smoothing != "add-k":
         unused.append("--add-k")
     return sorted(set(unused))
+
+
+def warn_ignored(family: str, flags: Sequence[str], stacklevel: int = 2) -> None:
+    """One warning (`warnings.warn`, a `UserWarning`) that ``flags`` do not apply to a ``family`` model and are
+    ignored, e.g. "--n-head does not apply to an LSTM model and is ignored"; none for no flags. ``stacklevel``
+    as for `warnings.warn`, counted from the function that calls this one (2: that function's caller)."""
+    if not flags:
+        return
+    one = len(flags) == 1
+    warnings.warn(f"{', '.join(flags)} {'does' if one else 'do'} not apply to {FAMILY_NAMES[family]} model and "
+                  f"{'is' if one else 'are'} ignored", stacklevel=stacklevel + 1)
