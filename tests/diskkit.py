@@ -5,7 +5,8 @@ read-only, EROFS) a real disk gives, through every layer (Python's buffers, nump
 which no monkeypatched ``open`` can promise. Mounting needs root, as tinylm's CI runs; elsewhere the
 tests that need it are skipped, saying why.
 
-`refused` runs a command that must fail with one error line; every test of a refusal uses it.
+`refused` runs a command that must fail with one error line (`one_error_line`, which also checks the
+end of a command run in a subprocess); every test of a refusal uses them.
 """
 
 from __future__ import annotations
@@ -66,21 +67,22 @@ def leftovers(folder: Path) -> list[str]:
 
 
 def refused(capsys, argv: list[str], *expected: str) -> str:
-    """The one line ``tinylm argv`` fails with, without its "tinylm: error: " prefix.
-
-    The command must exit with status 2 and print exactly one line on stderr, that error line and no
-    traceback; each of ``expected`` must be part of it. Shared by every test of a refusal, not only the
-    disk ones.
-    """
+    """The one line ``tinylm argv`` fails with, without its "tinylm: error: " prefix (`one_error_line`); each of
+    ``expected`` must be part of it. Shared by every test of a refusal, not only the disk ones."""
     from tinylm.cli import main
 
     code = main(argv)
-    err = capsys.readouterr().err
+    line = one_error_line(code, capsys.readouterr().err)
+    for part in expected:
+        assert part in line, f"{part!r} not in {line!r}"
+    return line
+
+
+def one_error_line(code: int, err: str) -> str:
+    """The error line of a command that ended with status ``code`` and printed ``err`` on stderr, without its
+    "tinylm: error: " prefix: the status must be 2, and ``err`` that one line and no traceback."""
     lines = err.strip().splitlines()
     assert code == 2, f"exit status {code}, not 2:\n{err}"
     assert "Traceback" not in err, err
     assert len(lines) == 1 and lines[0].startswith("tinylm: error: "), err
-    line = lines[0].removeprefix("tinylm: error: ")
-    for part in expected:
-        assert part in line, f"{part!r} not in {line!r}"
-    return line
+    return lines[0].removeprefix("tinylm: error: ")
