@@ -25,7 +25,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -126,81 +126,101 @@ def gguf_rules(config: GPTConfig, arch: Architecture | None = None) -> list[Tens
     """
     arch = arch or architecture_for(config)
     arch = LLAMA_CPP_ARCH.get(arch, arch)
-    R = TensorRule
+    rules = [TensorRule(_name("TOKEN_EMBD"), ("E.weight",))]
     if arch == "gpt2":
-        kinds = ("weight", "bias")  # llama.cpp's GPT-2 graph requires every bias
-        rules = [R(_name("TOKEN_EMBD"), ("E.weight",)), R(_name("POS_EMBD"), ("pos_emb.P.weight",))]
-        for i in range(config.n_layer):
-            b = f"blocks.{i}."
-            for k in kinds:
-                rules += [R(_name("ATTN_NORM", i, k), (f"{b}norm_1.{k}",)),
-                          # fused: the rows of W_q, W_k, W_v stacked, out = d + 2 n_kv d_h
-                          R(_name("ATTN_QKV", i, k), tuple(f"{b}attn.{w}.{k}" for w in ("W_q", "W_k", "W_v"))),
-                          R(_name("ATTN_OUT", i, k), (f"{b}attn.W_o.{k}",)),
-                          R(_name("FFN_NORM", i, k), (f"{b}norm_2.{k}",)),
-                          R(_name("FFN_UP", i, k), (f"{b}mlp.W_1.{k}",)),
-                          R(_name("FFN_DOWN", i, k), (f"{b}mlp.W_2.{k}",))]
-        rules += [R(_name("OUTPUT_NORM", kind=k), (f"norm_f.{k}",)) for k in kinds]
-    elif arch == "phi3":  # fused as Phi-3's own files: q, k, v rows in one matrix, gate then up in ffn_up
-        rules = [R(_name("TOKEN_EMBD"), ("E.weight",))]
-        for i in range(config.n_layer):
-            b = f"blocks.{i}."
-            rules += [R(_name("ATTN_NORM", i), (f"{b}norm_1.weight",)),
-                      R(_name("ATTN_QKV", i), tuple(f"{b}attn.{w}.weight" for w in ("W_q", "W_k", "W_v"))),
-                      R(_name("ATTN_OUT", i), (f"{b}attn.W_o.weight",)),
-                      R(_name("FFN_NORM", i), (f"{b}norm_2.weight",)),
-                      R(_name("FFN_UP", i), (f"{b}mlp.W_1.weight", f"{b}mlp.W_3.weight")),
-                      R(_name("FFN_DOWN", i), (f"{b}mlp.W_2.weight",))]
-        rules.append(R(_name("OUTPUT_NORM"), ("norm_f.weight",)))
-        # llama.cpp's phi3 graph needs an output tensor even when the head is E
-        rules.append(R(_name("OUTPUT"), ("E.weight" if config.tie_embeddings else "lm_head.weight",)))
-        return rules
-    elif arch in GEMMA_SHAPED:
-        # the norms' gains as we hold them, 1 + w (llama.cpp's converter adds the 1 too); RoPE rotates halves
-        rules = [R(_name("TOKEN_EMBD"), ("E.weight",))]
-        for i in range(config.n_layer):
-            b = f"blocks.{i}."
-            rules += [R(_name("ATTN_NORM", i), (f"{b}norm_1.weight",)),
-                      R(_name("ATTN_Q", i), (f"{b}attn.W_q.weight",)),
-                      R(_name("ATTN_K", i), (f"{b}attn.W_k.weight",)),
-                      R(_name("ATTN_V", i), (f"{b}attn.W_v.weight",)),
-                      R(_name("ATTN_OUT", i), (f"{b}attn.W_o.weight",))]
-            if arch == "gemma3":
-                rules += [R(_name("ATTN_Q_NORM", i), (f"{b}attn.q_norm.weight",)),
-                          R(_name("ATTN_K_NORM", i), (f"{b}attn.k_norm.weight",))]
-            rules += [R(_name("ATTN_POST_NORM", i), (f"{b}norm_1_out.weight",)),
-                      R(_name("FFN_NORM", i), (f"{b}norm_2.weight",)),
-                      R(_name("FFN_GATE", i), (f"{b}mlp.W_1.weight",)),
-                      R(_name("FFN_UP", i), (f"{b}mlp.W_3.weight",)),
-                      R(_name("FFN_DOWN", i), (f"{b}mlp.W_2.weight",)),
-                      R(_name("FFN_POST_NORM", i), (f"{b}norm_2_out.weight",))]
-        rules.append(R(_name("OUTPUT_NORM"), ("norm_f.weight",)))
-    else:
-        kinds = ("weight", "bias") if config.bias else ("weight",)  # only llama has them (architecture_for)
-        qkv_kinds = ("weight", "bias") if config.bias or config.qkv_bias else ("weight",)  # qwen2: q, k, v
-        # llama.cpp rotates neighbours in its llama graph (so q and k rows are permuted) and halves,
-        # as we do, in its qwen3 and qwen2 graphs (so they go in as they are): see the module docstring
-        qk = "rope_interleave" if arch == "llama" else "copy"
-        rules = [R(_name("TOKEN_EMBD"), ("E.weight",))]
-        for i in range(config.n_layer):
-            b = f"blocks.{i}."
-            rules.append(R(_name("ATTN_NORM", i), (f"{b}norm_1.weight",)))
-            for k in qkv_kinds:
-                rules += [R(_name("ATTN_Q", i, k), (f"{b}attn.W_q.{k}",), qk, config.n_head),
-                          R(_name("ATTN_K", i, k), (f"{b}attn.W_k.{k}",), qk, config.kv_heads),
-                          R(_name("ATTN_V", i, k), (f"{b}attn.W_v.{k}",))]
-            rules += [R(_name("ATTN_OUT", i, k), (f"{b}attn.W_o.{k}",)) for k in kinds]
-            if arch == "qwen3":  # (d_h,) gains, applied to every head before RoPE; not permuted either
-                rules += [R(_name("ATTN_Q_NORM", i), (f"{b}attn.q_norm.weight",)),
-                          R(_name("ATTN_K_NORM", i), (f"{b}attn.k_norm.weight",))]
-            rules.append(R(_name("FFN_NORM", i), (f"{b}norm_2.weight",)))
-            for k in kinds:
-                rules += [R(_name("FFN_GATE", i, k), (f"{b}mlp.W_1.{k}",)),
-                          R(_name("FFN_UP", i, k), (f"{b}mlp.W_3.{k}",)),
-                          R(_name("FFN_DOWN", i, k), (f"{b}mlp.W_2.{k}",))]
-        rules.append(R(_name("OUTPUT_NORM"), ("norm_f.weight",)))
-    if not config.tie_embeddings:
-        rules.append(R(_name("OUTPUT"), ("lm_head.weight",)))
+        rules.append(TensorRule(_name("POS_EMBD"), ("pos_emb.P.weight",)))
+    for i in range(config.n_layer):
+        rules += _block_rules(config, arch, i)
+    final_norm_kinds = ("weight", "bias") if arch == "gpt2" else ("weight",)
+    rules += [TensorRule(_name("OUTPUT_NORM", kind=k), (f"norm_f.{k}",)) for k in final_norm_kinds]
+    # llama.cpp's phi3 graph needs an output tensor even when the head is E; the others read E then
+    if arch == "phi3" or not config.tie_embeddings:
+        rules.append(TensorRule(_name("OUTPUT"), ("E.weight" if config.tie_embeddings else "lm_head.weight",)))
+    return rules
+
+
+def _block_rules(config: GPTConfig, arch: str, i: int) -> list[TensorRule]:
+    """The tensors of transformer block ``i``, in the order of llama.cpp's ``arch`` graph."""
+    if arch == "gpt2":
+        return _gpt2_block_rules(i)
+    if arch == "phi3":
+        return _phi3_block_rules(i)
+    if arch in GEMMA_SHAPED:
+        return _gemma_block_rules(arch, i)
+    return _llama_block_rules(config, arch, i)
+
+
+def _gpt2_block_rules(i: int) -> list[TensorRule]:
+    """GPT-2's block: every weight with its bias (llama.cpp's GPT-2 graph requires each), q, k and v fused."""
+    R, b = TensorRule, f"blocks.{i}."
+    rules = []
+    for k in ("weight", "bias"):
+        rules += [R(_name("ATTN_NORM", i, k), (f"{b}norm_1.{k}",)),
+                  # fused: the rows of W_q, W_k, W_v stacked, out = d + 2 n_kv d_h
+                  R(_name("ATTN_QKV", i, k), tuple(f"{b}attn.{w}.{k}" for w in ("W_q", "W_k", "W_v"))),
+                  R(_name("ATTN_OUT", i, k), (f"{b}attn.W_o.{k}",)),
+                  R(_name("FFN_NORM", i, k), (f"{b}norm_2.{k}",)),
+                  R(_name("FFN_UP", i, k), (f"{b}mlp.W_1.{k}",)),
+                  R(_name("FFN_DOWN", i, k), (f"{b}mlp.W_2.{k}",))]
+    return rules
+
+
+def _phi3_block_rules(i: int) -> list[TensorRule]:
+    """Phi-3's block, fused as Phi-3's own files: q, k, v rows in one matrix, gate then up in ffn_up."""
+    R, b = TensorRule, f"blocks.{i}."
+    return [R(_name("ATTN_NORM", i), (f"{b}norm_1.weight",)),
+            R(_name("ATTN_QKV", i), tuple(f"{b}attn.{w}.weight" for w in ("W_q", "W_k", "W_v"))),
+            R(_name("ATTN_OUT", i), (f"{b}attn.W_o.weight",)),
+            R(_name("FFN_NORM", i), (f"{b}norm_2.weight",)),
+            R(_name("FFN_UP", i), (f"{b}mlp.W_1.weight", f"{b}mlp.W_3.weight")),
+            R(_name("FFN_DOWN", i), (f"{b}mlp.W_2.weight",))]
+
+
+def _gemma_block_rules(arch: str, i: int) -> list[TensorRule]:
+    """Gemma 2's and 3's block, with a norm after attention and after the MLP (and q, k norms in Gemma 3).
+
+    The norms' gains go in as we hold them, 1 + w (llama.cpp's converter adds the 1 too); RoPE rotates halves.
+    """
+    R, b = TensorRule, f"blocks.{i}."
+    rules = [R(_name("ATTN_NORM", i), (f"{b}norm_1.weight",)),
+             R(_name("ATTN_Q", i), (f"{b}attn.W_q.weight",)),
+             R(_name("ATTN_K", i), (f"{b}attn.W_k.weight",)),
+             R(_name("ATTN_V", i), (f"{b}attn.W_v.weight",)),
+             R(_name("ATTN_OUT", i), (f"{b}attn.W_o.weight",))]
+    if arch == "gemma3":
+        rules += [R(_name("ATTN_Q_NORM", i), (f"{b}attn.q_norm.weight",)),
+                  R(_name("ATTN_K_NORM", i), (f"{b}attn.k_norm.weight",))]
+    rules += [R(_name("ATTN_POST_NORM", i), (f"{b}norm_1_out.weight",)),
+              R(_name("FFN_NORM", i), (f"{b}norm_2.weight",)),
+              R(_name("FFN_GATE", i), (f"{b}mlp.W_1.weight",)),
+              R(_name("FFN_UP", i), (f"{b}mlp.W_3.weight",)),
+              R(_name("FFN_DOWN", i), (f"{b}mlp.W_2.weight",)),
+              R(_name("FFN_POST_NORM", i), (f"{b}norm_2_out.weight",))]
+    return rules
+
+
+def _llama_block_rules(config: GPTConfig, arch: str, i: int) -> list[TensorRule]:
+    """The block of llama.cpp's llama, qwen3 and qwen2 graphs: q, k, v apart, a gated MLP."""
+    R, b = TensorRule, f"blocks.{i}."
+    kinds = ("weight", "bias") if config.bias else ("weight",)  # only llama has them (architecture_for)
+    qkv_kinds = ("weight", "bias") if config.bias or config.qkv_bias else ("weight",)  # qwen2: q, k, v
+    # llama.cpp rotates neighbours in its llama graph (so q and k rows are permuted) and halves,
+    # as we do, in its qwen3 and qwen2 graphs (so they go in as they are): see the module docstring
+    qk = "rope_interleave" if arch == "llama" else "copy"
+    rules = [R(_name("ATTN_NORM", i), (f"{b}norm_1.weight",))]
+    for k in qkv_kinds:
+        rules += [R(_name("ATTN_Q", i, k), (f"{b}attn.W_q.{k}",), qk, config.n_head),
+                  R(_name("ATTN_K", i, k), (f"{b}attn.W_k.{k}",), qk, config.kv_heads),
+                  R(_name("ATTN_V", i, k), (f"{b}attn.W_v.{k}",))]
+    rules += [R(_name("ATTN_OUT", i, k), (f"{b}attn.W_o.{k}",)) for k in kinds]
+    if arch == "qwen3":  # (d_h,) gains, applied to every head before RoPE; not permuted either
+        rules += [R(_name("ATTN_Q_NORM", i), (f"{b}attn.q_norm.weight",)),
+                  R(_name("ATTN_K_NORM", i), (f"{b}attn.k_norm.weight",))]
+    rules.append(R(_name("FFN_NORM", i), (f"{b}norm_2.weight",)))
+    for k in kinds:
+        rules += [R(_name("FFN_GATE", i, k), (f"{b}mlp.W_1.{k}",)),
+                  R(_name("FFN_UP", i, k), (f"{b}mlp.W_3.{k}",)),
+                  R(_name("FFN_DOWN", i, k), (f"{b}mlp.W_2.{k}",))]
     return rules
 
 
@@ -227,6 +247,29 @@ def export_gguf(
     g = _require_gguf()
     config = model.config
     arch = llama_cpp_arch(config)
+    _check_exportable(config, tokenizer, dtype, pre_tokenizer)  # before anything is written
+    start = declared_start(tokenizer, start_ids)
+    path = Path(path)
+    _check_destination(path, overwrite)
+
+    tensors = convert_to_theirs(model.state_dict(), gguf_rules(config, arch))
+    existed = path.exists()
+    intact = f"the {path.name} there before is intact" if existed else "nothing half-written is left"
+    with disk_writes(f"the export to {path}", intact, retry="export again"), atomic_path(path) as tmp:
+        writer = g.GGUFWriter(tmp, arch)
+        _add_file_description(writer, name, dtype)
+        _add_hyperparameters(writer, config, arch)
+        write_tokenizer(writer, tokenizer, config.vocab_size, pre_tokenizer, start)
+        _add_tensors(writer, config, tensors, dtype)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+    return path
+
+
+def _check_exportable(config: GPTConfig, tokenizer: Tokenizer, dtype: str, pre_tokenizer: str | None) -> None:
+    """Refuse a model llama.cpp cannot run, a tokenizer that is not the model's or not GGUF's, an unknown dtype."""
     problems = gguf_problems(config)
     if problems:
         raise TinyLMError(f"this model exports to transformers but not to llama.cpp: {'; '.join(problems)}")
@@ -235,63 +278,70 @@ def export_gguf(
                           "rows of embeddings: they are not a pair")
     if dtype not in GGUF_DTYPES:
         raise TinyLMError(f"unknown GGUF dtype {dtype!r}; expected one of {', '.join(GGUF_DTYPES)}")
-    check_tokenizer(tokenizer, pre_tokenizer)  # before anything is written
-    start = declared_start(tokenizer, start_ids)
-    path = Path(path)
+    check_tokenizer(tokenizer, pre_tokenizer)
+
+
+def _check_destination(path: Path, overwrite: bool) -> None:
     if path.is_dir():
         raise TinyLMError(f"{path} is a folder; give the GGUF file to write, e.g. {path / 'model.gguf'}")
     if path.exists() and not overwrite:
         raise TinyLMError(f"{path} already exists; choose another --out or overwrite it explicitly (--force)")
 
-    tensors = convert_to_theirs(model.state_dict(), gguf_rules(config, arch))
-    existed = path.exists()
-    intact = f"the {path.name} there before is intact" if existed else "nothing half-written is left"
-    with disk_writes(f"the export to {path}", intact, retry="export again"), atomic_path(path) as tmp:
-        writer = g.GGUFWriter(tmp, arch)
-        writer.add_name(name)
-        file_type = {"f32": g.LlamaFileType.ALL_F32, "f16": g.LlamaFileType.MOSTLY_F16,
-                     "q8_0": g.LlamaFileType.MOSTLY_Q8_0}[dtype]
-        writer.add_file_type(int(file_type))
-        writer.add_quantization_version(g.GGML_QUANT_VERSION)
-        # the hyperparameters llama.cpp reads as "<arch>.<key>"
-        writer.add_vocab_size(config.vocab_size)
-        writer.add_context_length(config.block_size)
-        writer.add_embedding_length(config.d_model)
-        writer.add_block_count(config.n_layer)
-        writer.add_feed_forward_length(config.hidden_dim)
-        writer.add_head_count(config.n_head)
-        writer.add_head_count_kv(config.kv_heads)
-        if arch == "gpt2":
-            writer.add_layer_norm_eps(config.norm_eps)
-        else:  # llama, qwen3 and qwen2 read the same keys (qwen3's q and k norms use the rms eps too)
-            writer.add_layer_norm_rms_eps(config.norm_eps)
-            writer.add_key_length(config.head_dim)
-            writer.add_value_length(config.head_dim)
-            writer.add_rope_dimension_count(config.head_dim)  # every coordinate of a head is rotated
-            writer.add_rope_freq_base(config.rope_theta)
-            if config.rope_scaling == "linear":
-                writer.add_rope_scaling_type(g.RopeScalingType.LINEAR)
-                writer.add_rope_scaling_factor(config.rope_factor)
-        if arch in GEMMA_SHAPED:
-            # no window: one as long as the context (gemma2's graph always windows its even layers)
-            writer.add_sliding_window(config.sliding_window or config.block_size)
-            if config.attn_softcap is not None:
-                writer.add_attn_logit_softcapping(config.attn_softcap)
-            if config.logit_softcap is not None:
-                writer.add_final_logit_softcapping(config.logit_softcap)
-            # the windowed layers' base (llama.cpp's gemma3 graph takes 10000 when the file says nothing)
-            writer.add_rope_freq_base_swa(config.rope_local_theta or config.rope_theta)
-        write_tokenizer(writer, tokenizer, config.vocab_size, pre_tokenizer, start)
-        if config.rope_scaling == "llama3":  # a vector: float32 in every file type
-            writer.add_tensor(_name("ROPE_FREQS"), rope_freqs(config))
-        for tensor_name, t in tensors.items():
-            data, qtype = _encode(tensor_name, t, dtype)
-            writer.add_tensor(tensor_name, data, raw_dtype=qtype)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
-    return path
+
+def _add_file_description(writer: Any, name: str, dtype: GGUFDtype) -> None:
+    """general.name, the file type and the quantization version."""
+    g = _require_gguf()
+    writer.add_name(name)
+    file_type = {"f32": g.LlamaFileType.ALL_F32, "f16": g.LlamaFileType.MOSTLY_F16,
+                 "q8_0": g.LlamaFileType.MOSTLY_Q8_0}[dtype]
+    writer.add_file_type(int(file_type))
+    writer.add_quantization_version(g.GGML_QUANT_VERSION)
+
+
+def _add_hyperparameters(writer: Any, config: GPTConfig, arch: str) -> None:
+    """The hyperparameters llama.cpp reads as "<arch>.<key>"."""
+    g = _require_gguf()
+    writer.add_vocab_size(config.vocab_size)
+    writer.add_context_length(config.block_size)
+    writer.add_embedding_length(config.d_model)
+    writer.add_block_count(config.n_layer)
+    writer.add_feed_forward_length(config.hidden_dim)
+    writer.add_head_count(config.n_head)
+    writer.add_head_count_kv(config.kv_heads)
+    if arch == "gpt2":
+        writer.add_layer_norm_eps(config.norm_eps)
+    else:  # llama, qwen3 and qwen2 read the same keys (qwen3's q and k norms use the rms eps too)
+        writer.add_layer_norm_rms_eps(config.norm_eps)
+        writer.add_key_length(config.head_dim)
+        writer.add_value_length(config.head_dim)
+        writer.add_rope_dimension_count(config.head_dim)  # every coordinate of a head is rotated
+        writer.add_rope_freq_base(config.rope_theta)
+        if config.rope_scaling == "linear":
+            writer.add_rope_scaling_type(g.RopeScalingType.LINEAR)
+            writer.add_rope_scaling_factor(config.rope_factor)
+    if arch in GEMMA_SHAPED:
+        _add_gemma_hyperparameters(writer, config)
+
+
+def _add_gemma_hyperparameters(writer: Any, config: GPTConfig) -> None:
+    """Gemma's window, soft caps and the windowed layers' RoPE base."""
+    # no window: one as long as the context (gemma2's graph always windows its even layers)
+    writer.add_sliding_window(config.sliding_window or config.block_size)
+    if config.attn_softcap is not None:
+        writer.add_attn_logit_softcapping(config.attn_softcap)
+    if config.logit_softcap is not None:
+        writer.add_final_logit_softcapping(config.logit_softcap)
+    # the windowed layers' base (llama.cpp's gemma3 graph takes 10000 when the file says nothing)
+    writer.add_rope_freq_base_swa(config.rope_local_theta or config.rope_theta)
+
+
+def _add_tensors(writer: Any, config: GPTConfig, tensors: dict[str, torch.Tensor], dtype: GGUFDtype) -> None:
+    """The tensors, each in the file type ``dtype`` (or float32 or float16, as llama.cpp's converter keeps it)."""
+    if config.rope_scaling == "llama3":  # a vector: float32 in every file type
+        writer.add_tensor(_name("ROPE_FREQS"), rope_freqs(config))
+    for tensor_name, t in tensors.items():
+        data, qtype = _encode(tensor_name, t, dtype)
+        writer.add_tensor(tensor_name, data, raw_dtype=qtype)
 
 
 def _encode(tensor_name: str, t: torch.Tensor, dtype: GGUFDtype):
