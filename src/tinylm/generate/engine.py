@@ -25,7 +25,8 @@ compute alone (up to float rounding from different matrix shapes; the tests pin 
 **The context window.** A model has seen positions 0..block_size-1 in training and no further
 (a learned position table has no row beyond). A prompt longer than the window keeps its last
 block_size tokens, with a warning (`tinylm.generate.steps.fit_prompt`: `generate` and `stream` apply
-it, so the first new token is the one `tinylm next-token` ranks first). When prompt plus generation outgrow the window,
+it through the request's rules, `tinylm.generate.request`, so the first new token is the one
+`tinylm next-token` ranks first). When prompt plus generation outgrow the window,
 tinylm keeps the most recent ``keep`` tokens (``SamplingParams.window_keep``, default half the
 window), recomputes their keys and values from scratch with positions restarting at 0, and goes
 on; when the window fills again, it cuts again. Recomputing is necessary for every position
@@ -45,6 +46,7 @@ up to the one that completed it are kept in ``token_ids``), or after ``max_new_t
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -54,7 +56,8 @@ from torch import Tensor, nn
 from tinylm.errors import TinyLMError
 from tinylm.generate.beam import beam_search_completions
 from tinylm.generate.fast import StaticDecoder, make_decoder
-from tinylm.generate.sampling import SamplingParams, excluded_mask, prompt_generators, sample, token_logprobs
+from tinylm.generate.request import LongPrompts, RequestRules
+from tinylm.generate.sampling import SamplingParams, prompt_generators, sample, token_logprobs
 from tinylm.generate.steps import (
     CachedDecoder,
     Completion,
@@ -67,7 +70,7 @@ from tinylm.generate.steps import (
     window_keep,
 )
 from tinylm.generate.stream import TextStream
-from tinylm.tokenizers.base import Tokenizer, default_stop_ids
+from tinylm.tokenizers.base import Tokenizer
 
 
 @dataclass
@@ -120,25 +123,28 @@ class Engine:
     output layer is larger, as with a vocabulary padded to a multiple of 64). A GPT decodes through
     `tinylm.generate.fast.StaticDecoder` (its weights laid out for one-token steps), other
     families through their own forward; ``compile`` compiles the GPT's one-token step.
+    ``long_prompts`` is what happens to a prompt longer than the context (`tinylm.generate.request`):
+    read whole, the window sliding as usual ("slide"), or cut to its last block_size tokens with a
+    warning ("cut", what `generate` and `stream` ask for).
     """
 
     def __init__(self, model: nn.Module, params: SamplingParams, tokenizer: Tokenizer | None = None,
-                 vocab_size: int | None = None, compile: bool = False) -> None:
+                 vocab_size: int | None = None, compile: bool = False, long_prompts: LongPrompts = "slide") -> None:
         if params.num_beams != 1:
             raise TinyLMError("the sampling engine decodes one path per sample; "
                               "use tinylm.generate.beam for num_beams > 1")
-        if params.stop and tokenizer is None:
-            raise TinyLMError("stop strings need a tokenizer to turn tokens into text")
         self.model = model
         self.params = params
         self.tokenizer = tokenizer
         self.block_size: int = model.config.block_size
         self.keep = window_keep(params, self.block_size)
-        self.stop_ids = set(params.stop_ids) if params.stop_ids is not None else default_stop_ids(tokenizer)
         self.vocab_size = vocab_size if vocab_size is not None else (tokenizer.vocab_size if tokenizer else None)
         self.device = next(model.parameters()).device
+        self.rules = RequestRules(model, tokenizer, limit=self.vocab_size)
+        self.long_prompts = long_prompts
+        self.stop_ids = self.rules.stop_ids(params)
         # (V,) or None: ids past vocab_size, and the tokenizer's padding, BOS, reserved ids and <unk>
-        self.excluded = excluded_mask(tokenizer, model.config.vocab_size, self.stop_ids, self.device, self.vocab_size)
+        self.excluded = self.rules.excluded(self.stop_ids)
         self.compile = compile
         self.decoder: StaticDecoder | CachedDecoder | None = None
         self.warned = False
@@ -159,14 +165,11 @@ class Engine:
     # -- the loop ------------------------------------------------------------------------------
 
     def _rows(self, prompts: Sequence[Sequence[int]]) -> list[_Row]:
-        vocab = self.model.config.vocab_size
+        checked, said = self.rules.prompts(prompts, self.long_prompts)
+        for warning in said:
+            warnings.warn(warning, stacklevel=4)  # at the caller of `generate` or `stream`
         rows = []
-        for i, prompt in enumerate(prompts):
-            ids = [int(t) for t in prompt]
-            if not ids:
-                raise TinyLMError(f"prompt {i} is empty: give at least one token (e.g. a run's start_ids)")
-            if any(not 0 <= t < vocab for t in ids):
-                raise TinyLMError(f"prompt {i} holds ids outside the model's vocabulary 0..{vocab - 1}")
+        for ids in checked:
             for _ in range(self.params.num_samples):
                 stream = TextStream(self.tokenizer, self.params.stop) if self.tokenizer is not None else None
                 rows.append(_Row(seq=list(ids), stream=stream))
@@ -273,11 +276,12 @@ def generate(
     params = params if params is not None else SamplingParams()
     if isinstance(prompts, str):
         prompts = [prompts]
-    ids = [keep_prompt(p, model.config.block_size) for p in encode_prompts(tokenizer, prompts, start_ids)]
+    ids = encode_prompts(tokenizer, prompts, start_ids)
     if params.num_beams > 1:
+        ids = [keep_prompt(p, model.config.block_size) for p in ids]
         return [c for i, p in enumerate(ids)
                 for c in beam_search_completions(model, tokenizer, p, params, prompt_index=i)]
-    return Engine(model, params, tokenizer, compile=compile).generate(ids)
+    return Engine(model, params, tokenizer, compile=compile, long_prompts="cut").generate(ids)
 
 
 def stream(
@@ -296,8 +300,7 @@ def stream(
     """
     if params.num_samples != 1 or params.num_beams != 1:
         raise TinyLMError("streaming shows one sample as it is written: use num_samples = 1 and num_beams = 1")
-    engine = Engine(model, params, tokenizer=tokenizer, compile=compile)
-    ids = keep_prompt(encode_prompts(tokenizer, [prompt], start_ids)[0], model.config.block_size)
-    for event in engine.events([ids]):
+    engine = Engine(model, params, tokenizer=tokenizer, compile=compile, long_prompts="cut")
+    for event in engine.events(encode_prompts(tokenizer, [prompt], start_ids)):
         if event.text:
             yield event.text

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,20 +66,13 @@ from tinylm.data.shards import ShardSet
 from tinylm.errors import TinyLMError
 from tinylm.generate.cache import KVCache
 from tinylm.generate.fast import StaticDecoder, make_decoder
-from tinylm.generate.sampling import SamplingParams, excluded_mask, make_generators, sampling_distribution
-from tinylm.generate.steps import (
-    Completion,
-    FinishReason,
-    accept_token,
-    context_start,
-    keep_prompt,
-    warn_window,
-    window_keep,
-)
+from tinylm.generate.request import PreparedRequest, RequestRules
+from tinylm.generate.sampling import SamplingParams, make_generators, sampling_distribution
+from tinylm.generate.steps import Completion, FinishReason, accept_token, context_start, warn_window, window_keep
 from tinylm.generate.rounds import FIRST_PAUSE, ROUNDS_PER_CHECK, Pacer, check_drafts, draw_one
 from tinylm.generate.stream import TextStream
 from tinylm.model import NGramLM, NGramModel
-from tinylm.tokenizers.base import Tokenizer, check_same_tokenizer, default_stop_ids
+from tinylm.tokenizers.base import Tokenizer, check_same_tokenizer
 
 @dataclass
 class SpeculativeStats:
@@ -332,31 +326,26 @@ def speculative_events(
         raise TinyLMError("speculative decoding makes one sample of one prompt: use num_beams = 1 and num_samples = 1")
     if not isinstance(k, int) or k < 1:
         raise TinyLMError(f"the draft length k must be an integer >= 1, got {k!r}")
-    if params.stop and tokenizer is None:
-        raise TinyLMError("stop strings need a tokenizer to turn tokens into text")
-    seq = [int(t) for t in prompt_ids]
-    V = model.config.vocab_size
-    if not seq or any(not 0 <= t < V for t in seq):
-        raise TinyLMError(f"the prompt must be 1 or more ids in the model's vocabulary 0..{V - 1}")
-    seq = keep_prompt(seq, model.config.block_size)  # as `generate` reads a long prompt
+    # a long prompt is read as `generate` reads it: its last block_size tokens
+    request = RequestRules(model, tokenizer).prepare([prompt_ids], params, long_prompts="cut")
+    for warning in request.warnings:
+        warnings.warn(warning, stacklevel=2)
     stats = stats if stats is not None else SpeculativeStats()
     if stream is None and tokenizer is not None:
         stream = TextStream(tokenizer, params.stop)
-    return _rounds(model, seq, params, draft, k, tokenizer, adaptive, compile, stats, stream)
+    return _rounds(model, request, params, draft, k, adaptive, compile, stats, stream)
 
 
 @torch.inference_mode()
-def _rounds(model: nn.Module, seq: list[int], params: SamplingParams, draft: Draft, k: int,
-            tokenizer: Tokenizer | None, adaptive: bool, compile: bool, stats: SpeculativeStats,
+def _rounds(model: nn.Module, request: PreparedRequest, params: SamplingParams, draft: Draft, k: int,
+            adaptive: bool, compile: bool, stats: SpeculativeStats,
             stream: TextStream | None) -> Iterator[SpeculativeEvent]:
     block_size = model.config.block_size
     keep = window_keep(params, block_size)
     device = next(model.parameters()).device
-    V = model.config.vocab_size
-    stop_ids = set(params.stop_ids) if params.stop_ids is not None else default_stop_ids(tokenizer)
-    excluded = excluded_mask(tokenizer, V, stop_ids, device)
-    if excluded is None:
-        excluded = torch.zeros(V, dtype=torch.bool, device=device)
+    seq = list(request.prompts[0])
+    stop_ids = request.stop_ids
+    excluded = request.draft_mask()
     generator = None if params.greedy else make_generators(params.seed, 1, device)[0]
     capacity = min(block_size, len(seq) + params.max_new_tokens)
     decoder = make_decoder(model, 1, capacity, compile, draft_k=k)  # with room for a padded round

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from tinylm.errors import TinyLMError
+from tinylm.generate.request import PreparedRequest
 from tinylm.generate.sampling import SamplingParams
 from tinylm.generate.steps import FinishReason
 
@@ -128,4 +129,6 @@ class Job:
         self.generators: list[torch.Generator] | None = None
         self.pending: deque[int] = deque(range(self.rows_left))  # rows not yet admitted, in order
         self.sampling_key = (params.temperature, params.top_k, params.top_p, params.min_p)
-        self.stop_ids = set(params.stop_ids) if params.stop_ids is not None else None
+        # the request's rules (`tinylm.generate.request`): its checked prompts, stop ids and excluded mask; made by
+        # `Scheduler.submit`
+        self.request: PreparedRequest | None = None

@@ -101,12 +101,13 @@ from torch import Tensor, nn
 from tinylm.errors import TinyLMError
 from tinylm.generate.fast import make_decoder
 from tinylm.generate.rounds import check_drafts
-from tinylm.generate.sampling import excluded_mask, prompt_generators, sample, token_logprobs
+from tinylm.generate.request import RequestRules
+from tinylm.generate.sampling import prompt_generators, sample, token_logprobs
 from tinylm.generate.speculative import Draft, Pacer
 from tinylm.generate.steps import Decoder, FinishReason, accept_token, left_pad
 from tinylm.generate.stream import TextStream
 from tinylm.serve.jobs import ChoiceEvent, Job, JobDone, JobFailed, PromptEvent, TokenLogprob, is_crash
-from tinylm.tokenizers.base import Tokenizer, default_stop_ids
+from tinylm.tokenizers.base import Tokenizer
 
 PREFILL_LOGITS = 1 << 26  # most logits one prefill may produce: 256 MB in float32
 
@@ -179,13 +180,13 @@ class Scheduler:
             raise TinyLMError(f"batch_window must be 0 or more seconds, got {batch_window}")
         self.model = model.eval()
         self.tokenizer = tokenizer
-        self.default_stop_ids = default_stop_ids(tokenizer)  # a job without its own: EOS and end-of-turn tokens
+        # prompts, stop ids (a job without its own: EOS and end-of-turn tokens), the ids no row may draw
+        self.rules = RequestRules(model, tokenizer, prompt_vocab="tokenizer")
         self.block_size: int = model.config.block_size
         self.max_batch_size = max_batch_size
         self.batch_window = batch_window
         self.device = next(model.parameters()).device
         self.vocab_size = tokenizer.vocab_size
-        self._excluded: dict[frozenset[int], Tensor | None] = {}  # by a job's stop ids: what no row may draw
         # a KV cache can be re-aligned column by column, so rows may join a running batch; other caches cannot
         self.continuous = getattr(model, "new_cache", None) is None
         if draft is not None and not self.continuous:
@@ -228,14 +229,7 @@ class Scheduler:
 
     def submit(self, job: Job) -> None:
         """Queue a job; its rows join the batch as slots free up. Refuses prompts that would outgrow the context."""
-        for i, prompt in enumerate(job.prompts):
-            if not prompt:
-                raise TinyLMError(f"prompt {i} is empty: give at least one token (e.g. a run's start_ids)")
-            if any(not 0 <= t < self.vocab_size for t in prompt):
-                raise TinyLMError(f"prompt {i} holds ids outside the vocabulary 0..{self.vocab_size - 1}")
-            if len(prompt) + job.params.max_new_tokens > self.block_size:
-                raise TinyLMError(f"prompt {i} has {len(prompt)} tokens; with {job.params.max_new_tokens} new ones it "
-                                  f"exceeds the model's context of {self.block_size}")
+        job.request = self.rules.prepare(job.prompts, job.params, long_prompts="refuse")  # batches never slide
         if job.generators is None and not job.params.greedy:  # where the probabilities will be
             job.generators = prompt_generators(job.params.seed, len(job.prompts), job.n, self.device,
                                                prompts=job.prompts)
@@ -449,10 +443,7 @@ class Scheduler:
         if n <= 0:
             return False
         started = time.perf_counter()
-        width = self.model.config.vocab_size
-        excluded = self._excluded_for(row.job, width)
-        if excluded is None:
-            excluded = torch.zeros(width, dtype=torch.bool, device=self.device)
+        excluded = row.job.request.draft_mask()
         drafts, q = self.draft.propose(row.seq, n, excluded, params, row.generator)
         drafts = drafts[:n]
         if not drafts:
@@ -474,15 +465,6 @@ class Scheduler:
         self.pacer.record(len(drafts), kept, time.perf_counter() - started)
         return True
 
-    def _stop_ids(self, job: Job) -> set[int]:
-        return job.stop_ids if job.stop_ids is not None else self.default_stop_ids
-
-    def _excluded_for(self, job: Job, width: int) -> Tensor | None:
-        key = frozenset(self._stop_ids(job))
-        if key not in self._excluded:
-            self._excluded[key] = excluded_mask(self.tokenizer, width, key, self.device)
-        return self._excluded[key]
-
     def _draw(self, rows: list[_Row], logits: Tensor, outbox: dict[Job, list]) -> None:
         """Sample each row's next token from logits (B, V) with its own settings; record it; emit events."""
         logits = logits.float()
@@ -490,7 +472,7 @@ class Scheduler:
         groups: dict[tuple, list[int]] = defaultdict(list)
         # what the library's engine leaves out (per row: stop ids may differ): ids past the tokenizer's vocabulary
         # (a padded output layer), padding, BOS, reserved ids, <unk>
-        masks = [self._excluded_for(row.job, logits.size(-1)) for row in rows]
+        masks = [row.job.request.excluded for row in rows]
         if all(m is masks[0] for m in masks):  # as a rule every row has the same: one operation for the batch
             if masks[0] is not None:
                 logits.masked_fill_(masks[0], float("-inf"))
@@ -540,7 +522,7 @@ class Scheduler:
         with their text (`_release`).
         """
         row.seq.append(info.id)
-        stop_ids = self._stop_ids(row.job)
+        stop_ids = row.job.request.stop_ids
         stop_token = info.id in stop_ids
         if not stop_token:  # a stop token is never listed: its text is never shown
             row.held.append(info)
