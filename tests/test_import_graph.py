@@ -6,9 +6,9 @@ may import from its own floor or any floor below, never from above. The floors, 
     floor  modules                                       why there
     -----  --------------------------------------------  -----------------------------------------------
     0      tinylm.errors, tinylm.atomic, tinylm.config,  what everything needs: the one exception, safe
-           tinylm.jsonfile, tinylm.device, tinylm.lock   writes, the configuration dataclasses, reading
-                                                         versioned JSON files, where the arithmetic runs,
-                                                         one writer per folder
+           tinylm.jsonfile, tinylm.device, tinylm.lock,  writes, the configuration dataclasses, reading
+           tinylm.workers                                versioned JSON files, where the arithmetic runs,
+                                                         one writer per folder, worker processes
     1      tinylm.tokenizers.*                           text <-> ids
     2      tinylm.data.*                                 corpora, and the token shards made with a tokenizer
     3      tinylm.model.*                                every model family (n-gram counting reads shards)
@@ -51,7 +51,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 # whose entry is its __init__ alone; a module takes the floor of the longest name that covers it
 FLOORS: dict[str, int] = {
     "tinylm.errors": 0, "tinylm.atomic": 0, "tinylm.config": 0, "tinylm.jsonfile": 0, "tinylm.device": 0,
-    "tinylm.lock": 0,
+    "tinylm.lock": 0, "tinylm.workers": 0,
     "tinylm.tokenizers": 1,
     "tinylm.data": 2,
     "tinylm.model": 3,

@@ -468,7 +468,9 @@ def test_killing_prepare_outright_ends_its_tokenizing_workers(tmp_path, tok):
         assert len(workers) >= 2, workers
         proc.send_signal(signal.SIGKILL)  # nothing of it runs again: no finally, no pool shutdown
         proc.wait()
-        deadline = time.monotonic() + 5
+        # a worker still starting (a fresh interpreter importing tinylm: seconds on a busy machine)
+        # looks for its parent as soon as it has started
+        deadline = time.monotonic() + 60
         while any(running(w) for w in workers) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert [w for w in workers if running(w)] == []  # not left waiting forever on the pool's queue
