@@ -288,6 +288,19 @@ def test_train_reads_its_corpus_in_the_encoding_of_its_config(tmp_path):
     assert _decoded_shards(data) == LATIN1_TEXT
 
 
+@pytest.mark.parametrize("argv", [["eval"], ["export", "--format", "hf", "--out", "o"], ["serve"], ["sample"],
+                                  ["next-token", "--prompt", "x"]])
+def test_every_command_that_loads_a_run_spells_the_run_and_its_checkpoint_alike(argv, capsys):
+    parser = build_parser()
+    args = parser.parse_args([*argv, "--run", "runs/x"])
+    assert "runs/x" in (args.run, getattr(args, "run_flag", None)) and args.checkpoint == "best"
+    assert parser.parse_args([*argv, "--run", "runs/x", "--checkpoint", "latest"]).checkpoint == "latest"
+    with pytest.raises(SystemExit):
+        parser.parse_args([*argv, "--run", "runs/x", "--checkpoint", "newest"])
+    err = capsys.readouterr().err
+    assert "invalid choice" in err and "newest" in err and "best" in err and "latest" in err
+
+
 def test_a_mistyped_flag_gets_the_closest_one_and_the_help_names_every_command(capsys):
     for argv, hint in ((["train", "--max-step", "3"], "(did you mean '--max-steps'?)"),
                        (["sample", "--run", "r", "--temprature=1"], "(did you mean '--temperature'?)")):

@@ -7,7 +7,8 @@ import json
 import sys
 from pathlib import Path
 
-from tinylm.cli.flags import add_corpus_flags, add_threads_flag, integer, load_corpus_from, positive_int
+from tinylm.cli.flags import (add_corpus_flags, add_run_flags, add_threads_flag, integer, load_corpus_from,
+                              positive_int)
 from tinylm.errors import TinyLMError
 
 STRIDE_HELP = (
@@ -87,9 +88,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                        "byte of the original text, the tokens and bytes counted, and the time it took. A network "
                        "reads the text in disjoint windows of its block_size unless --stride slides them.")
     p.add_argument("run", nargs="?", help=argparse.SUPPRESS)
-    p.add_argument("--run", dest="run_flag", metavar="DIR",
-                   help="the run folder (e.g. runs/tiny-shakespeare), or an n-gram model file (.npz)")
-    p.add_argument("--checkpoint", choices=["best", "latest"], default="best", help="which checkpoint (default: best)")
+    add_run_flags(p, "the run folder (e.g. runs/tiny-shakespeare), or an n-gram model file (.npz)", dest="run_flag",
+                  required=False)
     p.add_argument("--split", choices=["val", "train"], default="val", help="which split (default: val)")
     add_corpus_flags(p, default=None, what="evaluate on this corpus instead of a split, tokenized with the run's "
                       "tokenizer:")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from tinylm.cli.flags import add_role_flags, roles_from
+from tinylm.cli.flags import add_role_flags, add_run_flags, roles_from
 from tinylm.errors import TinyLMError
 
 
@@ -34,10 +34,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                        description="Export a trained run: a Hugging Face folder (config.json, model.safetensors, "
                        "tokenizer.json) in the GPT-2, Llama, Qwen2, Qwen3 or Mistral layout, or a GGUF file for llama.cpp. A "
                        "configuration no architecture can express is refused with what does not map.")
-    p.add_argument("--run", required=True, help="the run folder")
+    add_run_flags(p, "the run folder")
     p.add_argument("--format", required=True, choices=["hf", "gguf"], help="hf or gguf")
     p.add_argument("--out", required=True, help="output folder (hf) or .gguf file")
-    p.add_argument("--checkpoint", choices=["best", "latest"], default="best", help="which checkpoint (default: best)")
     # one option under two names: --dtype came first, --quant is what llama.cpp users look for
     p.add_argument("--quant", "--dtype", dest="dtype", choices=["f32", "f16", "q8_0"],
                    help="gguf matrix type: f32 (default, exact), f16 or q8_0 (8-bit blocks of 32); vectors stay f32")

@@ -74,6 +74,21 @@ def command_threads(args: argparse.Namespace) -> contextlib.AbstractContextManag
                        log=lambda line: print(f"tinylm: {line}", file=sys.stderr))
 
 
+RUN_HELP = "the run folder written by `tinylm train`"
+
+
+def add_run_flags(p: argparse.ArgumentParser, help: str = RUN_HELP, *, dest: str = "run", required: bool = True,
+                  checkpoint: bool = True) -> None:
+    """--run DIR, the trained run a command loads, and beside it (``checkpoint``) --checkpoint best|latest, which
+    of its checkpoints (`tinylm.run.load_run`'s ``checkpoint``; default best): spelled alike by every command
+    that loads a run. ``help`` says what --run may name; ``dest`` and ``required`` are argparse's, for a command
+    that also takes the run bare (`tinylm eval RUN`)."""
+    p.add_argument("--run", dest=dest, required=required, metavar="DIR", help=help)
+    if checkpoint:
+        p.add_argument("--checkpoint", choices=["best", "latest"], default="best",
+                       help="which checkpoint (default: best)")
+
+
 def parse_temperatures(text: str) -> list[float]:
     """'0.5,1,2' -> [0.5, 1.0, 2.0]; each 0 or more."""
     try:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from tinylm.cli.flags import add_threads_flag, nonneg_float, port, positive_int
+from tinylm.cli.flags import add_run_flags, add_threads_flag, nonneg_float, port, positive_int
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -35,7 +35,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                        "/v1/chat/completions, streaming by server-sent events) that the official openai clients "
                        "use unchanged, and a playground page at / that streams completions and charts the "
                        "next-token probabilities. Requests in flight are decoded together in batches.")
-    p.add_argument("--run", required=True, metavar="DIR", help="the run folder written by `tinylm train`")
+    add_run_flags(p)
     p.add_argument("--host", default="127.0.0.1",
                    help="the address to listen on (default: 127.0.0.1, this machine only; 0.0.0.0 for every network)")
     p.add_argument("--port", type=port, default=8000, help="the port (default: 8000; 0 picks a free one)")
@@ -52,7 +52,6 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--body-timeout", type=float, metavar="SECONDS",
                    help="how long a request's body may take to arrive; a client slower than that gets 408 and "
                    "its connection closed (default: 30)")
-    p.add_argument("--checkpoint", choices=["best", "latest"], default="best", help="which checkpoint (default: best)")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps (default: cpu)")
     add_threads_flag(p)
     p.add_argument("--draft", metavar="ngram|prompt|DIR",
