@@ -8,7 +8,7 @@ import torch
 from toys import tiny_gpt
 
 from tinylm.errors import TinyLMError
-from tinylm.generate import SamplingParams
+from tinylm.generate import SamplingParams, generate, stream
 from tinylm.generate.request import RequestRules
 from tinylm.generate.sampling import excluded_mask
 from tinylm.generate.steps import fit_prompt
@@ -54,3 +54,11 @@ def test_a_draft_gets_a_mask_even_where_nothing_is_left_out():
     assert request.excluded is None
     assert request.draft_mask().shape == (97,) and not request.draft_mask().any()
 
+
+def test_generate_and_stream_refuse_a_compiled_step_with_beam_search(byte_tokenizer):
+    model, beams = tiny_gpt(vocab_size=259), SamplingParams(num_beams=2, max_new_tokens=2)
+    with pytest.raises(TinyLMError, match="--compile .* beam search"):
+        generate(model, byte_tokenizer, "a", beams, compile=True)
+    with pytest.raises(TinyLMError, match="--compile .* beam search"):
+        list(stream(model, byte_tokenizer, "a", beams, compile=True))
+    assert len(generate(model, byte_tokenizer, "a", beams)) == 1  # without compile, beam search runs

@@ -251,6 +251,13 @@ class Engine:
                           stop=row.stop)
 
 
+def check_compile(params: SamplingParams, compile: bool) -> None:
+    """Refuse a compiled step with beam search: only sampling and greedy decoding have a step to compile."""
+    if compile and params.num_beams > 1:
+        raise TinyLMError("--compile speeds up sampling and greedy decoding; beam search runs through the model's "
+                          "own forward: drop --compile or --num-beams")
+
+
 def generate(
     model: nn.Module,
     tokenizer: Tokenizer,
@@ -266,7 +273,8 @@ def generate(
     ``start_ids`` go before every prompt (pass a run's `start_ids`: the token documents began
     after in training); an empty prompt then samples a document from the start. Sampling, beam
     search (``params.num_beams > 1``), stopping and the context window follow ``params``;
-    ``compile`` compiles a GPT's one-token step (`Engine`; beam search does not use it).
+    ``compile`` compiles a GPT's one-token step (`Engine`); beam search, which runs through the
+    model's own forward, refuses it (`check_compile`).
 
         run = load_run("runs/tiny")
         out = generate(run.model, run.tokenizer, "ROMEO:", SamplingParams(temperature=0.8, seed=1),
@@ -274,6 +282,7 @@ def generate(
         print(out[0].text, out[0].finish_reason)
     """
     params = params if params is not None else SamplingParams()
+    check_compile(params, compile)
     if isinstance(prompts, str):
         prompts = [prompts]
     ids = encode_prompts(tokenizer, prompts, start_ids)
@@ -298,6 +307,7 @@ def stream(
     Only for a single sample (``params.num_samples == 1``, no beam search: a beam's text is not
     final until the search ends). ``"".join(stream(...))`` equals ``generate(...)[0].text``.
     """
+    check_compile(params, compile)
     if params.num_samples != 1 or params.num_beams != 1:
         raise TinyLMError("streaming shows one sample as it is written: use num_samples = 1 and num_beams = 1")
     engine = Engine(model, params, tokenizer=tokenizer, compile=compile, long_prompts="cut")
