@@ -24,7 +24,14 @@ from tinylm.errors import TinyLMError
 from tinylm.jsonfile import MAX_DEPTH
 from tinylm.tokenizers import CharTokenizer, train_bpe
 from tinylm.tokenizers.files import import_tokenizer
-from tinylm.tokenizers.formats import bytes_to_byte_level
+from tinylm.tokenizers.formats import (
+    bytes_to_byte_level,
+    imported_to_hf_json,
+    load_hf_tokenizer_json,
+    save_hf_tokenizer_json,
+    to_hf_tokenizer_json,
+)
+from tinylm.tokenizers.hf_files import read_hf_tokenizer
 from tinylm.tokenizers.imported import MAX_UNUSED_IDS
 
 TEXT = ["To be, or not to be, that is the question. " * 20]
@@ -237,6 +244,26 @@ def test_sloppy_gpt2_vocab_json_and_merges_txt_are_one_line(tmp_path):
     (tmp_path / "merges.txt").write_text("h e x\n")
     with pytest.raises(TinyLMError, match=re.escape("merges.txt: merge 0 is 'h e x', not two tokens")):
         import_tokenizer(path, roles=eos)
+
+
+def test_a_tokenizer_json_or_side_file_that_is_no_json_object_is_one_line(tmp_path):
+    path = written(tmp_path, [hf_tokenizer()])
+    for read in (read_hf_tokenizer, load_hf_tokenizer_json):
+        with pytest.raises(TinyLMError, match=re.escape(f"{path} is a list, not a Hugging Face tokenizer.json")):
+            read(path)
+    written(tmp_path, hf_tokenizer())
+    for name in ("tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
+        written(tmp_path, "null", name)
+        refused(tmp_path, f"{tmp_path / name} is null, not a JSON object")  # as transformers refuses it
+        (tmp_path / name).unlink()
+
+
+def test_an_imported_tokenizer_is_written_by_the_one_tokenizer_json_writer(tmp_path):
+    tok = import_tokenizer(written(tmp_path, hf_tokenizer()))
+    (tmp_path / "out").mkdir()
+    saved = save_hf_tokenizer_json(tok, tmp_path / "out" / "tokenizer.json")
+    assert json.loads(saved.read_text(encoding="utf-8")) == to_hf_tokenizer_json(tok) == imported_to_hf_json(tok)
+    assert import_tokenizer(saved).encode("the tokens") == tok.encode("the tokens")
 
 
 # ----- JSON nested deeper than any real file ----------------------------------------------------------------------

@@ -6,6 +6,12 @@ tokenizer.json (a ``Split`` + ``ByteLevel`` pre-tokenizer and a ``BPE`` model, w
 byte-to-character stand-ins `BYTE_TO_UNICODE` and our regex rewritten for Oniguruma by
 `oniguruma_pattern`). docs/tokenizers.md has the field table and the traps each test pins.
 
+This module reads and writes tokenizer.json for all of tinylm: it writes tinylm's own BPE and
+imported tokenizers (`to_hf_tokenizer_json`), reads the file (`read_hf_tokenizer_json`) and tinylm's
+layout in it (`tokenizer_from_hf_json`), and checks the parts any reader takes out of one
+(`hf_bpe_model`, `hf_entries`, `hf_pipeline`, ...); `tinylm.tokenizers.hf_files` builds
+tokenizers from the layouts of other tools with them.
+
 Usage (the entry points that pick the format are `tinylm.tokenizers.files`)::
 
     save_hf_tokenizer_json(tok, "out/tokenizer.json")
@@ -19,7 +25,7 @@ import base64
 import binascii
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -27,10 +33,16 @@ import regex
 
 from tinylm.atomic import atomic_write_text
 from tinylm.errors import TinyLMError
-from tinylm.jsonfile import parse_json
+from tinylm.jsonfile import json_kind, read_json_object
 from tinylm.tokenizers.base import BOS, EOS, PAD, Tokenizer, special_token_names
-from tinylm.tokenizers.bpe import PATTERNS, BPETokenizer
-from tinylm.tokenizers.imported import ByteLevelBPETokenizer, checked_vocab_size
+from tinylm.tokenizers.bpe import PATTERNS, BPETokenizer, pattern_name
+from tinylm.tokenizers.imported import (
+    SPACE_MARK,
+    ByteLevelBPETokenizer,
+    ImportedTokenizer,
+    SentencePieceBPETokenizer,
+    checked_vocab_size,
+)
 
 FORMATS = ("tinylm", "tiktoken", "hf")
 
@@ -314,78 +326,136 @@ def _class_end(p: str, i: int) -> int:
 # ----- Hugging Face tokenizer.json ----------------------------------------------------------
 
 
-def to_hf_tokenizer_json(tok: BPETokenizer) -> dict[str, Any]:
-    """``tok`` as a Hugging Face tokenizer.json (a dict; `save_hf_tokenizer_json` writes it).
+def to_hf_tokenizer_json(tok: Tokenizer) -> dict[str, Any]:
+    """``tok`` as a Hugging Face tokenizer.json (a dict; `save_hf_tokenizer_json` writes it): tinylm's byte-level
+    BPE in tinylm's id layout, or an imported tokenizer with its author's ids (`imported_to_hf_json`).
 
     Loaded with ``tokenizers.Tokenizer.from_file`` it gives the same ids as ``tok.encode`` on
     text without special-token names (and the same as ``allowed_special="all"`` on text with
     them: HF always treats them as special), and the same decoding.
     """
+    if isinstance(tok, ImportedTokenizer):
+        return imported_to_hf_json(tok)
     _require_bpe(tok, "hf")
+    assert isinstance(tok, BPETokenizer)
     spell = [bytes_to_byte_level(b) for b in tok.vocab]
-    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}
-    return {
-        "version": "1.0",
-        "truncation": None,
-        "padding": None,
-        "added_tokens": [
-            {
-                "id": i,
-                "content": name,
-                "single_word": False,
-                "lstrip": False,
-                "rstrip": False,
-                "normalized": False,
-                "special": True,
-            }
-            for name, i in tok.special_tokens.items()
-        ],
-        "normalizer": None,
-        "pre_tokenizer": {
-            "type": "Sequence",
-            "pretokenizers": [
-                {
-                    "type": "Split",
-                    "pattern": {"Regex": oniguruma_pattern(tok.pattern)},
-                    "behavior": "Isolated",
-                    "invert": False,
-                },
-                # use_regex false: the Split above already cut the chunks; this only maps bytes
-                byte_level,
-            ],
-        },
-        "post_processor": None,  # tinylm adds bos itself where a model needs x_0
-        "decoder": dict(byte_level),  # decoding only maps the characters back to bytes
-        "model": {
-            "type": "BPE",
-            "dropout": None,
-            "unk_token": None,
-            "continuing_subword_prefix": None,
-            "end_of_word_suffix": None,
-            "fuse_unk": False,
-            "byte_fallback": False,
-            "ignore_merges": False,  # run BPE on every chunk, even one that is a vocab entry
-            "vocab": {s: i for i, s in enumerate(spell)},
-            # "left right" strings: every tokenizers version reads them (0.20+ writes pairs, and
-            # reads both), and byte-level strings never contain a space, so the split is exact
-            "merges": [f"{spell[a]} {spell[b]}" for a, b in tok.merges],
-        },
-    }
+    byte_level = _byte_level_step(add_prefix_space=False)
+    return _tokenizer_json(
+        added_tokens=_added_tokens((i, name, True) for name, i in tok.special_tokens.items()),
+        normalizer=None,
+        pre_tokenizer=_split_then(tok.pattern, byte_level),
+        post_processor=None,  # tinylm adds bos itself where a model needs x_0
+        decoder=dict(byte_level),  # decoding only maps the characters back to bytes
+        # ignore_merges false: run BPE on every chunk, even one that is a vocab entry. The merges as "left right"
+        # strings: every tokenizers version reads them (0.20+ writes pairs, and reads both), and byte-level
+        # strings never contain a space, so the split is exact
+        model=_bpe_model({s: i for i, s in enumerate(spell)}, [f"{spell[a]} {spell[b]}" for a, b in tok.merges]),
+    )
 
 
-def save_hf_tokenizer_json(tok: BPETokenizer, path: str | os.PathLike) -> Path:
+def imported_to_hf_json(tok: ImportedTokenizer) -> dict[str, Any]:
+    """An imported tokenizer as a tokenizer.json that gives the same ids (its author's ids)."""
+    added = _added_tokens(sorted([(i, name, True) for name, i in tok.special_tokens.items()] +
+                                 [(i, name, False) for name, i in tok.added_words.items()]))
+    if isinstance(tok, ByteLevelBPETokenizer):
+        spell = {i: bytes_to_byte_level(b) for i, b in enumerate(tok.tokens)
+                 if b is not None and i not in tok.added_words.values()}
+        byte_level = _byte_level_step(tok.add_prefix_space)
+        if tok.add_prefix_space:  # only ByteLevel alone puts the space before a whole text (not every chunk)
+            name = pattern_name(tok.pattern)
+            if name not in ("gpt2", "none"):
+                raise TinyLMError("a byte-level tokenizer that adds a prefix space splits with GPT-2's pattern (or "
+                                  f"none) in tokenizer.json, not {name or tok.pattern!r}")
+            pre = {**byte_level, "use_regex": name == "gpt2"}
+        else:
+            pre = _split_then(tok.pattern, byte_level)
+        return _tokenizer_json(
+            added_tokens=added, normalizer={"type": tok.normalizer} if tok.normalizer else None, pre_tokenizer=pre,
+            post_processor=_post_processor(tok), decoder={**byte_level, "use_regex": True},
+            # the added tokens are in the model's vocab too, as the `tokenizers` trainer writes them
+            # (without them its id -> token table misses their ids, and decodes ids past them wrongly)
+            model=_bpe_model({**{s: i for i, s in spell.items()}, **tok.special_tokens, **tok.added_words},
+                             [[spell[a], spell[b]] for a, b in tok.merges], ignore_merges=tok.ignore_merges))
+    assert isinstance(tok, SentencePieceBPETokenizer)
+    vocab = {p: i for i, p in enumerate(tok.pieces) if p is not None}
+    vocab.update(tok.special_tokens)
+    pre = None
+    normalizer: dict[str, Any] | None = {"type": "Sequence", "normalizers": [
+        {"type": "Prepend", "prepend": SPACE_MARK}, {"type": "Replace", "pattern": {"String": " "},
+                                                     "content": SPACE_MARK}]}
+    if tok.prefix != "prepend":
+        normalizer = None
+        pre = {"type": "Metaspace", "replacement": SPACE_MARK, "prepend_scheme": tok.prefix, "split": tok.split_on_mark}
+    decoders: list[dict[str, Any]] = [{"type": "Replace", "pattern": {"String": SPACE_MARK}, "content": " "},
+                                      {"type": "ByteFallback"}, {"type": "Fuse"}]
+    if tok.strip_leading_space:
+        decoders.append({"type": "Strip", "content": " ", "start": 1, "stop": 0})
+    return _tokenizer_json(
+        added_tokens=added, normalizer=normalizer, pre_tokenizer=pre, post_processor=_post_processor(tok),
+        decoder={"type": "Sequence", "decoders": decoders},
+        model=_bpe_model(vocab, [[tok.pieces[a], tok.pieces[b]] for a, b in tok.merges], unk_token=tok.unk,
+                         fuse_unk=tok.fuse_unk, byte_fallback=tok.byte_fallback))
+
+
+def _tokenizer_json(*, added_tokens: list[dict[str, Any]], normalizer: dict[str, Any] | None,
+                    pre_tokenizer: dict[str, Any] | None, post_processor: dict[str, Any] | None,
+                    decoder: dict[str, Any], model: dict[str, Any]) -> dict[str, Any]:
+    """A whole tokenizer.json, its parts in the order `tokenizers` writes them."""
+    return {"version": "1.0", "truncation": None, "padding": None, "added_tokens": added_tokens,
+            "normalizer": normalizer, "pre_tokenizer": pre_tokenizer, "post_processor": post_processor,
+            "decoder": decoder, "model": model}
+
+
+def _added_tokens(rows: Iterable[tuple[int, str, bool]]) -> list[dict[str, Any]]:
+    """The added_tokens entries of (id, name, special) rows: each matched exactly as it is written."""
+    return [{"id": i, "content": name, "single_word": False, "lstrip": False, "rstrip": False,
+             "normalized": False, "special": special} for i, name, special in rows]
+
+
+def _bpe_model(vocab: dict[str, int], merges: list[Any], *, unk_token: str | None = None, fuse_unk: bool = False,
+               byte_fallback: bool = False, ignore_merges: bool = False) -> dict[str, Any]:
+    return {"type": "BPE", "dropout": None, "unk_token": unk_token, "continuing_subword_prefix": None,
+            "end_of_word_suffix": None, "fuse_unk": fuse_unk, "byte_fallback": byte_fallback,
+            "ignore_merges": ignore_merges, "vocab": vocab, "merges": merges}
+
+
+def _byte_level_step(add_prefix_space: bool) -> dict[str, Any]:
+    """ByteLevel that only maps bytes to their stand-ins (use_regex false: the step before it cut the chunks)."""
+    return {"type": "ByteLevel", "add_prefix_space": add_prefix_space, "trim_offsets": False, "use_regex": False}
+
+
+def _split_then(pattern: str, byte_level: dict[str, Any]) -> dict[str, Any]:
+    """The pre_tokenizer that cuts a text with ``pattern`` (a name or a regex) and then maps its bytes."""
+    return {"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": oniguruma_pattern(pattern)}, "behavior": "Isolated", "invert": False},
+        byte_level]}
+
+
+def _post_processor(tok: ImportedTokenizer) -> dict[str, Any] | None:
+    if not tok.add_bos:
+        return None
+    bos = tok.roles["bos"]
+    return {"type": "TemplateProcessing",
+            "single": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+            "pair": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+                     {"SpecialToken": {"id": bos, "type_id": 1}}, {"Sequence": {"id": "B", "type_id": 1}}],
+            "special_tokens": {bos: {"id": bos, "ids": [tok.bos_id], "tokens": [bos]}}}
+
+
+def save_hf_tokenizer_json(tok: Tokenizer, path: str | os.PathLike) -> Path:
     """Write `to_hf_tokenizer_json` to ``path`` (a tokenizer.json file)."""
     return atomic_write_text(Path(path), json.dumps(to_hf_tokenizer_json(tok), ensure_ascii=False, indent=2) + "\n")
 
 
 def load_hf_tokenizer_json(path: str | os.PathLike) -> BPETokenizer:
-    """Read a tokenizer.json with tinylm's layout (as `save_hf_tokenizer_json` writes) back."""
-    path = Path(path)
-    try:
-        data = parse_json(_read_text(path, "tokenizer.json"), path)
-    except json.JSONDecodeError as e:
-        raise TinyLMError(f"{path} is not valid JSON (line {e.lineno}, column {e.colno})") from None
-    return tokenizer_from_hf_json(data, str(path))
+    """Read a tokenizer.json with tinylm's layout (as `save_hf_tokenizer_json` writes a `BPETokenizer`) back."""
+    return tokenizer_from_hf_json(read_hf_tokenizer_json(path), str(path))
+
+
+def read_hf_tokenizer_json(path: str | os.PathLike) -> dict[str, Any]:
+    """The object in a tokenizer.json file, or one line saying why there is none; what is in it is for the
+    reader of its layout to check (`tokenizer_from_hf_json`, `tinylm.tokenizers.hf_files`)."""
+    return read_json_object(path, not_object="{path} is {kind}, not a Hugging Face tokenizer.json")
 
 
 # ----- the entries of a tokenizer.json (or vocab.json + merges.txt), checked as `tokenizers` checks them -----
@@ -395,17 +465,10 @@ def _is_id(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def _json_kind(value: Any) -> str:
-    """What a parsed JSON value is, in JSON's words ("a list", "null"), for messages about the wrong kind."""
-    kinds = {dict: "an object", list: "a list", str: "a string", bool: "true or false", int: "a number",
-             float: "a number", type(None): "null"}
-    return kinds.get(type(value), type(value).__name__)
-
-
 def hf_vocab(vocab: Any, source: str, where: str = "the vocab") -> dict[str, int]:
     """``vocab`` if it is an object of token -> id, each id a whole number from 0, else one line naming the entry."""
     if not isinstance(vocab, dict):
-        raise TinyLMError(f"{source}: {where} is {_json_kind(vocab)}, not an object of token -> id")
+        raise TinyLMError(f"{source}: {where} is {json_kind(vocab)}, not an object of token -> id")
     for text, i in vocab.items():
         if not _is_id(i):
             raise TinyLMError(f"{source}: {where} gives {text!r} the id {i!r}; an id is a whole number from 0")
@@ -417,7 +480,7 @@ def hf_merges(merges: Any, vocab: dict[str, int], source: str) -> list[tuple[str
     if merges is None:
         return []
     if not isinstance(merges, list):
-        raise TinyLMError(f"{source}: the merges are {_json_kind(merges)}, not a list")
+        raise TinyLMError(f"{source}: the merges are {json_kind(merges)}, not a list")
     pairs: list[tuple[str, str]] = []
     for rank, m in enumerate(merges):
         pair = m.split(" ") if isinstance(m, str) else m
@@ -437,7 +500,7 @@ def hf_added_tokens(added: Any, source: str) -> tuple[dict[str, int], dict[str, 
     if added is None:
         return {}, {}
     if not isinstance(added, list):
-        raise TinyLMError(f"{source}: added_tokens is {_json_kind(added)}, not a list")
+        raise TinyLMError(f"{source}: added_tokens is {json_kind(added)}, not a list")
     specials: dict[str, int] = {}
     words: dict[str, int] = {}
     owner: dict[int, str] = {}
@@ -472,13 +535,35 @@ def hf_pipeline(data: dict[str, Any], source: str) -> None:
         while todo:
             node = todo.pop()
             if not isinstance(node, dict):
-                raise TinyLMError(f"{source}: the {part} (or a step in it) is {_json_kind(node)}, not an object")
+                raise TinyLMError(f"{source}: the {part} (or a step in it) is {json_kind(node)}, not an object")
             if node.get("type") == "Sequence":
                 steps = node.get(steps_key)
                 if not isinstance(steps, list):
                     raise TinyLMError(f"{source}: the {part} is a Sequence whose {steps_key!r} is "
-                                      f"{_json_kind(steps)}, not a list")
+                                      f"{json_kind(steps)}, not a list")
                 todo.extend(steps)
+
+
+def hf_bpe_model(data: dict[str, Any], fail: Callable[[str], TinyLMError]) -> dict[str, Any]:
+    """The "model" of a parsed tokenizer.json if it is a BPE without the options no tinylm tokenizer has (a word
+    prefix or suffix, dropout); anything else is ``fail``."""
+    model = data["model"]
+    # type is optional in the file: tokenizers infers BPE from the fields
+    if model.get("type", "BPE") != "BPE":
+        raise fail(f"the model is {model.get('type')}, not BPE")
+    for key in ("continuing_subword_prefix", "end_of_word_suffix", "dropout"):
+        if model.get(key):
+            raise fail(f"the BPE model sets {key}={model[key]!r}")
+    return model
+
+
+def hf_entries(data: dict[str, Any], source: str) -> tuple[dict[str, int], list[tuple[str, str]], dict[str, int],
+                                                            dict[str, int]]:
+    """The vocab, merges, special tokens and other added words of a parsed tokenizer.json, each checked
+    (`hf_vocab`, `hf_merges`, `hf_added_tokens`)."""
+    model = data["model"]
+    vocab = hf_vocab(model.get("vocab", {}), source)
+    return vocab, hf_merges(model.get("merges"), vocab, source), *hf_added_tokens(data.get("added_tokens"), source)
 
 
 def tokenizer_from_hf_json(data: dict[str, Any], source: str = "<tokenizer.json>") -> BPETokenizer:
@@ -490,16 +575,11 @@ def tokenizer_from_hf_json(data: dict[str, Any], source: str = "<tokenizer.json>
     model = data.get("model") if isinstance(data, dict) else None
     if not isinstance(model, dict) or "vocab" not in model:
         raise fail("no model with a vocab (not a Hugging Face tokenizer.json)")
-    # type is optional in the file: tokenizers infers BPE from the fields
-    if model.get("type", "BPE") != "BPE":
-        raise fail(f"the model is {model['type']}, not BPE")
+    hf_bpe_model(data, fail)
     if model.get("byte_fallback"):
         raise fail("the BPE model uses byte_fallback (<0xNN> tokens), which tinylm's byte-level BPE does not have")
     if model.get("ignore_merges"):
         raise fail("ignore_merges is true (whole-chunk vocab hits skip the merges), which tinylm cannot reproduce")
-    for field in ("continuing_subword_prefix", "end_of_word_suffix", "dropout"):
-        if model.get(field):
-            raise fail(f"the BPE model sets {field}={model[field]!r}")
     hf_pipeline(data, source)
     if data.get("normalizer"):
         raise fail(f"it has a {data['normalizer'].get('type')} normalizer, which tinylm does not apply")
@@ -512,9 +592,7 @@ def tokenizer_from_hf_json(data: dict[str, Any], source: str = "<tokenizer.json>
     pattern = _pattern_from_pre_tokenizer(data.get("pre_tokenizer"), fail)
 
     # vocab and merges -> tinylm's merge list, checking the id layout as we go
-    vocab = hf_vocab(model["vocab"], source)
-    pairs = hf_merges(model.get("merges"), vocab, source)
-    specials, words = hf_added_tokens(data.get("added_tokens"), source)
+    vocab, pairs, specials, words = hf_entries(data, source)
     base = 256 + len(pairs)
     by_id: dict[int, bytes] = {}
     for text, i in vocab.items():

@@ -24,30 +24,32 @@ become the tokenizer's ``stop_ids``.
 Everything that does not map (WordPiece or Unigram models, other normalizers or pre-tokenizers)
 is one `TinyLMError` that names the part, never a tokenizer that gives other ids.
 
-`imported_to_hf_json` writes an imported tokenizer back as a tokenizer.json with the same ids.
+Reading and writing tokenizer.json itself is `tinylm.tokenizers.formats` (`imported_to_hf_json` writes an
+imported tokenizer back as a tokenizer.json with the same ids); the other JSON files here are read with
+`tinylm.jsonfile.read_json_object`.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any
 
 from tinylm.errors import TinyLMError
-from tinylm.jsonfile import parse_json
+from tinylm.jsonfile import read_json_object
 from tinylm.tokenizers.base import Tokenizer
-from tinylm.tokenizers.bpe import pattern_name
 from tinylm.tokenizers.chat_template import turn_end_ids
 from tinylm.tokenizers.formats import (
     byte_level_pre_tokenizer,
     byte_level_to_bytes,
-    bytes_to_byte_level,
     hf_added_tokens,
+    hf_bpe_model,
+    hf_entries,
     hf_merges,
     hf_pipeline,
     hf_vocab,
-    oniguruma_pattern,
+    imported_to_hf_json,
+    read_hf_tokenizer_json,
     tokenizer_from_hf_json,
 )
 from tinylm.tokenizers.imported import (
@@ -67,17 +69,6 @@ ROLE_KEYS = {"bos": "bos_token", "eos": "eos_token", "pad": "pad_token", "unk": 
 EOS_GUESSES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<|eos|>", "<eos>", "<|im_end|>")
 
 
-def _load_json(path: Path) -> Any:
-    try:
-        return parse_json(path.read_text(encoding="utf-8"), path)
-    except FileNotFoundError:
-        raise TinyLMError(f"{path} does not exist") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise TinyLMError(f"cannot read {path}: {e}") from None
-    except json.JSONDecodeError as e:
-        raise TinyLMError(f"{path} is not valid JSON (line {e.lineno}, column {e.colno})") from None
-
-
 def _content(value: Any) -> str | None:
     """A token as tokenizer_config.json writes it: a string, or {"content": ...}, or null."""
     if isinstance(value, dict):
@@ -91,9 +82,7 @@ def _side_config(folder: Path) -> dict[str, Any]:
     for name in reversed(SIDE_FILES):
         path = folder / name
         if path.is_file():
-            data = _load_json(path)
-            if isinstance(data, dict):
-                merged.update({k: v for k, v in data.items() if v is not None})
+            merged.update({k: v for k, v in read_json_object(path).items() if v is not None})
     template_file = folder / CHAT_TEMPLATE_FILE
     if template_file.is_file():
         merged["chat_template"] = template_file.read_text(encoding="utf-8")
@@ -102,8 +91,8 @@ def _side_config(folder: Path) -> dict[str, Any]:
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         merged["chat_template"] = named.get("default") or next(iter(named.values()), None)
     generation = folder / GENERATION_CONFIG_FILE
-    if generation.is_file() and isinstance(data := _load_json(generation), dict):
-        merged["generation_eos_token_id"] = data.get("eos_token_id")
+    if generation.is_file():
+        merged["generation_eos_token_id"] = read_json_object(generation).get("eos_token_id")
     return merged
 
 
@@ -134,11 +123,10 @@ def read_hf_tokenizer(path: str | os.PathLike, *, roles: dict[str, str] | None =
         else:
             raise TinyLMError(f"{path} has neither tokenizer.json nor vocab.json with merges.txt")
     side = _side_config(folder)
-    if path.name == "vocab.json" or (path.suffix == ".json" and (folder / "merges.txt").is_file()
-                                     and "model" not in _load_json(path)):
+    data = None if path.name == "vocab.json" else read_hf_tokenizer_json(path)
+    if data is None or ("model" not in data and path.suffix == ".json" and (folder / "merges.txt").is_file()):
         return _from_vocab_and_merges(path, folder / "merges.txt", side, roles or {})
-    data = _load_json(path)
-    if not isinstance(data, dict) or not isinstance(data.get("model"), dict):
+    if not isinstance(data.get("model"), dict):
         raise TinyLMError(f"{path} is not a Hugging Face tokenizer.json (no \"model\")")
     try:  # tinylm's own layout keeps tinylm's own (faster, trainable) tokenizer
         return tokenizer_from_hf_json(data, str(path))
@@ -155,16 +143,9 @@ def tokenizer_from_any_hf_json(data: dict[str, Any], side: dict[str, Any], roles
         return TinyLMError(f"{source}: {what}; tinylm reads BPE tokenizers (byte-level, or SentencePiece-style "
                            "with byte fallback) only")
 
-    model = data["model"]
-    if model.get("type", "BPE") != "BPE":
-        raise fail(f"the model is {model.get('type')}, not BPE")
-    for key in ("continuing_subword_prefix", "end_of_word_suffix", "dropout"):
-        if model.get(key):
-            raise fail(f"the BPE model sets {key}={model[key]!r}")
+    model = hf_bpe_model(data, fail)
     hf_pipeline(data, source)
-    vocab = hf_vocab(model.get("vocab", {}), source)
-    merges = hf_merges(model.get("merges"), vocab, source)
-    specials, words = hf_added_tokens(data.get("added_tokens"), source)
+    vocab, merges, specials, words = hf_entries(data, source)
     size = checked_vocab_size([*vocab.items(), *specials.items(), *words.items()], source=source)
     add_bos, first = _template_start(data)
     if first is not None and "bos" not in roles and (first in specials or first in vocab):
@@ -290,7 +271,7 @@ def _from_vocab_and_merges(vocab_path: Path, merges_path: Path, side: dict[str, 
     def fail(what: str) -> TinyLMError:
         return TinyLMError(f"{source}: {what}; tinylm reads GPT-2-style vocab.json + merges.txt")
 
-    vocab = hf_vocab(_load_json(vocab_path), source, "vocab.json")
+    vocab = hf_vocab(read_json_object(vocab_path), source, "vocab.json")
     try:
         lines = merges_path.read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as e:
@@ -311,7 +292,7 @@ def _from_vocab_and_merges(vocab_path: Path, merges_path: Path, side: dict[str, 
     added_file = vocab_path.parent / "added_tokens.json"
     words = {}
     if added_file.is_file():
-        words = {k: v for k, v in hf_vocab(_load_json(added_file), str(added_file), "added_tokens.json").items()
+        words = {k: v for k, v in hf_vocab(read_json_object(added_file), str(added_file), "added_tokens.json").items()
                  if k not in specials}
     size = checked_vocab_size([*vocab.items(), *specials.items(), *words.items()], source=source)
     return _byte_level(vocab, merges, size, "gpt2", specials, words, side, roles, fail,
@@ -379,76 +360,5 @@ def _strips_leading_space(decoder: Any) -> bool:
     return False
 
 
-# ----- writing an imported tokenizer back as tokenizer.json ------------------------------------------
-
-
-def _added(tok: ImportedTokenizer) -> list[dict[str, Any]]:
-    rows = [(i, name, True) for name, i in tok.special_tokens.items()] + \
-        [(i, name, False) for name, i in tok.added_words.items()]
-    return [{"id": i, "content": name, "single_word": False, "lstrip": False, "rstrip": False,
-             "normalized": False, "special": special} for i, name, special in sorted(rows)]
-
-
-def _post_processor(tok: ImportedTokenizer) -> dict[str, Any] | None:
-    if not tok.add_bos:
-        return None
-    bos = tok.roles["bos"]
-    return {"type": "TemplateProcessing",
-            "single": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
-            "pair": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
-                     {"SpecialToken": {"id": bos, "type_id": 1}}, {"Sequence": {"id": "B", "type_id": 1}}],
-            "special_tokens": {bos: {"id": bos, "ids": [tok.bos_id], "tokens": [bos]}}}
-
-
-def imported_to_hf_json(tok: ImportedTokenizer) -> dict[str, Any]:
-    """An imported tokenizer as a tokenizer.json that gives the same ids (its author's ids)."""
-    base: dict[str, Any] = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": _added(tok),
-                            "post_processor": _post_processor(tok)}
-    if isinstance(tok, ByteLevelBPETokenizer):
-        spell = {i: bytes_to_byte_level(b) for i, b in enumerate(tok.tokens)
-                 if b is not None and i not in tok.added_words.values()}
-        byte_level = {"type": "ByteLevel", "add_prefix_space": tok.add_prefix_space, "trim_offsets": False,
-                      "use_regex": False}
-        if tok.add_prefix_space:  # only ByteLevel alone puts the space before a whole text (not every chunk)
-            name = pattern_name(tok.pattern)
-            if name not in ("gpt2", "none"):
-                raise TinyLMError("a byte-level tokenizer that adds a prefix space splits with GPT-2's pattern (or "
-                                  f"none) in tokenizer.json, not {name or tok.pattern!r}")
-            pre = {**byte_level, "use_regex": name == "gpt2"}
-        else:
-            pre = {"type": "Sequence", "pretokenizers": [
-                {"type": "Split", "pattern": {"Regex": oniguruma_pattern(tok.pattern)}, "behavior": "Isolated",
-                 "invert": False}, byte_level]}
-        return {**base, "normalizer": {"type": tok.normalizer} if tok.normalizer else None,
-                "pre_tokenizer": pre,
-                "decoder": {**byte_level, "use_regex": True},
-                "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
-                          "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
-                          "ignore_merges": tok.ignore_merges,
-                          # the added tokens are in the model's vocab too, as the `tokenizers` trainer writes them
-                          # (without them its id -> token table misses their ids, and decodes ids past them wrongly)
-                          "vocab": {**{s: i for i, s in spell.items()}, **tok.special_tokens, **tok.added_words},
-                          "merges": [[spell[a], spell[b]] for a, b in tok.merges]}}
-    assert isinstance(tok, SentencePieceBPETokenizer)
-    vocab = {p: i for i, p in enumerate(tok.pieces) if p is not None}
-    vocab.update(tok.special_tokens)
-    pre = None
-    normalizer: dict[str, Any] | None = {"type": "Sequence", "normalizers": [
-        {"type": "Prepend", "prepend": SPACE_MARK}, {"type": "Replace", "pattern": {"String": " "},
-                                                     "content": SPACE_MARK}]}
-    if tok.prefix != "prepend":
-        normalizer = None
-        pre = {"type": "Metaspace", "replacement": SPACE_MARK, "prepend_scheme": tok.prefix, "split": tok.split_on_mark}
-    decoders: list[dict[str, Any]] = [{"type": "Replace", "pattern": {"String": SPACE_MARK}, "content": " "},
-                                      {"type": "ByteFallback"}, {"type": "Fuse"}]
-    if tok.strip_leading_space:
-        decoders.append({"type": "Strip", "content": " ", "start": 1, "stop": 0})
-    return {**base, "normalizer": normalizer, "pre_tokenizer": pre,
-            "decoder": {"type": "Sequence", "decoders": decoders},
-            "model": {"type": "BPE", "dropout": None, "unk_token": tok.unk, "continuing_subword_prefix": None,
-                      "end_of_word_suffix": None, "fuse_unk": tok.fuse_unk, "byte_fallback": tok.byte_fallback,
-                      "ignore_merges": False, "vocab": vocab,
-                      "merges": [[tok.pieces[a], tok.pieces[b]] for a, b in tok.merges]}}
-
-
+# imported_to_hf_json: where `tinylm.tokenizers.files` imports it from
 __all__ = ["read_hf_tokenizer", "tokenizer_from_any_hf_json", "imported_to_hf_json"]
