@@ -55,6 +55,7 @@ import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypedDict, Unpack
 
 import numpy as np
 
@@ -274,23 +275,25 @@ class SpeculativeEvent:
     finish_reason: FinishReason | None = None  # set on the last token
 
 
-def speculative_generate(
-    model: nn.Module,
-    prompt_ids: Sequence[int],
-    params: SamplingParams,
-    draft: Draft,
-    k: int = 4,
-    *,
-    tokenizer: Tokenizer | None = None,
-    adaptive: bool = True,
-    compile: bool = False,
-) -> tuple[Completion, SpeculativeStats]:
-    """One completion of ``prompt_ids``, distributed exactly as the engine's, checking up to ``k`` drafts a pass."""
+class SpeculativeOptions(TypedDict, total=False):
+    """`speculative_generate`'s keyword options, `speculative_events`'s keywords of the same names."""
+
+    tokenizer: Tokenizer | None
+    adaptive: bool
+    compile: bool
+
+
+def speculative_generate(model: nn.Module, prompt_ids: Sequence[int], params: SamplingParams, draft: Draft,
+                         k: int = 4, **options: Unpack[SpeculativeOptions]) -> tuple[Completion, SpeculativeStats]:
+    """One completion of ``prompt_ids``, distributed exactly as the engine's, checking up to ``k`` drafts a pass.
+
+    ``options`` are `speculative_events`'s: ``tokenizer`` (text and stop strings), ``adaptive``, ``compile``.
+    """
     stats = SpeculativeStats()
+    tokenizer = options.get("tokenizer")
     stream = TextStream(tokenizer, params.stop) if tokenizer is not None else None
     tokens, logprobs, finish, stop = [], [], None, None
-    for event in speculative_events(model, prompt_ids, params, draft, k, tokenizer=tokenizer,
-                                    adaptive=adaptive, compile=compile, stats=stats, stream=stream):
+    for event in speculative_events(model, prompt_ids, params, draft, k, stats=stats, stream=stream, **options):
         tokens.append(event.token)
         logprobs.append(event.logprob)
         finish = event.finish_reason
@@ -318,9 +321,11 @@ def speculative_events(
 ) -> Iterator[SpeculativeEvent]:
     """`speculative_generate` one token at a time, as the rounds keep them (for streaming).
 
-    ``stats`` (if given) is updated as the rounds go; ``stream`` turns tokens into text (default: a
-    new one over ``tokenizer``, when there is one). ``compile`` compiles the model's step (a
-    `StaticDecoder`): one graph for a round of ``k`` drafts (padded) and one for a single token.
+    ``tokenizer`` turns tokens into text and reads stop strings (without one: token ids only);
+    ``adaptive=False`` drafts in every round (`Pacer`); ``stats`` (if given) is updated as the rounds go;
+    ``stream`` turns tokens into text (default: a new one over ``tokenizer``, when there is one).
+    ``compile`` compiles the model's step (a `StaticDecoder`): one graph for a round of ``k`` drafts
+    (padded) and one for a single token.
     """
     if params.num_beams != 1 or params.num_samples != 1:
         raise TinyLMError("speculative decoding makes one sample of one prompt: use num_beams = 1 and num_samples = 1")
