@@ -11,7 +11,7 @@ from torch import nn
 
 from tinylm.data import load_corpus, prepare
 from tinylm.errors import TinyLMError
-from tinylm.evaluate import evaluate, evaluate_model, evaluate_tokens, restrict, split_text, window_starts
+from tinylm.evaluate import evaluate, evaluate_model, evaluate_run, evaluate_tokens, restrict, split_text, window_starts
 from tinylm.model import GPT, GPTConfig, NGramLM, NGramModel, build_model
 from tinylm.tokenizers import CharTokenizer
 
@@ -220,3 +220,15 @@ def test_evaluation_shows_progress_and_batches_by_tokens(capsys):
     shown = evaluate_tokens(model, data, 1000, 49, block_size=16, batch_size=4, progress=True)
     assert "evaluating val" in capsys.readouterr().err
     assert shown.loss == quiet.loss
+
+
+def test_a_split_and_a_corpus_together_are_refused_by_the_library_as_by_the_command(tmp_path, capsys):
+    from tinylm.cli import main
+    from tinylm.compare import compare_runs
+
+    with pytest.raises(TinyLMError, match=r"^--split picks a split of the run's shards; --corpus evaluates"):
+        evaluate_run(tmp_path / "no-run", "train", corpus="shakespeare")
+    with pytest.raises(TinyLMError, match=r"^--split picks a split of each run's shards"):
+        compare_runs([tmp_path / "a", tmp_path / "b"], split="train", corpus="shakespeare")
+    assert main(["eval", "--run", str(tmp_path / "no-run"), "--split", "train", "--corpus", "shakespeare"]) == 2
+    assert "--split picks a split of the run's shards" in capsys.readouterr().err

@@ -34,7 +34,7 @@ from pathlib import Path
 from tinylm.data.corpora import Corpus
 from tinylm.device import use_threads
 from tinylm.errors import TinyLMError
-from tinylm.evaluate import EvalResult, check_stride, corpus_text, evaluate_model, split_text, window_size
+from tinylm.evaluate import EvalResult, check_split_or_corpus, check_stride, corpus_text, evaluate_model, split_text, window_size
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -69,6 +69,7 @@ def compare_runs(
 
     if not runs:
         raise TinyLMError("give at least one run folder to compare")
+    check_split_or_corpus(split, corpus, runs="each run's")
     names = run_labels(runs)
     loaded = [load_run(path, device=device) for path in runs]  # every run and stride checked before any work
     for run, name in zip(loaded, names):

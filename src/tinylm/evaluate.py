@@ -394,6 +394,13 @@ def evaluate_model(
                            stride=stride, device=device, tokenizer=tokenizer, progress=progress)
 
 
+def check_split_or_corpus(split: str, corpus: object, *, runs: str = "the run's") -> None:
+    """A split of the shards, or a whole corpus: asking for both is a mistake, not a choice of one."""
+    if corpus is not None and split != "val":
+        raise TinyLMError(f"--split picks a split of {runs} shards; --corpus evaluates on a whole corpus instead "
+                          "(split= and corpus= from Python)")
+
+
 def evaluate_run(
     run_dir: str | os.PathLike,
     split: str = "val",
@@ -420,6 +427,7 @@ def evaluate_run(
     sliding windows, 1..the run's block_size (`evaluate_tokens`); None is disjoint windows.
     ``threads``: CPU threads; None follows `tinylm.device.use_threads` (busy cores left out, said to ``log``).
     """
+    check_split_or_corpus(split, corpus)
     path = Path(run_dir)
     if path.is_file() and path.suffix != ".npz":
         raise TinyLMError(f"{path} is neither a run folder nor an n-gram model file (.npz); give the folder "

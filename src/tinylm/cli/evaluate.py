@@ -38,8 +38,6 @@ def cmd_eval(args: argparse.Namespace) -> int:
         raise TinyLMError("give the run to evaluate: tinylm eval --run DIR (a run folder or an n-gram .npz file)")
     if args.run_flag and args.run and args.run_flag != args.run:
         raise TinyLMError("give the run once, with --run or as the argument, not both")
-    if args.corpus and args.split != "val":
-        raise TinyLMError("--split picks a split of the run's shards; --corpus evaluates on a whole corpus instead")
     result = evaluate_run(run, args.split, checkpoint=args.checkpoint, max_tokens=args.tokens or 0,
                           stride=args.stride, batch_size=args.batch_size, data_dir=args.data_dir,
                           corpus=load_corpus_from(args), tokenizer=args.tokenizer, device=_device(args.device),
@@ -61,8 +59,6 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def cmd_compare(args: argparse.Namespace) -> int:
     from tinylm.compare import check_plot_path, compare_runs, format_table, plot_comparison
 
-    if args.corpus and args.split != "val":
-        raise TinyLMError("--split picks a split of each run's shards; --corpus evaluates on a whole corpus instead")
     # beside the runs (runs/compare.png), where git ignores it as it ignores the runs, not in the working folder
     plot = args.plot if args.plot is not None else str(Path(args.runs[0]).parent / "compare.png")
     check_plot_path(plot)
