@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from tinylm.cli.flags import (
+    add_run_flags,
     add_threads_flag,
     command_threads,
     nonneg_float,
@@ -103,7 +104,7 @@ def cmd_sample(args: Any, out: TextIO | None = None) -> int:
 
 
 def _sample(args: Any, out: TextIO | None, threads: contextlib.ExitStack) -> int:
-    from tinylm.generate.engine import generate, stream
+    from tinylm.generate.engine import check_compile, generate, stream
     from tinylm.generate.opening import opening_of_run
     from tinylm.run import load_run
 
@@ -112,9 +113,7 @@ def _sample(args: Any, out: TextIO | None, threads: contextlib.ExitStack) -> int
     prompts = read_prompts(args.prompt, args.prompt_file)
     if getattr(args, "draft", None):  # --draft where parsed
         check_draft_request(args, prompts)
-    if compile_flag(args) and args.num_beams > 1:
-        raise TinyLMError("--compile speeds up sampling and greedy decoding; beam search runs through the model's "
-                          "own forward: drop --compile or --num-beams")
+    check_compile(params, compile_flag(args))  # before the run loads
     run = load_run(args.run, checkpoint=getattr(args, "checkpoint", "best"))  # --checkpoint where parsed
     threads.enter_context(command_threads(args))  # after the checks and the load: an error there stays one line
     if prompts == [""]:  # no prompt: start where a speech or a paragraph starts, not at a title page
@@ -222,8 +221,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                        "min-p; applied in that order), greedy decoding (--temperature 0) or beam search "
                        "(--num-beams). The prompt comes from --prompt (repeat it for a batch), --prompt-file, "
                        "or stdin; with none, samples start a new document. Prints each prompt and its completion.")
-    p.add_argument("--run", required=True, metavar="DIR", help="the run folder written by `tinylm train`")
-    p.add_argument("--checkpoint", choices=["best", "latest"], default="best", help="which checkpoint (default: best)")
+    add_run_flags(p)
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", action="append", metavar="TEXT",
                      help="a prompt; give it several times to complete several prompts in one batch")
@@ -263,8 +261,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("next-token", help="show the most likely next tokens after a prompt",
                        description="Print the model's top candidates for the token after --prompt, with their "
                        "probabilities at --temperature, or side by side at several --temperatures.")
-    p.add_argument("--run", required=True, metavar="DIR", help="the run folder written by `tinylm train`")
-    p.add_argument("--checkpoint", choices=["best", "latest"], default="best", help="which checkpoint (default: best)")
+    add_run_flags(p)
     p.add_argument("--prompt", required=True, metavar="TEXT", help="the text to continue")
     p.add_argument("--top", type=positive_int, default=10, metavar="N", help="how many candidates (default: 10)")
     p.add_argument("--temperature", type=nonneg_float, default=1.0, metavar="T",
