@@ -9,6 +9,7 @@ import pytest
 import torch
 from servekit import ScriptedLM, SlowLM, counted_ngram, wait_for
 
+import tinylm.serve.batch as batch_module
 import tinylm.serve.scheduler as scheduler_module
 from tinylm.config import GPTConfig
 from tinylm.errors import TinyLMError
@@ -168,7 +169,7 @@ def test_submit_refuses_what_cannot_fit_the_context(run):
 def test_prefilling_in_several_groups_changes_nothing(run, monkeypatch):
     """With a budget of one logit, every new row is prefilled alone, then merged into the batch."""
     together, _ = run_jobs(run, max_batch_size=32, start_first=False)
-    monkeypatch.setattr(scheduler_module, "PREFILL_LOGITS", 1)
+    monkeypatch.setattr(batch_module, "PREFILL_LOGITS", 1)
     split, stats = run_jobs(run, max_batch_size=32, start_first=False)
     assert split == together and stats["largest_batch"] == 7
 
@@ -289,7 +290,7 @@ def test_static_batches_keep_their_prefill_logits_under_the_bound(run, monkeypat
                                  n_head=1, init_std=0.5)).eval()
     prompts = [run.start_ids + tok.encode(p) for p in PROMPTS]
     bound = 2 * max(map(len, prompts)) * lstm.config.vocab_size  # room for two rows of the longest prompt
-    monkeypatch.setattr(scheduler_module, "PREFILL_LOGITS", bound)
+    monkeypatch.setattr(batch_module, "PREFILL_LOGITS", bound)
     sizes, forward = [], lstm.forward
 
     def measured(*args, **kwargs):

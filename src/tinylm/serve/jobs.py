@@ -52,9 +52,9 @@ class ChoiceEvent:
     """A row's progress in one step: the text that became certain and the tokens released with it.
 
     ``tokens``: the tokens whose text begins in the text released so far and that no earlier event
-    listed (see "Text and logprobs in step" in `tinylm.serve.scheduler`): often one, none while text is held back, several
-    when held-back text is released. ``generated``: tokens drawn in this step (1; 0 for a row asked
-    for 0 new tokens), listed or not. ``finish_reason`` is set on the row's last event.
+    listed (see "Text and logprobs in step" in `tinylm.serve.release`): often one, none while text is held
+    back, several when held-back text is released. ``generated``: tokens drawn in this step (1; 0 for a row
+    asked for 0 new tokens), listed or not. ``finish_reason`` is set on the row's last event.
     """
 
     index: int

@@ -29,49 +29,34 @@ one background thread that owns the model:
 top-k, top-p and min-p in the same step: the logits are grouped by settings and each group
 is filtered and drawn with `tinylm.generate.sampling.sample` (filters work row by row, so grouping
 changes nothing). Every row draws from its own `torch.Generator`, seeded like the library's
-from the request's ``seed`` and the row's sample index (`prompt_generators(seed, prompts, n)`: sample s of
-every prompt from (seed, s), so a prompt's text does not depend on the other prompts), made on the model's device when the job is submitted (the draw
-happens where the probabilities are: a CPU generator cannot draw from CUDA tensors). So a
-seeded request gives the same tokens whatever else is in the batch, and the same as
-`tinylm.generate.generate` with that seed, up to float rounding between matrix shapes (a
-near-tie of two tokens could in principle break the other way).
+from the request's ``seed`` and the row's sample index (`prompt_generators(seed, prompts, n)`: sample
+s of every prompt from (seed, s), so a prompt's text does not depend on the other prompts), made on
+the model's device when the job is submitted (the draw happens where the probabilities are: a CPU
+generator cannot draw from CUDA tensors). So a seeded request gives the same tokens whatever else is
+in the batch, and the same as `tinylm.generate.generate` with that seed, up to float rounding between
+matrix shapes (a near-tie of two tokens could in principle break the other way).
 
-**Text and logprobs in step.** A row's text is released by its `TextStream` (whole characters,
-nothing that may still turn into a stop string), and its tokens' log-probabilities are released
-with it: an event lists the tokens whose text *begins* in the text released so far. A token
-whose bytes are only part of a character waits for that character. When a stop string ends the
-row, the tokens that begin at or after the cut (the ones that only make up the stop string) are
-never listed; a token straddling the cut (its text begins before it) is listed whole. A stop
-token (end of text) is never listed either. So logprobs cover exactly the returned text, streamed
-or not; every drawn token still counts as generated (`ChoiceEvent.generated`, the usage).
+**Text and logprobs in step** (`tinylm.serve.release`): a row's text is released in whole characters,
+never what may still turn into a stop string, and each event lists the tokens whose text begins in the
+text released so far, so logprobs cover exactly the returned text.
 
 **Context.** The scheduler never slides a window: `submit` refuses a prompt whose length plus
-``max_new_tokens`` exceeds the model's ``block_size`` (the API answers 400 before that), so
-every row fits the context from start to end.
+``max_new_tokens`` exceeds the model's ``block_size`` (the request's rules, `tinylm.generate.request`;
+the API answers 400 before that), so every row fits the context from start to end.
 
-**Other model families.** An RNN's state or an n-gram's token history (models that make their
-own cache, see `tinylm.generate.cache.cache_for`) has no columns to re-align, so for those the
-scheduler batches statically: the rows admitted together are prefilled together and decoded
-until each finishes (a finished row leaves through the cache's ``reorder``), and waiting rows
-start with the next batch. Admission is fair in the same way, and each batch is kept small
-enough that its longest prompt plus its largest ``max_new_tokens`` fits the context, and that its
-prefill's logits (rows x longest prompt x vocabulary) stay under `PREFILL_LOGITS`, the bound the
-continuous path keeps by prefilling in groups (one row always starts, whatever its size).
+**Other model families.** An RNN's state or an n-gram's token history has no columns to re-align, so
+for those the scheduler batches statically (`tinylm.serve.batch`): the rows admitted together are
+prefilled together and decoded until each finishes, and waiting rows start with the next batch.
+Admission is fair in the same way.
 
-**Speculative decoding.** With a ``draft`` (`tinylm serve --draft`), a batch that holds one row
-(one client at a time, the case where a step leaves most of the machine idle) decodes by
-speculative rounds (`tinylm.generate.speculative`): the draft proposes tokens, one pass of the
-model over the row's KV cache checks them, the acceptance rule keeps the model's distribution,
-and the cache is cut back after a rejection. A `Pacer` times plain steps and rounds and stops
-drafting while it does not pay. Batches of two rows or more decode step by step as above. A
-greedy request gets the same tokens either way; a seeded sampled one follows the same
-distribution but not the same text as without a draft.
+**Speculative decoding** (`tinylm.serve.drafting`): with a ``draft``, a batch of one row decodes by
+speculative rounds while drafting pays; batches of two rows or more decode step by step as above.
 
 **Cancelling.** `cancel` marks a request; its rows leave the batch before the next step, which
 frees their slots for waiting requests. The HTTP layer calls it when a client disconnects, from
 its own thread, at any moment: so the scheduler looks at which rows are leaving (finished,
-failed, cancelled) once per rebuild (`_leaving`), and sizes the new cache and copies the rows
-from that one look; a cancel landing in the middle waits for the next step.
+failed, cancelled) once per rebuild (`tinylm.serve.batch.leaving`), and sizes the new cache and copies
+the rows from that one look; a cancel landing in the middle waits for the next step.
 
 **Failures.** A failure in sampling (a request whose settings the sampling functions cannot
 handle) fails the jobs of that sampling group alone, with `JobFailed` (status 400 when the
@@ -93,72 +78,22 @@ import threading
 import time
 from collections import defaultdict, deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
 
 from tinylm.errors import TinyLMError
 from tinylm.generate.fast import make_decoder
-from tinylm.generate.rounds import check_drafts
 from tinylm.generate.request import RequestRules
 from tinylm.generate.sampling import prompt_generators, sample, token_logprobs
-from tinylm.generate.speculative import Draft, Pacer
-from tinylm.generate.steps import Decoder, FinishReason, accept_token, left_pad
+from tinylm.generate.speculative import Draft
+from tinylm.generate.steps import left_pad
 from tinylm.generate.stream import TextStream
-from tinylm.serve.jobs import ChoiceEvent, Job, JobDone, JobFailed, PromptEvent, TokenLogprob, is_crash
+from tinylm.serve.batch import Batch, Row, fits_static, leaving, mask_excluded, prefill_groups, shrink
+from tinylm.serve.drafting import Drafting
+from tinylm.serve.jobs import ChoiceEvent, Job, JobDone, JobFailed, is_crash
+from tinylm.serve.release import accept, drawn, prompt_logprobs, top_logprobs
 from tinylm.tokenizers.base import Tokenizer
-
-PREFILL_LOGITS = 1 << 26  # most logits one prefill may produce: 256 MB in float32
-
-
-# ----- rows and batches -----------------------------------------------------------------------------
-
-
-@dataclass
-class _Row:
-    """One sample being generated: its tokens so far and its text stream."""
-
-    job: Job
-    index: int  # the choice index: prompt index x n + sample index
-    seq: list[int]  # the prompt, then the new tokens
-    prompt_len: int
-    stream: TextStream
-    finish_reason: FinishReason | None = None
-    held: list[TokenLogprob] = field(default_factory=list)  # drawn tokens whose text is not released yet
-
-    @property
-    def n_new(self) -> int:
-        return len(self.seq) - self.prompt_len
-
-    @property
-    def fed(self) -> int:
-        """Tokens whose keys and values are in the cache: all but the newest (sampled, not yet fed)."""
-        return len(self.seq) - 1
-
-    @property
-    def remaining(self) -> int:
-        """Tokens still to draw; each needs one more decoding step."""
-        return self.job.params.max_new_tokens - self.n_new
-
-    @property
-    def done(self) -> bool:
-        return self.finish_reason is not None or self.job.cancelled or self.job.failed
-
-    @property
-    def generator(self) -> torch.Generator | None:
-        return self.job.generators[self.index] if self.job.generators is not None else None
-
-
-@dataclass
-class _Batch:
-    """Rows decoded together by one `Decoder`: right-aligned (every row's last fed token in column ``length - 1``)."""
-
-    rows: list[_Row]
-    decoder: Decoder
-
-
-# ----- the scheduler ---------------------------------------------------------------------------------
 
 
 class Scheduler:
@@ -194,13 +129,11 @@ class Scheduler:
                               "kind of state: serve it without --draft")
         if not isinstance(draft_k, int) or draft_k < 1:
             raise TinyLMError(f"the draft length must be an integer >= 1, got {draft_k!r}")
-        self.draft = draft
-        self.pacer = Pacer(draft_k)
-        self.drafted = self.kept = 0  # draft tokens proposed and kept, for /health and the tests
+        self.drafting = Drafting(draft, draft_k) if draft is not None else None
         self._cond = threading.Condition()
         self._waiting: deque[Job] = deque()  # jobs with rows not yet admitted, in arrival order
-        self._batch: _Batch | None = None
-        self._admitted: list[_Row] = []
+        self._batch: Batch | None = None
+        self._admitted: list[Row] = []
         self._thread: threading.Thread | None = None
         self._closing = False
         self._ending: str | None = None  # set by `end_all`: the message the jobs fail with
@@ -265,12 +198,13 @@ class Scheduler:
             self._cond.notify_all()
 
     def stats(self) -> dict[str, int]:
-        batch = self._batch
+        batch, drafting = self._batch, self.drafting
         with self._cond:
             waiting = sum(len(job.pending) for job in self._waiting)
         return {"active_rows": len(batch.rows) if batch else 0, "waiting_rows": waiting,
                 "max_batch_size": self.max_batch_size, "largest_batch": self.largest_batch, "steps": self.steps,
-                "jobs": self.jobs, "cancelled_rows": self.cancelled_rows, "drafted": self.drafted, "kept": self.kept}
+                "jobs": self.jobs, "cancelled_rows": self.cancelled_rows,
+                "drafted": drafting.drafted if drafting else 0, "kept": drafting.kept if drafting else 0}
 
     # -- the loop (scheduler thread) ---------------------------------------------------------------
 
@@ -298,10 +232,11 @@ class Scheduler:
         self._drop_cancelled()
         if new_rows and self.continuous:
             # the prefilled rows' caches have no room to grow: merging gives the batch its columns
-            fresh = [self._prefill(group, outbox) for group in self._prefill_groups(new_rows)]
+            groups = prefill_groups(new_rows, self.model.config.vocab_size)
+            fresh = [self._prefill(group, outbox) for group in groups]
             self._batch = self._merge(fresh if self._batch is None else [self._batch, *fresh])
         elif new_rows:
-            self._batch = self._shrink(self._prefill(new_rows, outbox))  # a static batch: nothing runs yet
+            self._batch = self._retire(self._prefill(new_rows, outbox))  # a static batch: nothing runs yet
         if new_rows:
             self.largest_batch = max(self.largest_batch, len(self._batch.rows) if self._batch else 0)
         self._admitted = []
@@ -312,7 +247,7 @@ class Scheduler:
         self._deliver(outbox)
         return True
 
-    def _admit(self) -> list[_Row] | None:
+    def _admit(self) -> list[Row] | None:
         """Rows to start now, taken one per waiting job in turn; waits while there is nothing to do."""
         with self._cond:
             idle = self._batch is None
@@ -322,7 +257,7 @@ class Scheduler:
                 return None
         if idle and self.batch_window > 0:
             time.sleep(self.batch_window)  # let requests sent together arrive together
-        rows: list[_Row] = []
+        rows: list[Row] = []
         if self._batch is None:
             free = self.max_batch_size
         else:  # a static batch takes no one until it is done
@@ -332,70 +267,35 @@ class Scheduler:
                 job = self._waiting[0]
                 r = job.pending[0]
                 prompt = job.prompts[r // job.n]
-                if not self.continuous and not self._fits_static(rows, len(prompt), job.params.max_new_tokens):
+                if not self.continuous and not fits_static(rows, len(prompt), job.params.max_new_tokens,
+                                                           self.block_size, self.model.config.vocab_size):
                     break  # it starts the next static batch
                 self._waiting.popleft()
                 job.pending.popleft()
                 stream = TextStream(self.tokenizer, job.params.stop)
-                rows.append(_Row(job, r, list(prompt), len(prompt), stream))
+                rows.append(Row(job, r, list(prompt), len(prompt), stream))
                 free -= 1
                 if job.pending:
                     self._waiting.append(job)  # round robin: its next row after the others' next
         return rows
-
-    def _fits_static(self, rows: list[_Row], prompt_len: int, max_new_tokens: int) -> bool:
-        """Whether a row joins a static batch without outgrowing the context (its rows are left-padded to
-        the longest prompt, and each grows by up to the largest max_new_tokens) or making the prefill's
-        logits (rows, longest prompt, V) exceed `PREFILL_LOGITS` (the first row always starts)."""
-        longest = max([prompt_len] + [r.prompt_len for r in rows])
-        most = max([max_new_tokens] + [r.job.params.max_new_tokens for r in rows])
-        logits = (len(rows) + 1) * longest * self.model.config.vocab_size
-        return longest + most <= self.block_size and (not rows or logits <= PREFILL_LOGITS)
 
     def _drop_cancelled(self) -> None:
         batch = self._batch
         if batch is not None and any(r.job.cancelled for r in batch.rows):
             self._batch = self._retire(batch)
 
-    def _retire(self, batch: _Batch) -> _Batch | None:
+    def _retire(self, batch: Batch) -> Batch | None:
         """The batch without its finished and cancelled rows."""
-        return self._merge([batch]) if self.continuous else self._shrink(batch)
+        return self._merge([batch]) if self.continuous else shrink(batch, self._staying(batch.rows), self.device)
 
-    def _leaving(self, rows: Sequence[_Row]) -> list[bool]:
-        """Which of ``rows`` leave the batch now (finished, failed or cancelled), from one look at each row.
+    def _staying(self, rows: Sequence[Row]) -> list[int]:
+        """The rows that stay in the batch, from one look at each (`tinylm.serve.batch.leaving`); counts the
+        cancelled rows leaving."""
+        gone, cancelled = leaving(rows)
+        self.cancelled_rows += cancelled
+        return [i for i, g in enumerate(gone) if not g]
 
-        `cancel` runs on the HTTP layer's thread and may set ``job.cancelled`` at any moment:
-        two looks at a row (one to size the new cache, one to copy its rows) could disagree,
-        so every rebuild decides from this single snapshot. Counts the cancelled rows leaving.
-        """
-        leaving = []
-        for r in rows:
-            cancelled = r.job.cancelled  # read once
-            leaving.append(r.finish_reason is not None or cancelled or r.job.failed)
-            self.cancelled_rows += cancelled and r.finish_reason is None
-        return leaving
-
-    def _shrink(self, batch: _Batch) -> _Batch | None:
-        """A static batch without its done rows: the cache keeps the others' rows (``reorder``), columns and all."""
-        keep = [i for i, gone in enumerate(self._leaving(batch.rows)) if not gone]
-        if not keep:
-            return None
-        if len(keep) < len(batch.rows):
-            batch.decoder.reorder(torch.tensor(keep, device=self.device))
-            batch.rows = [batch.rows[i] for i in keep]
-        return batch
-
-    def _prefill_groups(self, rows: list[_Row]) -> list[list[_Row]]:
-        """The new rows in groups whose prefill logits (B, P, V) stay under `PREFILL_LOGITS` numbers.
-
-        The model computes logits at every prompt position (echo's logprobs use them); for a big
-        vocabulary and long prompts, 32 rows at once would need gigabytes.
-        """
-        longest = max(len(r.seq) for r in rows)
-        size = max(1, PREFILL_LOGITS // (longest * self.model.config.vocab_size))
-        return [rows[i:i + size] for i in range(0, len(rows), size)]
-
-    def _prefill(self, rows: list[_Row], outbox: dict[Job, list]) -> _Batch:
+    def _prefill(self, rows: list[Row], outbox: dict[Job, list]) -> Batch:
         """Run the new rows' prompts through the model into a cache of their own; draw each row's first token.
 
         The cache holds the prompts alone when the batch is continuous (`_merge` then makes room),
@@ -409,7 +309,7 @@ class Scheduler:
         for b, row in enumerate(rows):
             job = row.job
             if job.prompt_logprobs and row.index % job.n == 0:  # once per prompt
-                outbox[job].append(self._prompt_logprobs(row, logits[b, P - row.prompt_len:]))
+                outbox[job].append(prompt_logprobs(row, logits[b, P - row.prompt_len:], self.tokenizer))
         drawing = [b for b, r in enumerate(rows) if r.remaining > 0]
         for row in rows:
             if row.remaining == 0:  # max_tokens = 0: nothing to draw (echo alone)
@@ -417,69 +317,29 @@ class Scheduler:
                 outbox[row.job].append(ChoiceEvent(row.index, row.stream.finish(), finish_reason="length"))
         if drawing:
             self._draw([rows[b] for b in drawing], logits[drawing, -1], outbox)  # (b, V) last positions
-        return _Batch(rows, decoder)
+        return Batch(rows, decoder)
 
-    def _decode(self, batch: _Batch, outbox: dict[Job, list]) -> None:
+    def _decode(self, batch: Batch, outbox: dict[Job, list]) -> None:
         """One step for every row: feed its newest token, draw the next (a speculative round for a lone row)."""
         rows = batch.rows
-        lone = self.draft is not None and len(rows) == 1
+        lone = self.drafting is not None and len(rows) == 1
         started = time.perf_counter()
-        if lone and self._speculate(batch, outbox):
+        if lone and self.drafting.round(rows[0], batch.decoder, self.vocab_size, outbox):
+            self.steps += 1
             return
         tokens = torch.tensor([r.seq[-1] for r in rows], device=self.device)  # (B,)
         logits = batch.decoder.step(tokens)  # (B, V): each row's token at its own position (r.fed)
         self.steps += 1
         self._draw(rows, logits, outbox)
         if lone:
-            self.pacer.record(0, 0, time.perf_counter() - started)
+            self.drafting.plain_step(time.perf_counter() - started)
 
-    def _speculate(self, batch: _Batch, outbox: dict[Job, list]) -> bool:
-        """A speculative round for a batch of one row; False (nothing done) when no draft is proposed."""
-        row = batch.rows[0]
-        params = row.job.params
-        decoder = batch.decoder
-        room = min(decoder.max_len - decoder.length - 1, row.remaining - 1)  # columns after the pending token
-        n = min(self.pacer.drafts(), room)
-        if n <= 0:
-            return False
-        started = time.perf_counter()
-        excluded = row.job.request.draft_mask()
-        drafts, q = self.draft.propose(row.seq, n, excluded, params, row.generator)
-        drafts = drafts[:n]
-        if not drafts:
-            return False
-        try:
-            new, kept, logprobs = check_drafts(decoder, row.seq, drafts, q, excluded, params, row.generator)
-        except Exception:  # settings sampling cannot take: the round was undone; the plain step fails the job
-            return False
-        self.steps += 1
-        self.drafted += len(drafts)
-        self.kept += kept
-        tops = self._top_logprobs([row] * len(new), logprobs)  # (log_softmax of log-probabilities is the same)
-        for i, token in enumerate(new):
-            offset = len(row.stream.text) + len(row.stream.pending)
-            info = TokenLogprob(token, float(logprobs[i, token]), offset, tops.get(i, ()))
-            outbox[row.job].append(self._accept(row, info))
-            if row.finish_reason is not None:
-                break
-        self.pacer.record(len(drafts), kept, time.perf_counter() - started)
-        return True
-
-    def _draw(self, rows: list[_Row], logits: Tensor, outbox: dict[Job, list]) -> None:
+    def _draw(self, rows: list[Row], logits: Tensor, outbox: dict[Job, list]) -> None:
         """Sample each row's next token from logits (B, V) with its own settings; record it; emit events."""
         logits = logits.float()
         tokens = torch.zeros(len(rows), dtype=torch.long, device=logits.device)  # (B,)
         groups: dict[tuple, list[int]] = defaultdict(list)
-        # what the library's engine leaves out (per row: stop ids may differ): ids past the tokenizer's vocabulary
-        # (a padded output layer), padding, BOS, reserved ids, <unk>
-        masks = [row.job.request.excluded for row in rows]
-        if all(m is masks[0] for m in masks):  # as a rule every row has the same: one operation for the batch
-            if masks[0] is not None:
-                logits.masked_fill_(masks[0], float("-inf"))
-        else:
-            for b, excluded in enumerate(masks):
-                if excluded is not None:
-                    logits[b].masked_fill_(excluded, float("-inf"))
+        mask_excluded(rows, logits)
         for b, row in enumerate(rows):
             groups[row.job.sampling_key].append(b)
         for members in groups.values():
@@ -495,13 +355,11 @@ class Scheduler:
         # (B,) log p of each token under the distribution it was drawn from: the model's, over the ids a sample may
         # take (as `tinylm sample` reports them and the playground charts them)
         logprobs = token_logprobs(logits, tokens).tolist()
-        tops = self._top_logprobs(rows, logits)
+        tops = top_logprobs(rows, logits, self.vocab_size)
         for b, (row, token) in enumerate(zip(rows, tokens.tolist())):
             if row.job.failed:  # failed in this step (a failed job's rows never outlive the step)
                 continue
-            offset = len(row.stream.text) + len(row.stream.pending)  # characters decoded before this token
-            info = TokenLogprob(token, logprobs[b], offset, tops.get(b, ()))
-            outbox[row.job].append(self._accept(row, info))
+            outbox[row.job].append(accept(row, drawn(row, token, logprobs[b], tops.get(b, ()))))
 
     def _fail_job(self, job: Job, message: str, status: int, outbox: dict[Job, list]) -> None:
         """Fail one job in the middle of a step: its rows leave at the end of the step, its waiting rows never
@@ -513,78 +371,7 @@ class Scheduler:
                 self._waiting.remove(job)
         outbox.setdefault(job, [])  # so that `_deliver` sees the job
 
-    def _accept(self, row: _Row, info: TokenLogprob) -> ChoiceEvent:
-        """Append a row's token; decide whether the row is done; the text and the tokens it releases.
-
-        The rule is the generation engine's (`accept_token`): a stop id ends the row and its text
-        is never shown; a stop string ends it with the text cut before it; the last allowed token
-        ends it with finish reason "length" and releases whatever was held back. The tokens go out
-        with their text (`_release`).
-        """
-        row.seq.append(info.id)
-        stop_ids = row.job.request.stop_ids
-        stop_token = info.id in stop_ids
-        if not stop_token:  # a stop token is never listed: its text is never shown
-            row.held.append(info)
-        piece, row.finish_reason, _ = accept_token(row.stream, info.id, stop_ids, row.remaining == 0)
-        # a stop string keeps back the tokens that only make it up; a stop token or the length releases all
-        everything = stop_token or row.finish_reason == "length"
-        return ChoiceEvent(row.index, piece, self._release(row, everything=everything), 1, row.finish_reason)
-
-    @staticmethod
-    def _release(row: _Row, everything: bool) -> tuple[TokenLogprob, ...]:
-        """The held tokens whose text begins in the row's released text (all of them when the whole text was
-        released); once the row is done, the rest are dropped (they only make up a stop string)."""
-        if everything:
-            released, row.held = row.held, []
-        else:
-            shown = len(row.stream.text)
-            k = 0
-            while k < len(row.held) and row.held[k].offset < shown:  # offsets never decrease
-                k += 1
-            released, row.held = row.held[:k], row.held[k:]
-        if row.finish_reason is not None:
-            row.held = []
-        return tuple(released)
-
-    def _top_logprobs(self, rows: list[_Row], logits: Tensor) -> dict[int, tuple[tuple[int, float], ...]]:
-        """For rows that asked for alternatives: the k most likely tokens and their log-probabilities."""
-        asking = [b for b, r in enumerate(rows) if r.job.logprobs]
-        if not asking:
-            return {}
-        k = min(max(rows[b].job.logprobs for b in asking), self.vocab_size)
-        logp = torch.log_softmax(logits[asking], dim=-1)  # (b, V)
-        values, ids = logp.topk(k, dim=-1)  # (b, k) each
-        # the ids no sample takes (-inf) are no alternatives: a row lists fewer when fewer can be drawn
-        return {b: tuple((t, v) for t, v in zip(ids[i, :rows[b].job.logprobs].tolist(),
-                                                values[i, :rows[b].job.logprobs].tolist()) if v > float("-inf"))
-                for i, b in enumerate(asking)}
-
-    def _prompt_logprobs(self, row: _Row, logits: Tensor) -> PromptEvent:
-        """log p of each prompt token from ``echo_from`` on, from the prefill's logits (prompt_len, V) of its row.
-
-        Token j is predicted by the logits at j - 1; the very first token of a sequence has no
-        prediction (None), which only happens when no start ids come before the prompt.
-        """
-        job = row.job
-        prompt = row.seq[:row.prompt_len]
-        logp = torch.log_softmax(logits[:row.prompt_len - 1].float(), dim=-1)  # (prompt_len - 1, V)
-        targets = torch.tensor(prompt[1:], dtype=torch.long, device=logp.device)  # (prompt_len - 1,)
-        chosen = logp.gather(-1, targets[:, None])[:, 0].tolist()
-        k = job.logprobs or 0
-        values, ids = logp.topk(min(k, logp.size(-1)), dim=-1)  # (prompt_len - 1, k) each
-        decoder = self.tokenizer.stream_decoder()
-        offset, tokens = 0, []
-        for j in range(job.echo_from, row.prompt_len):
-            if j == 0:
-                tokens.append(TokenLogprob(prompt[0], None, offset))
-            else:
-                tokens.append(TokenLogprob(prompt[j], chosen[j - 1], offset,
-                                           tuple(zip(ids[j - 1].tolist(), values[j - 1].tolist()))))
-            offset += len(decoder.push(prompt[j]))
-        return PromptEvent(row.index // job.n, tuple(tokens))
-
-    def _merge(self, batches: Sequence[_Batch]) -> _Batch | None:
+    def _merge(self, batches: Sequence[Batch]) -> Batch | None:
         """One batch of the unfinished rows of ``batches``: a new cache, right-aligned, trimmed to what they need.
 
         Columns: as many as the longest row has tokens in the cache (L), plus room for the steps
@@ -593,15 +380,15 @@ class Scheduler:
         Since every row fits the context (prompt + max_new_tokens <= block_size), so does L plus
         the room: the longest row alone needs that much.
         """
-        # one look at which rows leave (see `_leaving`): a cancel arriving from now on waits for the next step
-        keeps = [[i for i, gone in enumerate(self._leaving(b.rows)) if not gone] for b in batches]
+        # one look at which rows leave (`_staying`): a cancel arriving from now on waits for the next step
+        keeps = [self._staying(b.rows) for b in batches]
         rows = [b.rows[i] for b, keep in zip(batches, keeps) for i in keep]
         if not rows:
             return None
         L = max(r.fed for r in rows)
         capacity = L + min(r.remaining for r in rows)
         parts = [(b.decoder, torch.tensor(keep, device=self.device)) for b, keep in zip(batches, keeps) if keep]
-        return _Batch(rows, type(parts[0][0]).merged(parts, L, capacity))
+        return Batch(rows, type(parts[0][0]).merged(parts, L, capacity))
 
     def _deliver(self, outbox: dict[Job, list]) -> None:
         for job, events in outbox.items():
