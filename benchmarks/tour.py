@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -49,7 +50,7 @@ def tour_lines(readme: Path) -> list[tuple[str, str]]:
 def time_serve(command: str) -> tuple[float, int]:
     port = re.search(r"--port (\d+)", command).group(1)
     start = time.perf_counter()
-    server = subprocess.Popen(command, shell=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = subprocess.Popen(shlex.split(command), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     body = json.dumps({"prompt": "ROMEO.", "max_tokens": 40}).encode()
     try:
         while server.poll() is None:
