@@ -32,7 +32,7 @@ from tinylm.model.gpt import GPT
 from tinylm.run import save_safetensors, text_start_ids
 from tinylm.tokenizers.base import Tokenizer, generation_excluded
 from tinylm.tokenizers.bpe import BPETokenizer
-from tinylm.tokenizers.files import tokenizer_to_hf_json
+from tinylm.tokenizers.formats import to_hf_tokenizer_json
 from tinylm.tokenizers.imported import ImportedTokenizer
 
 # what `from_pretrained` reads; `export_hf` writes all of them
@@ -215,7 +215,7 @@ def export_hf(model: GPT, tokenizer: Tokenizer | None, out_dir: str | os.PathLik
             save_safetensors(tensors, staging / WEIGHTS_FILE, metadata={"format": "pt"})
             _write_json(staging / CONFIG_FILE, hf_config(config, tok, state["E.weight"].dtype, start_ids=start))
             if tok is not None:
-                tokenizer_json = tokenizer_to_hf_json(tok)
+                tokenizer_json = to_hf_tokenizer_json(tok)
                 tokenizer_json["post_processor"] = start_post_processor(tok, start)
                 _write_json(staging / TOKENIZER_FILE, tokenizer_json)
                 for name, data in _tokenizer_files(tok, config.block_size, config.vocab_size, start).items():

@@ -17,7 +17,6 @@ import base64
 import json
 import os
 from pathlib import Path
-from typing import Any
 
 import regex
 
@@ -35,8 +34,8 @@ from tinylm.tokenizers.formats import (
     save_tiktoken,
     to_hf_tokenizer_json,
 )
-from tinylm.tokenizers.hf_files import imported_to_hf_json, read_hf_tokenizer
-from tinylm.tokenizers.imported import ByteLevelBPETokenizer, ImportedTokenizer
+from tinylm.tokenizers.hf_files import read_hf_tokenizer
+from tinylm.tokenizers.imported import ByteLevelBPETokenizer
 
 
 def export_tokenizer(tok: Tokenizer, path: str | os.PathLike, format: str, *, overwrite: bool = False) -> Path:
@@ -55,7 +54,7 @@ def export_tokenizer(tok: Tokenizer, path: str | os.PathLike, format: str, *, ov
     if format == "tinylm":
         return tok.save(path)
     if format == "hf":
-        return atomic_write_text(path, json.dumps(tokenizer_to_hf_json(tok), ensure_ascii=False, indent=2) + "\n")
+        return atomic_write_text(path, json.dumps(to_hf_tokenizer_json(tok), ensure_ascii=False, indent=2) + "\n")
     if format == "tiktoken" and isinstance(tok, ByteLevelBPETokenizer):
         # the ranks tiktoken merges with are the ids; the specials and the split pattern have no place in the file
         lines = [f"{base64.b64encode(b).decode('ascii')} {i}\n" for b, i in sorted(tok._token_ids.items(),
@@ -64,15 +63,6 @@ def export_tokenizer(tok: Tokenizer, path: str | os.PathLike, format: str, *, ov
     _require_bpe(tok, format)
     assert isinstance(tok, BPETokenizer)
     return save_tiktoken(tok, path)
-
-
-def tokenizer_to_hf_json(tok: Tokenizer) -> dict[str, Any]:
-    """``tok`` (tinylm's byte-level BPE, or an imported tokenizer) as a tokenizer.json, as a dict."""
-    if isinstance(tok, ImportedTokenizer):
-        return imported_to_hf_json(tok)
-    _require_bpe(tok, "hf")
-    assert isinstance(tok, BPETokenizer)
-    return to_hf_tokenizer_json(tok)
 
 
 _TIKTOKEN_LINE = regex.compile(r"[A-Za-z0-9+/]+=*\s+\d+")
@@ -147,4 +137,4 @@ def import_tokenizer(
     return read_hf_tokenizer(path, roles=roles)
 
 
-__all__ = ["FORMATS", "export_tokenizer", "tokenizer_to_hf_json", "detect_format", "import_tokenizer"]
+__all__ = ["FORMATS", "export_tokenizer", "detect_format", "import_tokenizer"]

@@ -48,7 +48,6 @@ from tinylm.tokenizers.formats import (
     hf_merges,
     hf_pipeline,
     hf_vocab,
-    imported_to_hf_json,
     read_hf_tokenizer_json,
     tokenizer_from_hf_json,
 )
@@ -360,5 +359,4 @@ def _strips_leading_space(decoder: Any) -> bool:
     return False
 
 
-# imported_to_hf_json: where `tinylm.tokenizers.files` imports it from
-__all__ = ["read_hf_tokenizer", "tokenizer_from_any_hf_json", "imported_to_hf_json"]
+__all__ = ["read_hf_tokenizer", "tokenizer_from_any_hf_json"]
