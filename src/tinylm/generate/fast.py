@@ -378,7 +378,7 @@ class StaticDecoder:
         """Read left-padded windows idx (B, T) (mask False at padding) from slot 0; the last logits (B, V), or
         every position's (B, T, V) with ``every``."""
         self.reset()
-        logits = self.run(idx, real_positions(mask), mask)  # each row counts its own tokens
+        logits = self.run(idx, real_positions(mask), mask, last=not every)  # each row counts its own tokens
         return logits if every else logits[:, -1]
 
     def step(self, tokens: Tensor) -> Tensor:
@@ -404,8 +404,11 @@ class StaticDecoder:
         self.length, self.next_position = start + T, after
         return logits[:, :T]
 
-    def run(self, tokens: Tensor, positions: Tensor, real: Tensor | None = None, compiled: bool = False) -> Tensor:
-        """Write ``tokens`` (B, T) at positions (B, T) into the next T slots; logits (B, T, V).
+    def run(self, tokens: Tensor, positions: Tensor, real: Tensor | None = None, compiled: bool = False,
+            last: bool = False) -> Tensor:
+        """Write ``tokens`` (B, T) at positions (B, T) into the next T slots; logits (B, T, V), or the last
+        position's alone (B, 1, V) with ``last`` (a prefill: the head's product over every prompt position
+        would cost as much as the layers below it).
 
         ``real`` (B, T) marks the real tokens (False: padding, never attended to); default all real.
         The next position follows the last one written.
@@ -419,6 +422,8 @@ class StaticDecoder:
         args = (tokens, slots, positions, self.mask, self.k, self.v)
         if compiled and self.compiled_weights is not None and self._compiled_is_faster(args):
             logits = _call_warm(self.compiled_weights.compiled_step(self._shape(tokens)), args)
+        elif last:
+            logits = self.weights.logits(self.weights.hidden(*args)[:, -1:])
         else:
             logits = self.weights.step(*args)
         self.length = end

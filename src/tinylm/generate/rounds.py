@@ -16,7 +16,7 @@ from collections import deque
 import torch
 from torch import Tensor
 
-from tinylm.generate.sampling import SamplingParams, sampling_distribution
+from tinylm.generate.sampling import SamplingParams, draw, sampling_distribution
 from tinylm.generate.steps import Decoder
 
 # drafted rounds per comparison with plain steps; plain steps a pause lasts, first and at most
@@ -30,7 +30,7 @@ def draw_one(probs: Tensor, generator: torch.Generator | None) -> int:
     """One id from probs (V,): the argmax without a generator (greedy), else a draw."""
     if generator is None:
         return int(probs.argmax())
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return int(draw(probs[None], [generator])[0])
 
 
 class Pacer:

@@ -305,18 +305,20 @@ class Scheduler:
         Bn, P = idx.shape
         capacity = P if self.continuous else P + max(r.remaining for r in rows)
         decoder = make_decoder(self.model, Bn, capacity)  # a GPT's: the decoding layout
-        logits = decoder.start(idx, mask, every=True)  # (Bn, P, V): each row counts its own tokens
-        for b, row in enumerate(rows):
-            job = row.job
-            if job.prompt_logprobs and row.index % job.n == 0:  # once per prompt
-                outbox[job].append(prompt_logprobs(row, logits[b, P - row.prompt_len:], self.tokenizer))
+        # every position's logits (Bn, P, V) only when a request wants its prompt's logprobs; each row counts its
+        # own tokens
+        echo = [b for b, r in enumerate(rows) if r.job.prompt_logprobs and r.index % r.job.n == 0]  # once per prompt
+        logits = decoder.start(idx, mask, every=bool(echo))
+        for b in echo:
+            outbox[rows[b].job].append(prompt_logprobs(rows[b], logits[b, P - rows[b].prompt_len:], self.tokenizer))
+        last = logits[:, -1] if echo else logits  # (Bn, V)
         drawing = [b for b, r in enumerate(rows) if r.remaining > 0]
         for row in rows:
             if row.remaining == 0:  # max_tokens = 0: nothing to draw (echo alone)
                 row.finish_reason = "length"
                 outbox[row.job].append(ChoiceEvent(row.index, row.stream.finish(), finish_reason="length"))
         if drawing:
-            self._draw([rows[b] for b in drawing], logits[drawing, -1], outbox)  # (b, V) last positions
+            self._draw([rows[b] for b in drawing], last[drawing], outbox)  # (b, V)
         return Batch(rows, decoder)
 
     def _decode(self, batch: Batch, outbox: dict[Job, list]) -> None:
