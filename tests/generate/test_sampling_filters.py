@@ -13,6 +13,7 @@ from tinylm.errors import TinyLMError
 from tinylm.generate.inspect import temperature_probabilities
 from tinylm.generate.sampling import (
     SamplingParams,
+    draw,
     filter_logits,
     make_generators,
     min_p_filter,
@@ -229,6 +230,48 @@ def test_sampling_draws_only_from_what_the_filters_keep_in_proportion():
     assert counts[2:].sum() == 0
     # two outcomes, 1 degree of freedom: critical value 10.828 at 0.001
     assert chi_square(counts[:2], torch.tensor([2 / 3, 1 / 3])) < 10.828
+
+
+def test_a_draw_is_the_first_id_whose_cumulative_probability_exceeds_the_rows_uniform():
+    probs = torch.tensor([[0.1, 0.0, 0.6, 0.3], [0.25, 0.25, 0.25, 0.25]])
+    for seed in range(200):
+        generators = [torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed + 1000)]
+        us = [torch.rand((), dtype=torch.float64, generator=torch.Generator().manual_seed(s)).item()
+              for s in (seed, seed + 1000)]
+        expected = []
+        for row, u in zip(probs.tolist(), us):  # by hand, in Python floats
+            total, i = 0.0, 0
+            while total + row[i] <= u:
+                total += row[i]
+                i += 1
+            expected.append(i)
+        assert draw(probs, generators).tolist() == expected
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.sampled_from([0.0, 0.0, 1e-9, 0.3, 1.0, 5.0]), min_size=2, max_size=12).filter(any),
+       st.integers(0, 2**31))
+def test_a_draw_never_takes_an_id_of_probability_zero(weights, seed):
+    probs = torch.tensor([weights] * 64, dtype=torch.float32)  # unnormalised: draw scales by the row's total
+    generators = [torch.Generator().manual_seed(seed + b) for b in range(64)]
+    ids = draw(probs, generators)
+    assert all(weights[i] > 0 for i in ids.tolist())
+
+
+def test_each_row_draws_with_its_own_generator_alone():
+    probs = torch.softmax(torch.randn(5, 50, generator=torch.Generator().manual_seed(0)), dim=-1)
+    together = draw(probs, make_generators(7, 5))
+    alone = [int(draw(probs[b:b + 1], [g])[0]) for b, g in enumerate(make_generators(7, 5))]
+    assert together.tolist() == alone
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -0.1])
+def test_a_distribution_with_nan_inf_or_a_negative_entry_is_refused(bad):
+    probs = torch.tensor([[0.5, 0.5, 0.0], [0.2, bad, 0.3]])
+    with pytest.raises(RuntimeError, match="inf, nan or element < 0"):
+        draw(probs, make_generators(0, 2))
+    with pytest.raises(RuntimeError, match="sums to 0"):
+        draw(torch.zeros(1, 3), make_generators(0, 1))
 
 
 def test_greedy_takes_the_argmax_and_the_first_of_tied_maxima():
