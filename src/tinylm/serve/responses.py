@@ -30,14 +30,25 @@ log = logging.getLogger("uvicorn.error")  # where uvicorn logs the errors of the
 
 
 class JobStream:
-    """A job's events, handed from the scheduler's thread to this request's event loop."""
+    """A job's events, handed from the scheduler's thread to this request's event loop.
 
-    def __init__(self, scheduler: Scheduler) -> None:
+    ``whole``: the answer is one body, not a stream, so nothing reads the events before the job ends; they
+    wait on the scheduler's thread and cross in one hand-over. Waking the event loop once per request
+    instead of once per decoding step leaves the scheduler's thread (and the interpreter's lock) to decoding.
+    """
+
+    def __init__(self, scheduler: Scheduler, whole: bool = False) -> None:
         self.scheduler = scheduler
+        self.whole = whole
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue[list] = asyncio.Queue()
+        self.held: list = []  # a whole answer's events so far (the scheduler's thread alone touches it)
 
     def push(self, events: list) -> None:  # called on the scheduler's thread
+        if self.whole and not any(isinstance(e, (JobDone, JobFailed)) for e in events):
+            self.held.extend(events)
+            return
+        events, self.held = self.held + events, []
         self.loop.call_soon_threadsafe(self.queue.put_nowait, events)
 
     async def events(self) -> AsyncIterator[ChoiceEvent | PromptEvent]:

@@ -56,7 +56,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     full, warning = fit_context(full, max_tokens, served.block_size, echo=bool(body.echo))
     lengths = [len(ids) for ids in full]
     params = body.sampling_params(max_tokens)
-    stream = JobStream(request.app.state.scheduler)
+    stream = JobStream(request.app.state.scheduler, whole=not body.stream)
     job = Job(full, params, on_event=stream.push, logprobs=body.logprobs,
               prompt_logprobs=bool(body.echo and body.logprobs is not None), echo_from=len(served.start_ids))
     result = Completions(served, job, prompt_tokens=sum(lengths), echo=echo, logprobs=body.logprobs is not None)
@@ -74,7 +74,7 @@ async def chat_completions(body: ChatRequest, request: Request) -> Response:
     [prompt], warning = fit_context([prompt], max_tokens, served.block_size, what="messages")
     params = body.chat_sampling_params(max_tokens, chat)
     top = (body.top_logprobs or 0) if body.logprobs else None
-    stream = JobStream(request.app.state.scheduler)
+    stream = JobStream(request.app.state.scheduler, whole=not body.stream)
     job = Job([prompt], params, on_event=stream.push, logprobs=top)
     result = ChatCompletions(served, job, prompt_tokens=len(prompt), logprobs=bool(body.logprobs))
     return await respond(request, stream, job, result, body.stream, body.include_usage, warning)
