@@ -17,8 +17,9 @@ The commands are grouped by the part of the library they call, one module each: 
 `data` (prepare), `train`, `evaluate` (eval, compare), `generate` (sample, next-token), `serve`, `export`
 (export, import) and `explain` (tokens, sampling, cost, attention, forward); each has an `add_commands` that
 adds its subcommands to the parser, and
-`flags` holds what they share. A command imports the library it calls when it runs, so that
-`tinylm --help` answers without loading torch.
+`flags` holds what they share. A command is declared by `flags.add_command`, with its one-line summary; the
+description its --help prints is its function's docstring. A command imports the library it calls when it runs,
+so that `tinylm --help` answers without loading torch.
 """
 
 from __future__ import annotations

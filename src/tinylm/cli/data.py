@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import argparse
 
-from tinylm.cli.flags import add_corpus_flags, add_tokenizer_training_flags, fraction, load_corpus_from, seed_int
+from tinylm.cli.flags import (add_command, add_corpus_flags, add_tokenizer_training_flags, fraction, load_corpus_from,
+                              seed_int)
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
-    """The parsed flags -> `tinylm.data.prepare_run.prepare_corpus`, which picks the folder and the tokenizer; then
-    the splits it wrote (or reused)."""
+    """Tokenize a corpus into binary token shards (numpy memmaps) with a deterministic train/validation split by
+    document and EOS between documents. Without --tokenizer, trains one on the corpus first. Running it again on the
+    same inputs reuses the result."""
+    # `prepare_corpus` takes the flags as given and picks the folder and the tokenizer; printed here: the splits it
+    # wrote (or reused)
     from tinylm.data.prepare_run import prepare_corpus
 
     shards = prepare_corpus(
@@ -26,12 +30,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
     """tinylm prepare."""
-    # tinylm prepare
-    p = sub.add_parser("prepare", help="tokenize a corpus into train/validation token shards",
-                       description="Tokenize a corpus into binary token shards (numpy memmaps) with a "
-                       "deterministic train/validation split by document and EOS between documents. "
-                       "Without --tokenizer, trains one on the corpus first. Running it again on the "
-                       "same inputs reuses the result.")
+    p = add_command(sub, "prepare", cmd_prepare, "tokenize a corpus into train/validation token shards")
     add_corpus_flags(p)
     p.add_argument("--tokenizer", help="a tinylm tokenizer JSON file (default: train one, see --kind)")
     add_tokenizer_training_flags(p, vocab_default=4096)
@@ -39,4 +38,3 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--val-fraction", type=fraction, default=0.1, help="share of documents for validation (default: 0.1)")
     p.add_argument("--seed", type=seed_int, default=0, help="seed of the train/validation split (default: 0)")
     p.add_argument("--force", action="store_true", help="re-train the tokenizer and rewrite the shards")
-    p.set_defaults(func=cmd_prepare, parser=p)

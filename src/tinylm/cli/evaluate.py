@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from tinylm.cli.flags import (add_corpus_flags, add_run_flags, add_threads_flag, integer, load_corpus_from,
+from tinylm.cli.flags import (add_command, add_corpus_flags, add_run_flags, add_threads_flag, integer, load_corpus_from,
                               positive_int)
 from tinylm.errors import TinyLMError
 
@@ -31,6 +31,10 @@ def _device(setting: str) -> str:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
+    """Evaluate a trained run (Transformer, LSTM, RNN or n-gram) on a split of the token shards it was trained on,
+    or on any corpus: mean loss per token, perplexity, bits per byte of the original text, the tokens and bytes
+    counted, and the time it took. A network reads the text in disjoint windows of its block_size unless --stride
+    slides them."""
     from tinylm.evaluate import evaluate_run
 
     run = args.run_flag or args.run
@@ -57,6 +61,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
+    """Evaluate runs of any family and tokenizer (n-gram, RNN, LSTM, Transformer) on their validation split, or all
+    on one --corpus, and print a table sorted by bits per byte, the measure that is fair across tokenizers; draw the
+    bits per byte as a bar chart (PNG)."""
     from tinylm.compare import check_plot_path, compare_runs, format_table, plot_comparison
 
     # beside the runs (runs/compare.png), where git ignores it as it ignores the runs, not in the working folder
@@ -77,12 +84,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
     """tinylm eval and tinylm compare."""
-    # tinylm eval
-    p = sub.add_parser("eval", help="loss, perplexity and bits per byte of a trained run (any model family)",
-                       description="Evaluate a trained run (Transformer, LSTM, RNN or n-gram) on a split of the "
-                       "token shards it was trained on, or on any corpus: mean loss per token, perplexity, bits per "
-                       "byte of the original text, the tokens and bytes counted, and the time it took. A network "
-                       "reads the text in disjoint windows of its block_size unless --stride slides them.")
+    p = add_command(sub, "eval", cmd_eval, "loss, perplexity and bits per byte of a trained run (any model family)")
     p.add_argument("run", nargs="?", help=argparse.SUPPRESS)
     add_run_flags(p, "the run folder (e.g. runs/tiny-shakespeare), or an n-gram model file (.npz)", dest="run_flag",
                   required=False)
@@ -100,13 +102,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    "or mps (default: auto, as for train)")
     p.add_argument("--json", action="store_true", help="print the numbers as one JSON object (for scripts)")
     add_threads_flag(p)
-    p.set_defaults(func=cmd_eval, parser=p)
 
-    # tinylm compare
-    p = sub.add_parser("compare", help="evaluate several runs on the same text: a table and a bar chart",
-                       description="Evaluate runs of any family and tokenizer (n-gram, RNN, LSTM, Transformer) on "
-                       "their validation split, or all on one --corpus, and print a table sorted by bits per byte, "
-                       "the measure that is fair across tokenizers; draw the bits per byte as a bar chart (PNG).")
+    p = add_command(sub, "compare", cmd_compare, "evaluate several runs on the same text: a table and a bar chart")
     p.add_argument("runs", nargs="+", metavar="RUN", help="run folders")
     p.add_argument("--split", choices=["val", "train"], default="val", help="which split (default: val)")
     add_corpus_flags(p, default=None, what="evaluate every run on this corpus instead of its split:")
@@ -120,4 +117,3 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print the table as JSON, best first (the chart is still "
                    "written)")
     add_threads_flag(p)
-    p.set_defaults(func=cmd_compare, parser=p)

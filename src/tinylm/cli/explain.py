@@ -17,7 +17,8 @@ import json
 from collections.abc import Callable
 
 from tinylm.cli.explain_model import add_model_commands
-from tinylm.cli.flags import Parser, add_setting_flags, add_threads_flag, positive_int, probability, settings_from, show_help
+from tinylm.cli.flags import (Parser, add_command, add_setting_flags, add_threads_flag, positive_int, probability,
+                              settings_from, show_help)
 from tinylm.errors import TinyLMError
 
 
@@ -46,6 +47,8 @@ def _show(args: argparse.Namespace, report: Callable[[], dict], text: Callable[[
 
 
 def cmd_tokens(args: argparse.Namespace) -> int:
+    """Split a text with a tokenizer (char, word, BPE or imported) and show each piece with its id and byte count,
+    as a table and, with --out, coloured boxes in a PNG."""
     from tinylm.explain.tokens import format_pieces, plot_pieces, token_pieces
 
     pieces = token_pieces(_tokenizer_from(args), args.text, merges=args.merges)
@@ -64,6 +67,8 @@ def _numbers(text: str, flag: str) -> list[float]:
 
 
 def cmd_sampling(args: argparse.Namespace) -> int:
+    """Show how temperature, then top-k, then top-p reshape a next-token distribution (the filters every tinylm
+    sampler uses), for a run's next token after --text or for logits given with --logits (no model needed)."""
     from tinylm.explain.sampling import explain_logits, explain_run, format_sampling, plot_sampling
     from tinylm.cli.flags import parse_temperatures
 
@@ -86,6 +91,10 @@ def cmd_sampling(args: argparse.Namespace) -> int:
 
 
 def cmd_cost(args: argparse.Namespace) -> int:
+    """Account for a model without building it: parameters per component (tied weights once), FLOPs per token
+    (exact, and the 6N + attention rule), KV-cache bytes, activation memory for a batch, and (--out) a plot of cost
+    against the context length. The model is a run's, or a preset, TOML file and setting flags as for
+    `tinylm train`."""
     from tinylm.config import build_config, load_config_file, resolve_config
     from tinylm.explain.cost import cost_report, format_cost, plot_cost
 
@@ -114,23 +123,17 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     group.set_defaults(func=show_help(group), parser=group)
     explain = group.add_subparsers(dest="explain_command", metavar="WHAT", parser_class=Parser)
 
-    # tinylm explain tokens
-    p = explain.add_parser("tokens", help="how a text splits into tokens: pieces, ids, bytes (and BPE merges)",
-                           description="Split a text with a tokenizer (char, word, BPE or imported) and show each "
-                           "piece with its id and byte count, as a table and, with --out, coloured boxes in a PNG.")
+    p = add_command(explain, "tokens", cmd_tokens,
+                    "how a text splits into tokens: pieces, ids, bytes (and BPE merges)")
     p.add_argument("--tokenizer", metavar="FILE", help="a tokenizer JSON file (tinylm tokenizer train --out)")
     p.add_argument("--run", metavar="DIR", help="or a run folder: its tokenizer")
     p.add_argument("--text", required=True, help="the text to split")
     p.add_argument("--merges", action="store_true", help="BPE: the ranks of the merges that built each piece")
     p.add_argument("--out", metavar="PNG", help="draw the pieces into this PNG file")
     p.add_argument("--json", action="store_true", help="print the pieces as one JSON object")
-    p.set_defaults(func=cmd_tokens, parser=p)
 
-    # tinylm explain sampling
-    p = explain.add_parser("sampling", help="the next-token distribution before and after temperature, top-k, top-p",
-                           description="Show how temperature, then top-k, then top-p reshape a next-token "
-                           "distribution (the filters every tinylm sampler uses), for a run's next token after "
-                           "--text or for logits given with --logits (no model needed).")
+    p = add_command(explain, "sampling", cmd_sampling,
+                    "the next-token distribution before and after temperature, top-k, top-p")
     p.add_argument("--run", metavar="DIR", help="the run folder whose next token to explain")
     p.add_argument("--text", help="the text before the next token (with --run)")
     p.add_argument("--logits", metavar="U1,U2,...", help="explain these logits instead of a model's, e.g. 2,1,-1")
@@ -142,15 +145,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", metavar="PNG", help="draw one panel per temperature into this PNG file")
     p.add_argument("--json", action="store_true", help="print the table as one JSON object")
     add_threads_flag(p)
-    p.set_defaults(func=cmd_sampling, parser=p)
 
-    # tinylm explain cost
-    p = explain.add_parser("cost", help="parameters, FLOPs, KV cache and activation memory of a configuration",
-                           allow_abbrev=False,
-                           description="Account for a model without building it: parameters per component (tied "
-                           "weights once), FLOPs per token (exact, and the 6N + attention rule), KV-cache bytes, "
-                           "activation memory for a batch, and (--out) a plot of cost against the context length. "
-                           "The model is a run's, or a preset, TOML file and setting flags as for `tinylm train`.")
+    p = add_command(explain, "cost", cmd_cost,
+                    "parameters, FLOPs, KV cache and activation memory of a configuration", allow_abbrev=False)
     p.add_argument("--run", metavar="DIR", help="a run folder: its configuration")
     p.add_argument("--preset", help="start from a named preset (default: tiny, unless --config names one)")
     p.add_argument("--config", help="a TOML file with [model] and [train] tables")
@@ -160,6 +157,5 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", metavar="PNG", help="plot parameters, FLOPs and inner products against T into this PNG")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
     add_setting_flags(p, sections=("model",))  # the cost of a model; of training's settings it reads only --batch
-    p.set_defaults(func=cmd_cost, parser=p)
 
     add_model_commands(explain)  # tinylm explain attention, tinylm explain forward

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tinylm.cli.flags import add_threads_flag, integer
+from tinylm.cli.flags import add_command, add_threads_flag, integer
 from tinylm.config import FAMILY_NAMES
 from tinylm.errors import TinyLMError
 
@@ -47,6 +47,11 @@ def _run_unless_example(args: argparse.Namespace, example: Callable[[], Any], de
 
 
 def cmd_attention(args: argparse.Namespace) -> int:
+    """Run a text (after the run's start token) through a trained Transformer and draw every layer's and head's
+    attention weights as heatmaps, tokens on the axes: row i is how position i spreads its attention over positions
+    0..i; the future above the diagonal, hidden by the -inf mask, is left blank. --example lecture instead computes
+    a worked 3 x 3 example (T = 3, d_h = 2, c = 1) with tinylm's reference attention and prints the weights and the
+    output."""
     from tinylm.explain.attention import attention_of_text, format_example, plot_attention, worked_example
 
     run = _run_unless_example(args, worked_example, format_example)
@@ -70,6 +75,11 @@ def cmd_attention(args: argparse.Namespace) -> int:
 
 
 def cmd_forward(args: argparse.Namespace) -> int:
+    """Run a text through a trained Transformer once and print every step in row-vector notation (x, h = E[x],
+    q = h W^Q, k, v, the scores, the mask row, the softmax, the attention output, the residual adds, the norms, the
+    logits, the loss), each with its shape and its values at one position. The values are recorded from the model's
+    own modules while it runs, so the logits are the model's. --example lecture instead works out the loss of two
+    tokens over a vocabulary of 3 (1.211 nats)."""
     from tinylm.explain.attention import text_ids
     from tinylm.explain.forward import format_trace, format_two_token_loss, trace_forward, two_token_loss
 
@@ -90,33 +100,23 @@ def cmd_forward(args: argparse.Namespace) -> int:
 
 def add_model_commands(subparsers: argparse._SubParsersAction) -> None:
     """tinylm explain attention and tinylm explain forward."""
-    p = subparsers.add_parser(
-        "attention", help="heatmaps of a Transformer's masked attention weights on a text",
-        description="Run a text (after the run's start token) through a trained Transformer and draw every layer's "
-        "and head's attention weights as heatmaps, tokens on the axes: row i is how position i spreads its "
-        "attention over positions 0..i; the future above the diagonal, hidden by the -inf mask, is left blank. "
-        "--example lecture instead computes a worked 3 x 3 example (T = 3, d_h = 2, c = 1) with tinylm's "
-        "reference attention and prints the weights and the output.")
+    p = add_command(subparsers, "attention", cmd_attention,
+                    "heatmaps of a Transformer's masked attention weights on a text")
     _run_and_text(p)
     p.add_argument("--layer", type=integer, metavar="L", help="only this layer (0-based; default: all)")
     p.add_argument("--head", type=integer, metavar="H", help="only this head (0-based; default: all)")
     p.add_argument("--out", metavar="PNG", help="where to write the picture (default: attention.png in the run folder)")
     _common(p)
-    p.set_defaults(func=cmd_attention, parser=p, explain_command="attention")
+    p.set_defaults(explain_command="attention")
 
-    p = subparsers.add_parser(
-        "forward", help="one forward pass step by step: embeddings, q = h W^Q, scores, mask, softmax, ..., loss",
-        description="Run a text through a trained Transformer once and print every step in row-vector notation "
-        "(x, h = E[x], q = h W^Q, k, v, the scores, the mask row, the softmax, the attention output, the residual "
-        "adds, the norms, the logits, the loss), each with its shape and its values at one position. The values "
-        "are recorded from the model's own modules while it runs, so the logits are the model's. --example "
-        "lecture instead works out the loss of two tokens over a vocabulary of 3 (1.211 nats).")
+    p = add_command(subparsers, "forward", cmd_forward,
+                    "one forward pass step by step: embeddings, q = h W^Q, scores, mask, softmax, ..., loss")
     _run_and_text(p)
     p.add_argument("--position", type=integer, metavar="T", help="the position whose values to show (default: the last)")
     p.add_argument("--head", type=integer, default=0, metavar="H", help="the head whose scores and softmax to show "
                    "(default: 0)")
     _common(p)
-    p.set_defaults(func=cmd_forward, parser=p, explain_command="forward")
+    p.set_defaults(explain_command="forward")
 
 
 def _run_and_text(p: argparse.ArgumentParser) -> None:

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import argparse
 
-from tinylm.cli.flags import add_role_flags, add_run_flags, roles_from
+from tinylm.cli.flags import add_command, add_role_flags, add_run_flags, roles_from
 from tinylm.errors import TinyLMError
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    """Export a trained run: a Hugging Face folder (config.json, model.safetensors, tokenizer.json) in the GPT-2,
+    Llama, Qwen2, Qwen3 or Mistral layout, or a GGUF file for llama.cpp. A configuration no architecture can express
+    is refused with what does not map."""
     from tinylm.export import export_run
 
     extra = {"dtype": args.dtype} if args.dtype else {}
@@ -20,6 +23,9 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_import(args: argparse.Namespace) -> int:
+    """Import a local transformers checkpoint (config.json, model.safetensors, and its tokenizer: tokenizer.json or
+    vocab.json + merges.txt, with tokenizer_config.json) as a run folder that sample, eval, serve and train
+    --init-from can use. Token ids stay the model's."""
     from tinylm.export import import_hf_into_run
 
     run = import_hf_into_run(args.source, args.out, force=args.force, roles=roles_from(args))
@@ -29,11 +35,7 @@ def cmd_import(args: argparse.Namespace) -> int:
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
     """tinylm export and tinylm import."""
-    # tinylm export / import
-    p = sub.add_parser("export", help="write a trained run for transformers (hf) or llama.cpp (gguf)",
-                       description="Export a trained run: a Hugging Face folder (config.json, model.safetensors, "
-                       "tokenizer.json) in the GPT-2, Llama, Qwen2, Qwen3 or Mistral layout, or a GGUF file for llama.cpp. A "
-                       "configuration no architecture can express is refused with what does not map.")
+    p = add_command(sub, "export", cmd_export, "write a trained run for transformers (hf) or llama.cpp (gguf)")
     add_run_flags(p, "the run folder")
     p.add_argument("--format", required=True, choices=["hf", "gguf"], help="hf or gguf")
     p.add_argument("--out", required=True, help="output folder (hf) or .gguf file")
@@ -41,15 +43,10 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--quant", "--dtype", dest="dtype", choices=["f32", "f16", "q8_0"],
                    help="gguf matrix type: f32 (default, exact), f16 or q8_0 (8-bit blocks of 32); vectors stay f32")
     p.add_argument("--force", action="store_true", help="overwrite --out if it exists")
-    p.set_defaults(func=cmd_export, parser=p)
 
-    p = sub.add_parser("import", help="turn a local Hugging Face GPT-2, Llama, Qwen2/3 or Mistral checkpoint into "
-                       "a tinylm run",
-                       description="Import a local transformers checkpoint (config.json, model.safetensors, and its "
-                       "tokenizer: tokenizer.json or vocab.json + merges.txt, with tokenizer_config.json) as a run "
-                       "folder that sample, eval, serve and train --init-from can use. Token ids stay the model's.")
+    p = add_command(sub, "import", cmd_import,
+                    "turn a local Hugging Face GPT-2, Llama, Qwen2/3 or Mistral checkpoint into a tinylm run")
     p.add_argument("--from", dest="source", required=True, help="the Hugging Face model folder")
     p.add_argument("--out", required=True, help="the run folder to create")
     add_role_flags(p)
     p.add_argument("--force", action="store_true", help="replace --out if it is an existing tinylm run")
-    p.set_defaults(func=cmd_import, parser=p)

@@ -1,5 +1,6 @@
-"""What the subcommands share: the one-line-error parser, flag types, the corpus, tokenizer and input flags, and
-the setting flags generated from the configuration dataclasses (`tinylm train`, `tinylm explain cost`).
+"""What the subcommands share: the one-line-error parser, how a command is declared (`add_command`), flag types,
+the corpus, tokenizer and input flags, and the setting flags generated from the configuration dataclasses
+(`tinylm train`, `tinylm explain cost`).
 
 A command module builds its parser from these (`add_corpus_flags(p)`) and reads the flags back
 with their partners (`load_corpus_from(args)`), so every command spells a corpus the same way.
@@ -10,6 +11,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import inspect
 import sys
 import typing
 from collections.abc import Callable
@@ -200,6 +202,20 @@ def roles_from(args: argparse.Namespace) -> dict[str, str] | None:
     """--bos/--eos/--pad: the special tokens a Hugging Face tokenizer's own files do not name."""
     roles = {role: getattr(args, role) for role in ("bos", "eos", "pad") if getattr(args, role, None)}
     return roles or None
+
+
+def add_command(sub: argparse._SubParsersAction, name: str, func: Callable[..., int], summary: str,
+                **kwargs) -> argparse.ArgumentParser:
+    """Declare the command ``name``, run by ``func``: ``summary`` is its line in the parent's --help, and its own
+    --help describes it with ``func``'s docstring, so what a command does is written once, where it is done.
+
+    The parser is kept in ``args.parser`` so that an unknown flag is reported by the command's own parser
+    (`tinylm train: error: ...`, pointing at `tinylm train --help`). ``kwargs`` go to ``add_parser``
+    (``allow_abbrev=False``, ...). Returns the command's parser, for its flags.
+    """
+    p = sub.add_parser(name, help=summary, description=inspect.getdoc(func), **kwargs)
+    p.set_defaults(func=func, parser=p)
+    return p
 
 
 def show_help(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], int]:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from tinylm.cli.flags import (
+    add_command,
     add_run_flags,
     add_threads_flag,
     command_threads,
@@ -98,7 +99,11 @@ def format_completions(prompts: Sequence[str], completions: Sequence[Completion]
 
 
 def cmd_sample(args: Any, out: TextIO | None = None) -> int:
-    """`tinylm sample`: load the run, complete the prompts, print (or stream) the text."""
+    """Complete prompts with a trained model: sampling (temperature, top-k, top-p, min-p; applied in that order),
+    greedy decoding (--temperature 0) or beam search (--num-beams). The prompt comes from --prompt (repeat it for a
+    batch), --prompt-file, or stdin; with none, samples start a new document. Prints each prompt and its
+    completion."""
+    # ``out`` is where the text goes (stdout unless a caller, such as a test, passes its own)
     with contextlib.ExitStack() as threads:
         return _sample(args, out, threads)
 
@@ -179,7 +184,8 @@ def format_stats(stats: SpeculativeStats) -> str:
 
 
 def cmd_next_token(args: Any, out: TextIO | None = None) -> int:
-    """`tinylm next-token`: the most likely next tokens after the prompt, at one or several temperatures."""
+    """Print the model's top candidates for the token after --prompt, with their probabilities at --temperature, or
+    side by side at several --temperatures."""
     from tinylm.run import load_run
 
     out = sys.stdout if out is None else out
@@ -215,12 +221,7 @@ def _next_token(args: Any, run: Any, out: TextIO) -> int:
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
     """tinylm sample and next-token."""
-    # tinylm sample / next-token
-    p = sub.add_parser("sample", help="generate text from a trained run",
-                       description="Complete prompts with a trained model: sampling (temperature, top-k, top-p, "
-                       "min-p; applied in that order), greedy decoding (--temperature 0) or beam search "
-                       "(--num-beams). The prompt comes from --prompt (repeat it for a batch), --prompt-file, "
-                       "or stdin; with none, samples start a new document. Prints each prompt and its completion.")
+    p = add_command(sub, "sample", cmd_sample, "generate text from a trained run")
     add_run_flags(p)
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", action="append", metavar="TEXT",
@@ -256,11 +257,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    "eager step: 15-40 s the first time, about 5 s after (torch caches it); worth it for long "
                    "or many samples (default: off)")
     add_threads_flag(p)
-    p.set_defaults(func=cmd_sample, parser=p)
 
-    p = sub.add_parser("next-token", help="show the most likely next tokens after a prompt",
-                       description="Print the model's top candidates for the token after --prompt, with their "
-                       "probabilities at --temperature, or side by side at several --temperatures.")
+    p = add_command(sub, "next-token", cmd_next_token, "show the most likely next tokens after a prompt")
     add_run_flags(p)
     p.add_argument("--prompt", required=True, metavar="TEXT", help="the text to continue")
     p.add_argument("--top", type=positive_int, default=10, metavar="N", help="how many candidates (default: 10)")
@@ -269,4 +267,3 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--temperatures", metavar="T1,T2,...",
                    help="show the probabilities at several temperatures side by side, e.g. 0.5,1,2")
     add_threads_flag(p)
-    p.set_defaults(func=cmd_next_token, parser=p)

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import argparse
 
-from tinylm.cli.flags import add_run_flags, add_threads_flag, nonneg_float, port, positive_int
+from tinylm.cli.flags import add_command, add_run_flags, add_threads_flag, nonneg_float, port, positive_int
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    """The parsed flags -> `tinylm.serve.server.serve`, checked before the run is loaded."""
+    """Serve a trained run over HTTP: the OpenAI API (/v1/models, /v1/completions, /v1/chat/completions, streaming
+    by server-sent events) that the official openai clients use unchanged, and a playground page at / that streams
+    completions and charts the next-token probabilities. Requests in flight are decoded together in batches."""
+    # the flags are checked before the run is loaded, so a bad value is refused at once
     from tinylm.serve import server
     from tinylm.serve.options import api_key_or_env, check_options
 
@@ -29,12 +32,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
     """tinylm serve."""
-    # tinylm serve
-    p = sub.add_parser("serve", help="serve a trained run: an OpenAI-compatible API and a web playground",
-                       description="Serve a trained run over HTTP: the OpenAI API (/v1/models, /v1/completions, "
-                       "/v1/chat/completions, streaming by server-sent events) that the official openai clients "
-                       "use unchanged, and a playground page at / that streams completions and charts the "
-                       "next-token probabilities. Requests in flight are decoded together in batches.")
+    p = add_command(sub, "serve", cmd_serve, "serve a trained run: an OpenAI-compatible API and a web playground")
     add_run_flags(p)
     p.add_argument("--host", default="127.0.0.1",
                    help="the address to listen on (default: 127.0.0.1, this machine only; 0.0.0.0 for every network)")
@@ -61,4 +59,3 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    help="the most tokens drafted per model pass (default: 4)")
     p.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"], default="info",
                    help="the server's log level; info logs every request (default: info)")
-    p.set_defaults(func=cmd_serve, parser=p)

@@ -8,12 +8,13 @@ import sys
 import time
 from pathlib import Path
 
-from tinylm.cli.flags import (Parser, add_corpus_flags, add_role_flags, add_tokenizer_training_flags, load_corpus_from,
-                              read_input, roles_from, show_help, train_tokenizer_from)
+from tinylm.cli.flags import (Parser, add_command, add_corpus_flags, add_role_flags, add_tokenizer_training_flags,
+                              load_corpus_from, read_input, roles_from, show_help, train_tokenizer_from)
 from tinylm.errors import TinyLMError
 
 
 def cmd_tokenizer_train(args: argparse.Namespace) -> int:
+    """Train a byte-level BPE, character or word tokenizer on a corpus and save it as tinylm JSON."""
     out = Path(args.out)
     if out.exists() and not args.force:
         raise TinyLMError(f"{out} already exists; choose another --out or pass --force to overwrite it")
@@ -27,6 +28,8 @@ def cmd_tokenizer_train(args: argparse.Namespace) -> int:
 
 
 def cmd_tokenizer_encode(args: argparse.Namespace) -> int:
+    """Encode text with a tokenizer. Prints the ids, or with --count the number of tokens, or with --show one line
+    per token with its text."""
     from tinylm.tokenizers import load_tokenizer
 
     tok = load_tokenizer(args.tokenizer)
@@ -47,6 +50,7 @@ def cmd_tokenizer_encode(args: argparse.Namespace) -> int:
 
 
 def cmd_tokenizer_decode(args: argparse.Namespace) -> int:
+    """Decode token ids (arguments or whitespace-separated on stdin) to text."""
     from tinylm.tokenizers import load_tokenizer
 
     tok = load_tokenizer(args.tokenizer)
@@ -65,6 +69,7 @@ def cmd_tokenizer_decode(args: argparse.Namespace) -> int:
 
 
 def cmd_tokenizer_info(args: argparse.Namespace) -> int:
+    """Print a tokenizer's kind, sizes, special tokens, split pattern and fingerprint."""
     from tinylm.tokenizers import load_tokenizer
 
     tok = load_tokenizer(args.tokenizer)
@@ -98,6 +103,8 @@ def cmd_tokenizer_info(args: argparse.Namespace) -> int:
 
 
 def cmd_tokenizer_export(args: argparse.Namespace) -> int:
+    """Export a BPE tokenizer for other tools: a Hugging Face tokenizer.json (loads in `tokenizers` and
+    `transformers`) or a tiktoken ranks file."""
     from tinylm.tokenizers import load_tokenizer
     from tinylm.tokenizers.files import export_tokenizer
 
@@ -113,6 +120,9 @@ def cmd_tokenizer_export(args: argparse.Namespace) -> int:
 
 
 def cmd_tokenizer_import(args: argparse.Namespace) -> int:
+    """Import a Hugging Face tokenizer (tokenizer.json: byte-level BPE such as GPT-2's, Llama 3's or Qwen2's, or
+    SentencePiece-style BPE with byte fallback such as Llama 2's and Mistral's; or GPT-2's vocab.json + merges.txt)
+    or a tiktoken ranks file as a tinylm tokenizer. Every token keeps its id."""
     from tinylm.tokenizers.files import import_tokenizer
 
     out = Path(args.out)
@@ -132,14 +142,11 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     tok.set_defaults(func=show_help(tok))
     tsub = tok.add_subparsers(dest="tokenizer_command", metavar="ACTION", parser_class=Parser)
 
-    p = tsub.add_parser("train", help="train a tokenizer on a corpus",
-                        description="Train a byte-level BPE, character or word tokenizer on a corpus "
-                        "and save it as tinylm JSON.")
+    p = add_command(tsub, "train", cmd_tokenizer_train, "train a tokenizer on a corpus")
     add_corpus_flags(p)
     add_tokenizer_training_flags(p, vocab_default=4096)
     p.add_argument("--out", required=True, help="where to save the tokenizer (JSON)")
     p.add_argument("--force", action="store_true", help="overwrite --out if it exists")
-    p.set_defaults(func=cmd_tokenizer_train, parser=p)
 
     def add_input(p: argparse.ArgumentParser) -> None:
         p.add_argument("--tokenizer", required=True, help="a tinylm tokenizer JSON file")
@@ -147,9 +154,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         src.add_argument("--text", help="the text (default: read --file, or stdin)")
         src.add_argument("--file", help="read the text from this UTF-8 file")
 
-    p = tsub.add_parser("encode", help="encode text to ids, count tokens, or show the split",
-                        description="Encode text with a tokenizer. Prints the ids, or with --count the "
-                        "number of tokens, or with --show one line per token with its text.")
+    p = add_command(tsub, "encode", cmd_tokenizer_encode, "encode text to ids, count tokens, or show the split")
     add_input(p)
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--count", action="store_true", help="print the token, character and byte counts")
@@ -157,34 +162,23 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--allow-special", action="store_true",
                    help="treat special-token text such as <|eos|> in the input as the special token "
                    "(default: it is plain text)")
-    p.set_defaults(func=cmd_tokenizer_encode, parser=p)
 
-    p = tsub.add_parser("decode", help="decode ids to text",
-                        description="Decode token ids (arguments or whitespace-separated on stdin) to text.")
+    p = add_command(tsub, "decode", cmd_tokenizer_decode, "decode ids to text")
     p.add_argument("--tokenizer", required=True, help="a tinylm tokenizer JSON file")
     p.add_argument("ids", nargs="*", help="token ids")
-    p.set_defaults(func=cmd_tokenizer_decode, parser=p)
 
-    p = tsub.add_parser("info", help="describe a tokenizer", description="Print a tokenizer's kind, sizes, "
-                        "special tokens, split pattern and fingerprint.")
+    p = add_command(tsub, "info", cmd_tokenizer_info, "describe a tokenizer")
     p.add_argument("--tokenizer", required=True, help="a tinylm tokenizer JSON file")
     p.add_argument("--json", action="store_true", help="print JSON")
-    p.set_defaults(func=cmd_tokenizer_info, parser=p)
 
-    p = tsub.add_parser("export", help="write a BPE tokenizer as tokenizer.json or .tiktoken",
-                        description="Export a BPE tokenizer for other tools: a Hugging Face tokenizer.json "
-                        "(loads in `tokenizers` and `transformers`) or a tiktoken ranks file.")
+    p = add_command(tsub, "export", cmd_tokenizer_export, "write a BPE tokenizer as tokenizer.json or .tiktoken")
     p.add_argument("--tokenizer", required=True, help="a tinylm tokenizer JSON file")
     p.add_argument("--format", required=True, choices=["hf", "tiktoken"], help="hf or tiktoken")
     p.add_argument("--out", required=True, help="output file (or folder for hf: writes tokenizer.json in it)")
     p.add_argument("--force", action="store_true", help="overwrite --out if it exists")
-    p.set_defaults(func=cmd_tokenizer_export, parser=p)
 
-    p = tsub.add_parser("import", help="read a tokenizer.json, vocab.json + merges.txt or .tiktoken file into tinylm",
-                        description="Import a Hugging Face tokenizer (tokenizer.json: byte-level BPE such as GPT-2's, "
-                        "Llama 3's or Qwen2's, or SentencePiece-style BPE with byte fallback such as Llama 2's and "
-                        "Mistral's; or GPT-2's vocab.json + merges.txt) or a tiktoken ranks file as a tinylm "
-                        "tokenizer. Every token keeps its id.")
+    p = add_command(tsub, "import", cmd_tokenizer_import,
+                    "read a tokenizer.json, vocab.json + merges.txt or .tiktoken file into tinylm")
     p.add_argument("path", help="a tokenizer.json, a vocab.json (merges.txt beside it), a folder holding one, or a "
                    ".tiktoken file; tokenizer_config.json beside it names bos, eos, pad and the chat template")
     p.add_argument("--out", required=True, help="where to save the tinylm tokenizer JSON")
@@ -193,4 +187,3 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    "how many reserved tokens follow bos, eos, pad (default: 0)")
     add_role_flags(p)
     p.add_argument("--force", action="store_true", help="overwrite --out if it exists")
-    p.set_defaults(func=cmd_tokenizer_import, parser=p)

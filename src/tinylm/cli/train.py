@@ -13,12 +13,18 @@ import argparse
 import warnings
 from pathlib import Path
 
-from tinylm.cli.flags import SETTING_PREFIX, OneFamily, add_setting_flags, positive_int, settings_from
+from tinylm.cli.flags import SETTING_PREFIX, OneFamily, add_command, add_setting_flags, positive_int, settings_from
 from tinylm.config import FAMILY_NAMES, default_run_dir, dump_toml, load_config_file, resolve_config
 from tinylm.config.resolve import warn_ignored
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    """Train a GPT-style Transformer by next-token cross-entropy (or, with --model, an LSTM or RNN by the same loop,
+    or an n-gram model by counting). Settings come from a preset (default: tiny), then a TOML file (--config), then
+    the setting flags below; the resolved configuration is saved with the run. With no arguments: the tiny model on
+    Shakespeare for the preset's token budget, into runs/tiny-shakespeare. Under
+    `torchrun --nproc-per-node N -m tinylm train ...` it trains with N processes (DDP, or FSDP with
+    --parallel fsdp)."""
     settings = settings_from(args)
     if args.out is None:
         args.out = str(default_run_dir(args.preset, args.config, settings))
@@ -54,17 +60,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
     """tinylm train."""
-    # tinylm train
-    p = sub.add_parser(
-        "train", help="train a model: tokenizer, data, training, checkpoints, metrics, a sample",
-        allow_abbrev=False,
-        description="Train a GPT-style Transformer by next-token cross-entropy (or, with --model, an LSTM or RNN "
-        "by the same loop, or an n-gram model by counting). Settings come from a preset "
-        "(default: tiny), then a TOML file (--config), then the setting flags below; the resolved "
-        "configuration is saved with the run. With no arguments: the tiny model on Shakespeare for the "
-        "preset's token budget, into runs/tiny-shakespeare. Under `torchrun --nproc-per-node N -m tinylm "
-        "train ...` it trains with N processes (DDP, or FSDP with --parallel fsdp).",
-    )
+    p = add_command(sub, "train", cmd_train, "train a model: tokenizer, data, training, checkpoints, metrics, a sample",
+                    allow_abbrev=False)
     p.add_argument("--preset", help="start from a named preset (default: tiny, unless --config names one)")
     p.add_argument("--config", help="a TOML file with [model] and [train] tables (and an optional preset = \"name\")")
     p.add_argument("--out", help="the run folder (default: runs/<preset>-<corpus>)")
@@ -85,4 +82,3 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    action=OneFamily, default=argparse.SUPPRESS, help="which model to train: the Transformer (gpt, "
                    "default), an LSTM or RNN by the same loop, or an n-gram model by counting (the same as --family)")
     add_setting_flags(p)
-    p.set_defaults(func=cmd_train, parser=p)
