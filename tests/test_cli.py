@@ -1,5 +1,7 @@
 """End-to-end runs of the `tinylm` command: the real entry point, real files, real exit codes."""
 
+import argparse
+import inspect
 import json
 import re
 import shlex
@@ -57,6 +59,28 @@ def test_help_pages(capsys):
             main(argv)
         assert exit_info.value.code == 0
     assert "--vocab-size" in capsys.readouterr().out
+
+
+def _commands(parser, words=()):
+    """Every command under ``parser``, as (its words, its parser), groups included."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield (*words, name), sub
+                yield from _commands(sub, (*words, name))
+
+
+def test_every_command_describes_itself_with_its_functions_docstring():
+    """`tinylm X --help` prints the docstring of the function that runs X, so the two cannot drift apart."""
+    commands = list(_commands(build_parser()))
+    assert len(commands) >= 20
+    for words, parser in commands:
+        func = parser.get_default("func")
+        if func.__name__ == "show":  # a group (`tinylm tokenizer`): its help lists its commands
+            assert parser.description, words
+            continue
+        assert func.__doc__ and parser.description == inspect.getdoc(func), words
+        assert parser.get_default("parser") is parser, words
 
 
 def test_tokenizer_train_encode_decode_info(tmp_path, corpus_file, bpe_file, capsys):
