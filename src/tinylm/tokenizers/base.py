@@ -58,6 +58,8 @@ TOKENIZER_FILE = JSONFormat(
 FORMAT_NAME = TOKENIZER_FILE.name
 
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
+# ChatML's turn markers: what tinylm adds for chats (every tool that reads chats knows them)
+CHAT_START, CHAT_END = "<|im_start|>", "<|im_end|>"
 ROLES = ("bos", "eos", "pad")
 
 
@@ -107,6 +109,10 @@ class Tokenizer(ABC):
     """
 
     kind: ClassVar[str]
+    # a model tuned on conversations reads them through a Jinja chat template (`tinylm.tokenizers.chat_template`);
+    # tinylm's own tokenizers get one, and the special tokens it writes, with `with_chat_tokens`
+    chat_template: str | None = None
+    chat_tokens: tuple[str, ...] = ()  # the special tokens added for chats, after every other id
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -132,6 +138,20 @@ class Tokenizer(ABC):
         self.special_tokens: dict[str, int] = dict(specials)
         self.roles = {role: roles[role] for role in ROLES}
         self._special_bytes = {i: name.encode("utf-8") for name, i in self.special_tokens.items()}
+
+    def _add_chat_tokens(self, names: Sequence[str], template: str) -> None:
+        """Add the special tokens ``names`` with the next free ids, and the chat template that writes them."""
+        if not names or len(set(names)) != len(names) or any(not isinstance(n, str) or not n for n in names):
+            raise TinyLMError(f"chat tokens must be distinct non-empty names, got {list(names)!r}")
+        taken = [name for name in names if name in self.special_tokens]
+        if taken:
+            raise TinyLMError(f"the tokenizer already has the special tokens {taken}")
+        if not isinstance(template, str) or not template:
+            raise TinyLMError("a chat template must be a non-empty Jinja text")
+        start = self.vocab_size
+        self._set_specials({**self.special_tokens, **{name: start + i for i, name in enumerate(names)}}, self.roles)
+        self.chat_tokens = (*self.chat_tokens, *names)
+        self.chat_template = template
 
     # ----- the vocabulary -------------------------------------------------------------------
 
@@ -261,6 +281,8 @@ class Tokenizer(ABC):
             "n_reserved": self.n_reserved,
             "special_tokens": self.special_tokens,
             **self._to_dict(),
+            # only when there are chat tokens: the files and fingerprints of other tokenizers stay as they were
+            **({"chat": {"tokens": list(self.chat_tokens), "template": self.chat_template}} if self.chat_tokens else {}),
         }
 
     @abstractmethod
@@ -315,6 +337,8 @@ def tokenizer_from_dict(data: dict[str, Any], source: str = "<dict>") -> Tokeniz
         raise TinyLMError(f"tokenizer file {source} has unknown kind {kind!r}; expected one of {sorted(KINDS)}")
     try:
         tok = KINDS[kind]._from_dict(data)
+        if data.get("chat") is not None:
+            tok._add_chat_tokens(data["chat"]["tokens"], data["chat"]["template"])
     except (KeyError, TypeError, ValueError, IndexError, TinyLMError) as e:
         what = str(e) if isinstance(e, TinyLMError) else f"{type(e).__name__}: {e}"
         raise TinyLMError(
@@ -358,7 +382,8 @@ def default_stop_ids(tokenizer: Tokenizer | None) -> set[int]:
     `tinylm.tokenizers.imported`). None (no tokenizer): none."""
     if tokenizer is None:
         return set()
-    return {tokenizer.eos_id, *getattr(tokenizer, "stop_ids", ())}
+    turn_end = [tokenizer.special_tokens[CHAT_END]] if CHAT_END in tokenizer.chat_tokens else []
+    return {tokenizer.eos_id, *getattr(tokenizer, "stop_ids", ()), *turn_end}
 
 
 def generation_excluded(tokenizer: Tokenizer) -> list[int]:

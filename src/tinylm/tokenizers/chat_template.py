@@ -43,7 +43,7 @@ import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from tinylm.errors import TinyLMError
-from tinylm.tokenizers.base import Tokenizer
+from tinylm.tokenizers.base import CHAT_END, CHAT_START, Tokenizer, tokenizer_from_dict
 
 
 class ChatTemplateError(TinyLMError):
@@ -166,5 +166,65 @@ def turn_end_ids(template: str, special_tokens: Mapping[str, int], variables: Ma
     return []
 
 
-__all__ = ["ChatTemplateError", "chat_prompt_ids", "compile_template", "render_chat", "special_token_variables",
-           "turn_end_ids"]
+# ChatML, as OpenAI wrote it down and Qwen, llama.cpp and transformers all read it: every message is
+# <|im_start|>role, a newline, its content, <|im_end|> and a newline; the prompt for a reply ends with
+# <|im_start|>assistant and a newline. The roles are plain text, the two markers special tokens.
+CHATML_TEMPLATE = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] "
+                   "+ '<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+                   "{% endif %}")
+OWN_KINDS = ("bpe", "char", "word")  # tinylm's own tokenizers, whose special tokens follow the base vocabulary
+
+
+def with_chat_tokens(tokenizer: Tokenizer) -> Tokenizer:
+    """The tokenizer a model is fine-tuned on conversations with: ``tokenizer`` itself when it has a chat template
+    (an imported chat model keeps its own), else a copy with ChatML's two markers added as special tokens (ids
+    after every other, so the model grows by two rows) and `CHATML_TEMPLATE`."""
+    if tokenizer.chat_template is not None:
+        return tokenizer
+    if tokenizer.kind not in OWN_KINDS:
+        raise TinyLMError(f"this imported {tokenizer.kind} tokenizer has no chat template, and tinylm adds one to its "
+                          "own tokenizers only; import the model's chat (instruct) version, whose files carry one")
+    copy = tokenizer_from_dict(tokenizer.to_dict())
+    copy._add_chat_tokens([CHAT_START, CHAT_END], CHATML_TEMPLATE)
+    return copy
+
+
+def training_ids(tokenizer: Tokenizer, messages: Sequence[Mapping[str, Any]]) -> tuple[list[int], list[bool]]:
+    """A conversation as its token ids through the tokenizer's chat template, and for each id whether the model
+    learns to write it: the assistant's messages and the end-of-turn token that closes each, nothing else.
+
+    The ids are exactly what `chat_prompt_ids` gives for the whole conversation (what the model reads when it
+    serves), so training and serving see the same tokens. Which characters the assistant writes is found by
+    rendering the conversation up to each assistant message: with the generation prompt (what comes before its
+    reply) and through the message (whitespace after its end-of-turn token is the template's, never generated).
+    A template that does not write a conversation as its turns one after the other cannot be split so, and is
+    refused.
+    """
+    variables = special_token_variables(tokenizer)
+    template = tokenizer.chat_template
+    text = render_chat(template, messages, variables, add_generation_prompt=False)
+    spans = []  # (start, end) byte offsets of what the assistant writes
+    for i, message in enumerate(messages):
+        if message.get("role") != "assistant":
+            continue
+        before = render_chat(template, messages[:i], variables, add_generation_prompt=True)
+        through = render_chat(template, messages[:i + 1], variables, add_generation_prompt=False)
+        if not (through.startswith(before) and text.startswith(through)):
+            raise ChatTemplateError("the chat template does not write a conversation as its turns one after the "
+                                    "other, so the assistant's part cannot be told apart for training")
+        spans.append((len(before.encode("utf-8")), len(through.rstrip().encode("utf-8"))))
+    ids = tokenizer.encode(text, allowed_special="all")
+    trained, at = [], 0
+    for token in ids:
+        end = at + len(tokenizer.token_bytes(token))
+        trained.append(any(at < stop and end > start for start, stop in spans))
+        at = end
+    if at != len(text.encode("utf-8")):
+        raise ChatTemplateError(f"this {tokenizer.kind} tokenizer's tokens do not spell the chat text byte for byte, "
+                                "so the assistant's tokens cannot be found; fine-tuning on chats needs a byte-level "
+                                "tokenizer")
+    return ids, trained
+
+
+__all__ = ["CHATML_TEMPLATE", "ChatTemplateError", "chat_prompt_ids", "compile_template", "render_chat",
+           "special_token_variables", "training_ids", "turn_end_ids", "with_chat_tokens"]
