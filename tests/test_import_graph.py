@@ -14,11 +14,13 @@ may import from its own floor or any floor below, never from above. The floors, 
     3      tinylm.model.*                                every model family (n-gram counting reads shards)
     4      tinylm.run, tinylm.checkpoint                 a trained model on disk: save and load
     5      tinylm.evaluate, tinylm.generate.*,           what one does with a trained model: measure it
-           tinylm.compare, tinylm.explain.*              (compare is evaluate over several runs), sample
+           tinylm.compare, tinylm.explain.*,             (compare is evaluate over several runs; task_eval
+           tinylm.task_eval                              scores replies on built-in tasks), sample
                                                          from it, account for and plot it (the training
                                                          loop reports with explain, so it sits below train)
     6      tinylm.train.*                                training a model (it evaluates and samples)
-    7      tinylm.serve.*, tinylm.export.*               a trained run behind HTTP, or in another format
+    7      tinylm.serve.*, tinylm.export.*,              a trained run behind HTTP, or in another format;
+           tinylm.finetune                               fine-tuning (it may import a model first)
     8      tinylm.cli, tinylm.__main__, tinylm           the command line, and the package's public names
 
 In particular nothing in run.py, config.py, model/, data/ or tokenizers/ imports from train/,
@@ -58,7 +60,7 @@ FLOORS: dict[str, int] = {
     "tinylm.run": 4, "tinylm.checkpoint": 4,
     "tinylm.evaluate": 5, "tinylm.generate": 5, "tinylm.compare": 5, "tinylm.explain": 5,
     "tinylm.train": 6,
-    "tinylm.serve": 7, "tinylm.export": 7,
+    "tinylm.serve": 7, "tinylm.export": 7, "tinylm.finetune": 7, "tinylm.task_eval": 5,
     "tinylm.cli": 8, "tinylm.__main__": 8, "tinylm": 8,
 }
 

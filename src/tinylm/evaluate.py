@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
+from tinylm.data.chat_shards import chat_arrays, chat_rows
 from tinylm.data.corpora import Corpus, load_corpus
 from tinylm.data.shards import ShardSet
 from tinylm.device import use_threads
@@ -292,6 +293,57 @@ def _batch(data: np.ndarray, plan: _WindowPlan, index: np.ndarray, context: int,
     for row, i in enumerate(index):
         y[row, : plan.skips[i]] = IGNORE_INDEX  # scored by the window before (sliding windows only)
     return x, torch.from_numpy(y).to(device)  # (B, T), (B, T)
+
+
+def evaluate_chats(
+    model: torch.nn.Module | Callable[[Tensor], Tensor | tuple[Tensor, ...]],
+    shards: ShardSet,
+    split: str = "val",
+    *,
+    block_size: int,
+    batch_size: int = 32,
+    device: torch.device | str = "cpu",
+    autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+) -> EvalResult:
+    """Loss, perplexity and bits per byte of ``model`` on what the assistant writes in a conversation split
+    (`tinylm.data.chat_shards`): each conversation one row, as fine-tuning reads it, and only the trained targets
+    scored, so the figure is the fine-tuning loss on held-out chats. Bits per byte divide by the bytes of those
+    targets. Every process scores every conversation (a split of chats is small)."""
+    started = time.perf_counter()
+    device = torch.device(device)
+    tokens, trained, offsets = chat_arrays(shards, split)
+    tokenizer = shards.tokenizer()
+    n = len(offsets) - 1
+    if n == 0:
+        raise TinyLMError(f"the {split} split of {shards.path} has no conversations")
+    losses, counts = np.zeros(n), np.zeros(n, dtype=np.int64)
+    with _eval_mode(model), torch.no_grad():
+        for first in range(0, n, batch_size):
+            chats = np.arange(first, min(first + batch_size, n))
+            x, y, mask = chat_rows(tokens, trained, offsets, chats, block_size, tokenizer.pad_id, IGNORE_INDEX)
+            with autocast():
+                out = model(torch.from_numpy(x).to(device), attention_mask=torch.from_numpy(mask).to(device))
+            logits = out[0] if isinstance(out, tuple) else out  # (B, T, |V|)
+            nll = next_token_loss(logits.float(), torch.from_numpy(y).to(device), reduction="none")
+            losses[chats] = nll.view(len(chats), -1).double().sum(dim=1).cpu().numpy()
+            counts[chats] = (y != IGNORE_INDEX).sum(axis=1)
+    n_bytes = _trained_bytes(tokens, trained, offsets, block_size, tokenizer)
+    return EvalResult(split, float(losses.sum()), int(counts.sum()), float(n_bytes), False, np.arange(n),
+                      losses, counts, seconds=time.perf_counter() - started, block_size=block_size, stride=block_size,
+                      scope=f"what the assistant writes in {n:,} held-out chats, one chat a row")
+
+
+def _trained_bytes(tokens: np.ndarray, trained: np.ndarray, offsets: np.ndarray, block_size: int,
+                   tokenizer: Tokenizer) -> int:
+    """The bytes of the text the scored targets stand for: every trained token a row predicts."""
+    total = 0
+    for k in range(len(offsets) - 1):
+        a = int(offsets[k])
+        b = min(int(offsets[k + 1]), a + block_size + 1)
+        for t, flag in zip(tokens[a + 1:b], trained[a + 1:b]):
+            if flag and not tokenizer.is_special(int(t)):
+                total += len(tokenizer.token_bytes(int(t)))
+    return max(total, 1)
 
 
 def _prorated_bytes(split_bytes: int, tokens: int, n_split_tokens: int) -> tuple[bool, float]:

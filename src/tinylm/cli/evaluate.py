@@ -42,6 +42,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         raise TinyLMError("give the run to evaluate: tinylm eval --run DIR (a run folder or an n-gram .npz file)")
     if args.run_flag and args.run and args.run_flag != args.run:
         raise TinyLMError("give the run once, with --run or as the argument, not both")
+    if args.task is not None:
+        return _eval_tasks(args, run)
     result = evaluate_run(run, args.split, checkpoint=args.checkpoint, max_tokens=args.tokens or 0,
                           stride=args.stride, batch_size=args.batch_size, data_dir=args.data_dir,
                           corpus=load_corpus_from(args), tokenizer=args.tokenizer, device=_device(args.device),
@@ -57,6 +59,23 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if result.unknown_tokens:
         print(f"  {result.unknown_tokens:,} of the tokens are <unk>, standing for {result.unknown_bytes:,.0f} bytes the "
               "tokenizer cannot spell; bits per byte charges them 8 bits each")
+    return 0
+
+
+def _eval_tasks(args: argparse.Namespace, run: str) -> int:
+    """`tinylm eval --task`: exact match on built-in tasks' held-out items, and how many replies ended their turn."""
+    from tinylm.task_eval import evaluate_run_tasks
+
+    scores = evaluate_run_tasks(run, args.task, items=args.items, checkpoint=args.checkpoint,
+                                device=_device(args.device), threads=args.threads, log=_to_stderr)
+    if args.json:
+        print(json.dumps({"run": str(run), "tasks": [s.as_dict() for s in scores]}))
+        return 0
+    for s in scores:
+        print(f"{run} on tasks:{s.task} ({s.items} held-out items, greedy): exact match {100 * s.accuracy:.1f}%, "
+              f"{100 * s.ended_share:.1f}% of replies ended with the end-of-turn token")
+        for prompt, answer, reply in s.examples:
+            print(f"  {prompt!r} -> {reply!r} (answer {answer!r})")
     return 0
 
 
@@ -100,6 +119,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--data-dir", help="the run's shard folder, if it has moved since training")
     p.add_argument("--device", default="auto", help="auto (cuda when there is a GPU, else cpu), cpu, cuda, cuda:N "
                    "or mps (default: auto, as for train)")
+    p.add_argument("--task", metavar="tasks:NAME", help="instead of the loss: ask the held-out items of built-in "
+                   "tasks (tasks:add, tasks:add+spell, ...) as chats and score the greedy replies by exact match")
+    p.add_argument("--items", type=positive_int, default=200, help="with --task: items per task (default: 200)")
     p.add_argument("--json", action="store_true", help="print the numbers as one JSON object (for scripts)")
     add_threads_flag(p)
 

@@ -17,7 +17,7 @@ from tinylm.errors import TinyLMError
 
 TokenizerKind = Literal["bpe", "char", "word"]
 DecodeErrors = Literal["strict", "replace", "ignore"]
-BatchMode = Literal["packed", "documents"]
+BatchMode = Literal["packed", "documents", "chats"]
 OptimizerKind = Literal["adamw", "sgd", "muon"]
 DecayKind = Literal["cosine", "linear", "constant", "wsd"]
 DecayShape = Literal["linear", "1-sqrt"]
@@ -64,7 +64,8 @@ class TrainConfig:
         "where the token shards go; unset: data/<corpus>-<tokenizer> (reused on the next run)")
     val_fraction: float = setting(0.1, "share of the corpus's documents held out for validation")
     batch_mode: BatchMode = setting("packed",
-        "packed: random windows of the token stream; documents: one document per row, truncated or padded")
+        "packed: random windows of the token stream; documents: one document per row, truncated or padded; "
+        "chats: one conversation per row, the loss on what the assistant writes (`tinylm finetune` sets it)")
     # -- batch and budget
     batch_size: int = setting(32, "sequences per micro-batch, summed over all processes")
     grad_accum: int = setting(1, "micro-batches per optimizer step (gradient accumulation)")

@@ -33,6 +33,7 @@ class EvalResult:
     unknown_bytes: float = 0.0  # the bytes those stand for, charged 8 bits each (prorated like bytes)
     block_size: int | None = None  # the windows' length; None: no windows (an n-gram model)
     stride: int | None = None  # targets from one window's start to the next; block_size: disjoint windows
+    scope: str | None = None  # what was scored when it is not a text in windows ("the assistant's tokens of ...")
 
     @classmethod
     def without_windows(cls, split: str, loss_sum: float, tokens: int, n_bytes: float) -> EvalResult:
@@ -64,6 +65,8 @@ class EvalResult:
 
     def describe_windows(self) -> str:
         """The windows in words, for a report: "sliding windows of 32 tokens, stride 8"."""
+        if self.scope is not None:
+            return self.scope
         if self.windows == "none":
             return "an n-gram's own context, no windows"
         if self.windows == "disjoint":

@@ -16,6 +16,13 @@ Two ways to cut the token stream of the train split into rows of ``block_size`` 
   and out of the loss (target `IGNORE_INDEX`). Documents are drawn uniformly at random; their
   boundaries are the EOS ids of the shard, which are exactly the document ends.
 
+- **chats** (`tinylm finetune`): one conversation per row, as `tinylm.data.chat_shards` stored it,
+  right-padded to the longest conversation of the step (so a step of short chats is a short step).
+  A target counts in the loss only where the conversation's token is trained (what the assistant
+  writes); every other target is `IGNORE_INDEX`, and padding is masked out of attention. A row
+  never attends across conversations. The rows go through the conversations in epochs: each
+  epoch a permutation of them drawn with ``(seed, epoch)``, the steps taking them in that order.
+
 Reproducibility without saved data state: the ``batch_size * grad_accum`` rows of step ``s`` are
 drawn at once with a numpy Generator seeded with ``(seed, s)``, so the data a step sees depends
 on nothing but the seed and the step number: resuming at step s needs no reader position. The
@@ -36,11 +43,12 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from tinylm.data.chat_shards import chat_arrays, chat_rows
 from tinylm.data.shards import ShardSet
 from tinylm.errors import TinyLMError
 from tinylm.model.gpt import IGNORE_INDEX
 
-BATCH_MODES = ("packed", "documents")
+BATCH_MODES = ("packed", "documents", "chats")
 
 
 @dataclass
@@ -88,6 +96,12 @@ class BatchSource:
         self.shards, self.mode, self.split = shards, mode, split
         self.batch_size, self.block_size, self.seed = batch_size, block_size, seed
         self.bos_id, self.eos_id, self.pad_id = bos_id, shards.eos_id, pad_id
+        if mode == "chats":
+            self.chat_tokens, self.chat_trained, self.chat_offsets = chat_arrays(shards, split)
+            self._epochs: dict[int, np.ndarray] = {}
+            if len(self.chat_offsets) < 2:
+                raise TinyLMError(f"the {split} split has no conversations to train on")
+            return
         data = shards.tokens(split)
         if mode == "packed":
             if len(data) < block_size + 1:
@@ -109,7 +123,25 @@ class BatchSource:
         if self.mode == "packed":
             x, y = self.shards.sample_windows(self.split, n_rows, self.block_size, rng)
             return MicroBatch(x, y)
+        if self.mode == "chats":
+            return self._chats(self.chat_order(step * n_rows, n_rows))
         return self._documents(rng.integers(0, len(self.doc_starts), size=n_rows))
+
+    def chat_order(self, first: int, n: int) -> np.ndarray:
+        """Conversations ``first`` to ``first + n`` of the endless sequence of epochs (each a permutation)."""
+        count = len(self.chat_offsets) - 1
+        picks = []
+        for i in range(first, first + n):
+            epoch, at = divmod(i, count)
+            if epoch not in self._epochs:
+                self._epochs = {epoch: np.random.default_rng([self.seed, epoch]).permutation(count)}  # the newest
+            picks.append(self._epochs[epoch][at])
+        return np.asarray(picks)
+
+    def _chats(self, chats: np.ndarray) -> MicroBatch:
+        """One conversation per row: inputs, targets (`IGNORE_INDEX` where a token is not trained), padding mask."""
+        return MicroBatch(*chat_rows(self.chat_tokens, self.chat_trained, self.chat_offsets, chats, self.block_size,
+                                     self.pad_id, IGNORE_INDEX))
 
     def _documents(self, docs: np.ndarray) -> MicroBatch:
         T = self.block_size

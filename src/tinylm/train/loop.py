@@ -54,10 +54,11 @@ import torch
 import torch.nn.functional as F
 
 from tinylm.config import Config
+from tinylm.data.chat_shards import chat_opening
 from tinylm.data.shards import ShardSet
 from tinylm.device import out_of_memory_explained, use_threads
 from tinylm.errors import TinyLMError
-from tinylm.evaluate import EvalResult, evaluate, restrict, window_starts
+from tinylm.evaluate import EvalResult, evaluate, evaluate_chats, restrict, window_starts
 from tinylm.explain.plots import plot_loss_curve
 from tinylm.generate.opening import opening_of_shards
 from tinylm.generate.reference import reference_generate
@@ -83,11 +84,13 @@ from tinylm.train.stopping import StopRequest
 
 
 class StepOutcome(NamedTuple):
-    """What one optimizer step gives back: this process's summed loss, the step's target count, the gradient norm."""
+    """What one optimizer step gives back: this process's summed loss, the step's target count, the gradient norm,
+    and the tokens it read (padding left out)."""
 
     loss_sum: torch.Tensor
     n_targets: int
     grad_norm: torch.Tensor
+    n_inputs: int
 
 
 class _Pending(NamedTuple):
@@ -279,7 +282,8 @@ class _Trainer:
             norm = norm.full_tensor()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return StepOutcome(loss_sum, n_targets, norm.detach())
+        n_inputs = batch.x.size if batch.attention_mask is None else int(batch.attention_mask.sum())
+        return StepOutcome(loss_sum, n_targets, norm.detach(), n_inputs)
 
     def _check(self, pending: list[_Pending]) -> list[float]:
         """The global mean loss of each pending step; stops the run at the first non-finite one."""
@@ -341,10 +345,13 @@ class _Trainer:
             lr = self._lr(step, tc.lr)
             set_schedule(self.optimizer, lambda peak: self._lr(step, peak),
                          momentum_at(step, momentum=tc.muon_momentum, warmup=tc.muon_momentum_warmup))
-            pending.append(_Pending(step, lr, StepOutcome(*self._train_step(step))))
+            outcome = self._train_step(step)
+            pending.append(_Pending(step, lr, outcome))
             self.step += 1
-            self.tokens += per_step
-            window_tokens += per_step
+            # chat rows are as long as their step's longest chat: count what was read, not the padding
+            read = outcome.n_inputs if tc.batch_mode == "chats" else per_step
+            self.tokens += read
+            window_tokens += read
             done = self.step
             by_signal = signalled.requested(agree)
             if by_signal:
@@ -385,6 +392,10 @@ class _Trainer:
         # On a CPU, evaluation stays in float32 whatever training runs in: it is a small part of the
         # time, and the figure printed is then the one `tinylm eval` gives for the same weights.
         autocast = self.autocast if self.device.type != "cpu" else contextlib.nullcontext
+        if self.tc.batch_mode == "chats":  # the loss on what the assistant writes in the held-out chats
+            return evaluate_chats(self.eval_model, self.shards, "val", block_size=self.config.model.block_size,
+                                  batch_size=self.tc.eval_batch_size or self.tc.batch_size, device=self.device,
+                                  autocast=autocast)
         return evaluate(self.eval_model, self.shards, "val", block_size=self.config.model.block_size,
                         batch_size=self.tc.eval_batch_size or self.tc.batch_size, max_tokens=max_tokens,
                         device=self.device, autocast=autocast, rank=self.ctx.rank,
@@ -431,7 +442,9 @@ class _Trainer:
         # the best checkpoint is chosen on the same windows as every periodic evaluation
         n_val = self.shards.num_tokens("val")
         periodic = window_starts(n_val, self.config.model.block_size, tc.eval_tokens)
-        if np.isin(periodic, final.window_starts).all():
+        if tc.batch_mode == "chats":  # every evaluation scores every held-out chat
+            comparable = final
+        elif np.isin(periodic, final.window_starts).all():
             comparable = restrict(final, periodic, n_val, self.shards.meta["splits"]["val"]["bytes"])
         else:
             comparable = self._evaluate(tc.eval_tokens)
@@ -469,6 +482,8 @@ class _Trainer:
         tc = self.tc
         if not tc.sample_tokens:
             return "", ""
+        if tc.batch_mode == "chats":
+            return self._chat_sample()
         opening = opening_of_shards(self.shards, tc.seed)
         prompt = (start_ids(self.config, self.tokenizer) + self.tokenizer.encode(opening.text) if opening.text
                   else empty_prompt_ids(self.config, self.tokenizer))
@@ -481,6 +496,15 @@ class _Trainer:
             warnings.simplefilter("ignore", UserWarning)
             (completion,) = reference_generate(model, [prompt], params, self.tokenizer)
         return opening.text + completion.text, opening.describe()
+
+    def _chat_sample(self) -> tuple[str, str]:
+        """A fine-tuned model's greedy reply to the first held-out chat, the chat as its template writes it before."""
+        prompt = chat_opening(self.shards)
+        params = SamplingParams(max_new_tokens=min(self.tc.sample_tokens, self.config.model.block_size - len(prompt)),
+                                temperature=0.0)
+        model = self.eval_model if self.fsdp else self.model
+        (completion,) = reference_generate(model, [prompt], params, self.tokenizer)
+        return self.tokenizer.decode(prompt) + completion.text, "the first held-out chat, greedy"
 
     def _result(self, status: str, train_loss: float | None, val: dict[str, Any] | None, sample: str) -> RunResult:
         return RunResult.of_folder(self.out, status, self.step, self.total, self.tokens, train_loss, val, sample,

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from tinylm.config import Config, TrainConfig
+from tinylm.data.chat_shards import is_chats
 from tinylm.data.prepare_run import prepare_data
 from tinylm.data.shards import ShardSet
 from tinylm.device import autocast_for
@@ -190,6 +191,8 @@ def run_data(tc: TrainConfig, tokenizer: Tokenizer | None, ckpt: Checkpoint | No
         check_same_tokenizer(load_tokenizer(tc.tokenizer), ckpt.tokenizer,
                              f"the tokenizer {tc.tokenizer} does not match the one this run was trained with",
                              "resume without --tokenizer")
+    if tc.batch_mode == "chats":  # conversations `tinylm finetune` wrote: no corpus to prepare
+        return chat_data(tc, tokenizer)
     reuse_only = False
     if ckpt is not None and tc.data_dir is None and (out / RUN_FILE).exists():
         # resume from the folder the run trained on, wherever the default would be now; but
@@ -205,6 +208,19 @@ def run_data(tc: TrainConfig, tokenizer: Tokenizer | None, ckpt: Checkpoint | No
         if recorded.get("input_fingerprint") not in (None, shards.meta["input_fingerprint"]):
             raise TinyLMError(f"the text in {data_dir} is not the text this run was trained on (the corpus "
                               "changed); resume with the same corpus, or start a new run")
+    return shards
+
+
+def chat_data(tc: TrainConfig, tokenizer: Tokenizer | None) -> ShardSet:
+    """The conversation shards of a fine-tuning run (``batch_mode = "chats"``), made with its tokenizer."""
+    if tc.data_dir is None or not (Path(tc.data_dir) / "meta.json").is_file():
+        raise TinyLMError("batch_mode chats reads conversation shards from --data-dir; `tinylm finetune` makes them")
+    shards = ShardSet.open(tc.data_dir)
+    if not is_chats(shards):
+        raise TinyLMError(f"{tc.data_dir} holds text shards, not conversations; `tinylm finetune` makes those")
+    if tokenizer is not None:
+        check_same_tokenizer(shards.tokenizer(), tokenizer, f"the conversations in {tc.data_dir} were tokenized with "
+                             "another tokenizer than the model's", "make them again with `tinylm finetune`")
     return shards
 
 

@@ -1,0 +1,180 @@
+"""Fine-tuning on conversations: a trained model taught to answer (`tinylm finetune`).
+
+Pretraining teaches a model to continue text. Supervised fine-tuning teaches it a conversation's
+turns: it reads chats written out by a chat template and learns to write the assistant's messages,
+the loss counting only those tokens and the end-of-turn token that closes each (so the model learns
+to stop), never what the user or system wrote. `finetune` does it in four steps:
+
+1. **The starting model**: a tinylm run (its best checkpoint) or a checkpoint folder, or a Hugging
+   Face model folder, imported first into ``<out>.base`` (`tinylm.export.import_hf_into_run`).
+2. **The chat tokens**: a model made by tinylm gets ChatML's two markers as special tokens and the
+   ChatML template (`tinylm.tokenizers.chat_template.with_chat_tokens`); its embeddings and head grow
+   by those rows, each new row the mean of the learned ones (`tinylm.model.grow.grow_vocabulary`). An
+   imported chat model keeps its own template and tokens.
+3. **The data**: conversations from a JSONL file (OpenAI chats, prompt/completion pairs or Alpaca
+   instructions: `tinylm.data.conversations`) or built-in tasks (``tasks:add``, ``tasks:add+spell``:
+   `tinylm.data.tasks`), held out by a seed or given (``val_data``), tokenized once into conversation
+   shards with the trained tokens marked (`tinylm.data.chat_shards`), beside the starting weights.
+4. **Training**: `tinylm.train.train` on those shards, one conversation per row (``batch_mode =
+   "chats"``), from the grown weights. The run folder is an ordinary one: `sample`, `eval`, `serve`,
+   `export` and `explain` take it, and ``resume`` continues it exactly after an interruption.
+
+The recipe starts from the base run's own [train] settings with the learning rates a tenth of
+pretraining's peak (fine-tuning moves the weights a little; pretraining's rates undo what was
+learned), a short warmup, evaluation a few times per run, and a budget of one epoch (every training
+conversation once) unless a budget is given.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from tinylm.config import Config
+from tinylm.config.tables import apply_overrides, build_config, override_keys
+from tinylm.data.chat_shards import chats_fingerprint, prepare_chats
+from tinylm.data.conversations import read_conversations, split_conversations
+from tinylm.data.tasks import make_task, parse_task_spec
+from tinylm.errors import TinyLMError
+from tinylm.model.grow import grow_vocabulary
+from tinylm.checkpoint import save_checkpoint
+from tinylm.run import RUN_FILE, Checkpoint, RunResult, checkpoint_path, has_checkpoint, load_checkpoint
+from tinylm.tokenizers.chat_template import with_chat_tokens
+from tinylm.train import train
+
+LR_SCALE = 0.1  # fine-tuning's peak rates, as a share of pretraining's
+TASK_ITEMS = {"train": 20_000, "val": 200}  # items made per built-in task, per split
+INIT_FOLDER = "init"  # in the data folder: the starting weights with the chat tokens' rows
+
+
+def finetune(source: str | os.PathLike | None, data: str | None, out: str | os.PathLike, *,
+             val_data: str | None = None, val_fraction: float = 0.05, epochs: float | None = None,
+             overrides: Mapping[str, Any] | None = None, data_dir: str | os.PathLike | None = None,
+             resume: bool | str = False, force: bool = False, stop_after: int | None = None,
+             progress: bool | None = None, log: Callable[[str], None] = print) -> RunResult:
+    """Fine-tune ``source`` on the conversations ``data`` into the run folder ``out`` (see the module docstring).
+
+    ``overrides``: [train] settings (``max_steps``, ``lr``, ``batch_size``, ...) over the recipe; ``epochs``:
+    the budget in passes over the training conversations (default one, when no budget is given).
+    ``data_dir``: where the conversation shards and starting weights go (default data/chats-<out's name>).
+    ``resume`` continues ``out`` from its own checkpoint, with its own data and settings.
+    """
+    out = Path(out)
+    if resume:
+        if source is not None or data is not None:
+            raise TinyLMError("--resume continues the fine-tuning run in --out with its own data and settings; "
+                              "drop --from and --data")
+        return train(None, out, resume=resume, stop_after=stop_after, progress=progress, log=log)
+    if source is None or data is None:
+        raise TinyLMError("fine-tuning needs a model to start from (--from RUN) and conversations (--data FILE "
+                          "or --data tasks:NAME)")
+    check_settings(overrides or {}, epochs)  # before anything is read or imported
+    base = starting_checkpoint(source, out, force=force, log=log)
+    tokenizer = with_chat_tokens(base.tokenizer)
+    train_part, val_part, name = conversations_of(data, val_data, val_fraction, base.config.train.seed)
+    splits = {"train": train_part, "val": val_part}
+    folder = Path(data_dir) if data_dir is not None else Path("data") / f"chats-{out.name}-{chats_fingerprint(splits)[:8]}"
+    config = recipe(base.config, tokenizer.vocab_size, len(splits["train"]), folder, epochs, overrides or {})
+    shards = prepare_chats(splits, tokenizer, folder, block_size=config.model.block_size, source=name)
+    cut = sum(shards.meta["chats"][s]["cut"] for s in ("train", "val"))
+    log(f"conversations: {len(splits['train']):,} to train on, {len(splits['val']):,} held out ({name}); "
+        f"{shards.meta['chats']['train']['trained_tokens']:,} of {shards.num_tokens('train'):,} training tokens are "
+        f"the assistant's (the rest are read, not learned)"
+        + (f"; {cut} longer than the context were cut to {config.model.block_size + 1} tokens" if cut else ""))
+    init = grown_init(base, tokenizer, config, folder / INIT_FOLDER)
+    return train(config, out, init_from=init, force=force, stop_after=stop_after, progress=progress, log=log)
+
+
+def starting_checkpoint(source: str | os.PathLike, out: Path, *, force: bool, log: Callable[[str], None]) -> Checkpoint:
+    """The checkpoint fine-tuning starts from: a run's best (else latest), a checkpoint folder, or a Hugging Face
+    model folder imported into ``<out>.base`` first."""
+    path = Path(source)
+    if not path.exists():
+        raise TinyLMError(f"--from {path}: no such run, checkpoint or model folder")
+    if (path / "config.json").is_file() and not (path / RUN_FILE).exists():
+        from tinylm.export import import_hf_into_run
+
+        imported = out.with_name(out.name + ".base")
+        log(f"importing the Hugging Face model {path} into {imported}")
+        path = import_hf_into_run(path, imported, force=force)
+    if (path / RUN_FILE).exists():
+        best = checkpoint_path(path, "best")
+        path = best if has_checkpoint(best) else checkpoint_path(path, "latest")
+    checkpoint = load_checkpoint(path)
+    if checkpoint.config.model.family == "ngram":
+        raise TinyLMError(f"--from {source} is an n-gram model: it counts, it cannot be fine-tuned; start from a "
+                          "network's run")
+    return checkpoint
+
+
+def conversations_of(data: str, val_data: str | None, val_fraction: float, seed: int) -> tuple[list, list, str]:
+    """(training conversations, held-out ones, a name for them): a JSONL file split by ``seed`` (or ``val_data``
+    held out), or built-in tasks with their own held-out items."""
+    if data.startswith("tasks:"):
+        names = parse_task_spec(data)
+        train_items = [item.conversation() for n in names for item in make_task(n, TASK_ITEMS["train"], seed, "train")]
+        val_items = [item.conversation() for n in names for item in make_task(n, TASK_ITEMS["val"], seed, "test")]
+        if val_data is not None:
+            val_items = read_conversations(val_data)
+        return train_items, val_items, data
+    conversations = read_conversations(data)
+    if val_data is not None:
+        return conversations, read_conversations(val_data), Path(data).name
+    train_part, val_part = split_conversations(conversations, val_fraction, seed)
+    return train_part, val_part, Path(data).name
+
+
+def recipe(base: Config, vocab_size: int, n_train: int, data_dir: Path, epochs: float | None,
+           overrides: Mapping[str, Any]) -> Config:
+    """The fine-tuning configuration: the base model with ``vocab_size`` ids, its [train] settings with the
+    fine-tuning changes (module docstring), then ``overrides`` ([train] settings, values or text as flags give
+    them: parsed and checked as `tinylm train` checks its flags)."""
+    tc = base.train
+    cfg = base.to_dict()
+    cfg["model"]["vocab_size"] = vocab_size
+    cfg["train"].update({"batch_mode": "chats", "data_dir": str(data_dir), "final_eval_tokens": 0})
+    for rate in ("lr", "muon_lr", "head_lr"):  # None: a rate that follows another (the classic recipe's head)
+        if getattr(tc, rate) is not None:
+            cfg["train"][rate] = getattr(tc, rate) * LR_SCALE
+    for key in ("tokenizer", "max_tokens", "max_steps"):
+        cfg["train"].pop(key, None)
+    given = check_settings(overrides, epochs)
+    config = build_config(apply_overrides(cfg, overrides))
+    tc = config.train
+    if not given & {"max_steps", "max_tokens"}:
+        steps = max(1, math.ceil((epochs if epochs is not None else 1.0) * n_train / (tc.batch_size * tc.grad_accum)))
+        tc = dataclasses.replace(tc, max_steps=steps)
+    if "eval_interval" not in given:
+        tc = dataclasses.replace(tc, eval_interval=max(1, (tc.max_steps or 100) // 4))
+    if "warmup_steps" not in given:  # a short warmup: the weights are trained already, the new rows are averages
+        tc = dataclasses.replace(tc, warmup_steps=min(10, max(1, (tc.max_steps or 100) // 10)))
+    return dataclasses.replace(config, train=tc)
+
+
+def check_settings(overrides: Mapping[str, Any], epochs: float | None) -> set[str]:
+    """The [train] settings ``overrides`` names, refusing those fine-tuning sets itself (its data, its tokenizer)
+    and a budget given two ways."""
+    given = {name for _, name in override_keys(overrides)}
+    if epochs is not None and given & {"max_steps", "max_tokens"}:
+        raise TinyLMError("give the budget one way: --epochs, --max-steps or --max-tokens")
+    corpus = given & {"batch_mode", "tokenizer", "corpus", "glob", "text_field", "encoding", "errors", "tokenizer_kind",
+                      "tokenizer_vocab_size", "tokenizer_pattern", "data_dir", "val_fraction"}
+    if corpus:
+        raise TinyLMError(f"fine-tuning reads conversations (--data) with the model's own tokenizer: drop "
+                          f"{', '.join('--' + k.replace('_', '-') for k in sorted(corpus))}")
+    return given
+
+
+def grown_init(base: Checkpoint, tokenizer: Any, config: Config, path: Path) -> Path:
+    """The starting weights with a row for each new token id (`grow_vocabulary`), saved as a checkpoint at ``path``
+    with the chat tokenizer, for `train`'s ``init_from``."""
+    state = grow_vocabulary(base.model_state(), tokenizer.vocab_size)
+    return save_checkpoint(path, model_state=state, optimizer_state=None, rng_state={}, state={"step": 0},
+                           config=config, tokenizer=tokenizer)
+
+
+__all__ = ["finetune", "recipe", "starting_checkpoint", "conversations_of"]

@@ -1,0 +1,127 @@
+"""`tinylm finetune`: a tiny trained run taught a reply pattern from conversations, end to end.
+
+What is checked: the loss counts only what the assistant writes (the targets of a batch, worked out from
+the conversations by hand); the result is an ordinary run folder with the chat tokens, a grown model and
+the conversation batches; a run stopped part way and resumed ends with the same weights as one that was
+not; bad conversation files are one error line naming the line; task scoring counts exact answers.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from diskkit import refused
+from trainkit import tiny_config
+
+from tinylm.data.chat_shards import chat_arrays, prepare_chats
+from tinylm.finetune import finetune, recipe
+from tinylm.model.gpt import IGNORE_INDEX
+from tinylm.checkpoint import load_checkpoint
+from tinylm.run import load_run
+from tinylm.tokenizers.base import CHAT_END, CHAT_START
+from tinylm.tokenizers.chat_template import with_chat_tokens
+from tinylm.train import BatchSource, train
+
+PAIRS = [("the king", "rode to war"), ("my lord", "speak soft"), ("quiet fields", "bells rang"),
+         ("gold", "and blood"), ("the queen", "of night"), ("here is", "the stair")]
+
+
+def chats(n: int = 36) -> list[dict]:
+    return [{"prompt": PAIRS[i % len(PAIRS)][0], "completion": PAIRS[i % len(PAIRS)][1]} for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def base_run(tmp_path_factory, corpus, data_dir):
+    out = tmp_path_factory.mktemp("base") / "run"
+    train(tiny_config(corpus, data_dir, max_steps=6), out, log=lambda line: None)
+    return out
+
+
+@pytest.fixture(scope="module")
+def chat_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("chats") / "chats.jsonl"
+    path.write_text("".join(json.dumps(c) + "\n" for c in chats()), encoding="utf-8")
+    return path
+
+
+FLAGS = {"max_steps": 6, "batch_size": 4, "eval_interval": 3, "log_interval": 1, "sample_tokens": 8}
+
+
+def test_a_fine_tuned_run_is_an_ordinary_run_with_chat_tokens(base_run, chat_file, tmp_path):
+    said = []
+    result = finetune(base_run, str(chat_file), tmp_path / "chat", overrides=FLAGS, data_dir=tmp_path / "data",
+                      log=said.append)
+    assert result.status == "complete" and result.step == 6
+    run = load_run(tmp_path / "chat")
+    base = load_run(base_run)
+    assert run.tokenizer.vocab_size == base.tokenizer.vocab_size + 2
+    assert run.tokenizer.special_tokens[CHAT_START] == base.tokenizer.vocab_size
+    assert run.model.config.vocab_size == base.model.config.vocab_size + 2
+    assert run.config.train.batch_mode == "chats"
+    assert any("of the assistant's" in line or "are the assistant's" in line for line in said)
+    evals = [m for m in run.metrics if m.get("kind") == "eval"]
+    assert evals and all(np.isfinite(m["val_loss"]) for m in evals)
+    # the start: the base model's rows as they were, and the two new ones their mean
+    start = load_checkpoint(tmp_path / "data" / "init").model_state()["E.weight"]
+    learned = base.model.state_dict()["E.weight"]
+    assert torch.equal(start[:-2], learned)
+    assert torch.allclose(start[-2:], learned.mean(dim=0).expand(2, -1))
+
+
+def test_only_the_assistants_tokens_are_targets(base_run, tmp_path):
+    tok = with_chat_tokens(load_run(base_run).tokenizer)
+    one = [[{"role": "user", "content": "the king"}, {"role": "assistant", "content": "rode to war"}]]
+    other = [[{"role": "user", "content": "the queen"}, {"role": "assistant", "content": "rode to war"}]]
+    rows = {}
+    for name, convs in (("one", one), ("other", other)):
+        shards = prepare_chats({"train": convs, "val": convs}, tok, tmp_path / name, block_size=64, source=name)
+        src = BatchSource(shards, mode="chats", batch_size=1, block_size=64, seed=0, bos_id=tok.bos_id,
+                          pad_id=tok.pad_id)
+        rows[name] = src.step_batch(0)
+    y = rows["one"].y[0]
+    targets = [int(t) for t in y if t != IGNORE_INDEX]
+    # by hand: the reply's characters and the end-of-turn token, nothing the user or the template wrote
+    assert targets == tok.encode("rode to war") + [tok.special_tokens[CHAT_END]]
+    # another user message: other inputs, the same targets (shifted by the longer prompt)
+    assert not np.array_equal(rows["one"].x, rows["other"].x)
+    assert [int(t) for t in rows["other"].y[0] if t != IGNORE_INDEX] == targets
+    tokens, trained, offsets = chat_arrays(shards, "train")
+    assert offsets.tolist() == [0, len(tokens)] and trained.sum() == len(targets)
+
+
+def test_a_stopped_fine_tuning_resumes_to_the_same_weights(base_run, chat_file, tmp_path):
+    whole = finetune(base_run, str(chat_file), tmp_path / "whole", overrides=FLAGS, data_dir=tmp_path / "d1",
+                     log=lambda line: None)
+    stopped = finetune(base_run, str(chat_file), tmp_path / "parts", overrides=FLAGS, data_dir=tmp_path / "d2",
+                       stop_after=2, log=lambda line: None)
+    assert stopped.status == "stopped" and stopped.step == 2
+    resumed = finetune(None, None, tmp_path / "parts", resume=True, log=lambda line: None)
+    assert whole.step == resumed.step == 6
+    a = load_run(tmp_path / "whole", "latest").model.state_dict()
+    b = load_run(tmp_path / "parts", "latest").model.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_the_default_budget_is_one_epoch_at_a_tenth_of_the_rates(base_run, tmp_path):
+    base = load_run(base_run).config
+    config = recipe(base, base.model.vocab_size + 2, 40, tmp_path, None, {"batch_size": "4"})
+    assert config.train.max_steps == 10  # 40 conversations, 4 a step
+    assert config.train.lr == pytest.approx(base.train.lr / 10)
+    assert recipe(base, 10, 40, tmp_path, 2.5, {"batch_size": 4}).train.max_steps == 25
+
+
+def test_bad_conversations_are_one_line_naming_the_line(capsys, base_run, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"prompt": "a", "completion": "b"}) + "\n" + '{"prompt": 3}\n', encoding="utf-8")
+    refused(capsys, ["finetune", "--from", str(base_run), "--data", str(bad), "--out", str(tmp_path / "x")],
+            "line 2")
+    refused(capsys, ["finetune", "--from", str(base_run), "--data", "tasks:nope", "--out", str(tmp_path / "x")],
+            "nope")
+    refused(capsys, ["finetune", "--from", str(tmp_path / "missing"), "--data", str(bad), "--out",
+                     str(tmp_path / "x")], "no such run")
+    refused(capsys, ["finetune", "--from", str(base_run), "--data", str(bad), "--out", str(tmp_path / "x"),
+                     "--corpus", "shakespeare"], "--corpus")
+    assert not (tmp_path / "x").exists()
