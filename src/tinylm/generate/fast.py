@@ -406,13 +406,9 @@ class StaticDecoder:
 
     def run(self, tokens: Tensor, positions: Tensor, real: Tensor | None = None, compiled: bool = False,
             last: bool = False) -> Tensor:
-        """Write ``tokens`` (B, T) at positions (B, T) into the next T slots; logits (B, T, V), or the last
-        position's alone (B, 1, V) with ``last`` (a prefill: the head's product over every prompt position
-        would cost as much as the layers below it).
-
-        ``real`` (B, T) marks the real tokens (False: padding, never attended to); default all real.
-        The next position follows the last one written.
-        """
+        """Write ``tokens`` (B, T) at positions (B, T) into the next T slots; logits (B, T, V), or with ``last``
+        the last position's alone (B, 1, V): a prefill skips the head's product at every other position.
+        ``real`` (B, T) marks the real tokens (False: padding, never attended to; default all real)."""
         T = tokens.size(1)
         start, end = self.length, self.length + T
         if end > self.k.size(3):
