@@ -84,13 +84,11 @@ from tinylm.train.stopping import StopRequest
 
 
 class StepOutcome(NamedTuple):
-    """What one optimizer step gives back: this process's summed loss, the step's target count, the gradient norm,
-    and the tokens it read (padding left out)."""
+    """What one optimizer step gives back: this process's summed loss, the step's target count, the gradient norm."""
 
     loss_sum: torch.Tensor
     n_targets: int
     grad_norm: torch.Tensor
-    n_inputs: int
 
 
 class _Pending(NamedTuple):
@@ -220,6 +218,7 @@ class _Trainer:
         else:
             seed_dropout(tc.seed, ctx.rank)
         self.started = time.perf_counter()  # reset when the first step starts
+        self.step_inputs = 0  # the tokens the last step read (`_train_step`)
 
         ctx.main_first(lambda: self._write_run_files(force))
         # process 0 logs the metrics; it opens the backends once the run folder is ready (--force cleared)
@@ -282,8 +281,9 @@ class _Trainer:
             norm = norm.full_tensor()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        n_inputs = batch.x.size if batch.attention_mask is None else int(batch.attention_mask.sum())
-        return StepOutcome(loss_sum, n_targets, norm.detach(), n_inputs)
+        # the tokens the step read, padding left out (chat rows are as long as the step's longest chat)
+        self.step_inputs = batch.x.size if batch.attention_mask is None else int(batch.attention_mask.sum())
+        return StepOutcome(loss_sum, n_targets, norm.detach())
 
     def _check(self, pending: list[_Pending]) -> list[float]:
         """The global mean loss of each pending step; stops the run at the first non-finite one."""
@@ -345,11 +345,9 @@ class _Trainer:
             lr = self._lr(step, tc.lr)
             set_schedule(self.optimizer, lambda peak: self._lr(step, peak),
                          momentum_at(step, momentum=tc.muon_momentum, warmup=tc.muon_momentum_warmup))
-            outcome = self._train_step(step)
-            pending.append(_Pending(step, lr, outcome))
+            pending.append(_Pending(step, lr, StepOutcome(*self._train_step(step))))
             self.step += 1
-            # chat rows are as long as their step's longest chat: count what was read, not the padding
-            read = outcome.n_inputs if tc.batch_mode == "chats" else per_step
+            read = self.step_inputs if tc.batch_mode == "chats" else per_step  # chats: what was read, not padding
             self.tokens += read
             window_tokens += read
             done = self.step

@@ -1,0 +1,93 @@
+"""Benchmark: fine-tuning the default run on built-in tasks, before and after, and its speed beside pretraining's.
+
+Run from the repository root, with a trained default run (`tinylm train` makes runs/tiny-shakespeare)::
+
+    python benchmarks/finetune.py --run runs/tiny-shakespeare --tasks add count
+
+For each task: the run's exact match on 200 held-out items before (`tinylm eval --task`: a base
+model reads the chat's markers as plain text), then `tinylm finetune` with its default recipe (one
+epoch of the task's 20,000 training items) and its wall time, then the exact match after and the
+share of replies that ended with the end-of-turn token.
+
+Speed: training tokens per second (the median of the logged steps, padding not counted) of
+`tinylm finetune` on the first task against `tinylm train --init-from` the same run on its own
+corpus (pretraining's packed windows), each for ``--speed-steps`` steps, in turns ``--repeats``
+times, so that a change in the machine's load hits both alike. Every command is the real one, in its
+own process, as a user runs it.
+
+This is a measurement, not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def tinylm(*args: str) -> str:
+    done = subprocess.run([sys.executable, "-m", "tinylm", *args], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"tinylm {' '.join(args)} failed:\n{done.stderr[-2000:]}")
+    return done.stdout
+
+
+def task_score(run: Path, task: str) -> dict:
+    return json.loads(tinylm("eval", "--run", str(run), "--task", f"tasks:{task}", "--json"))["tasks"][0]
+
+
+def median_speed(run: Path) -> float:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    speeds = [r["tokens_per_s"] for r in rows if r.get("kind") == "train"]
+    return statistics.median(speeds[1:] or speeds)  # the first line includes the first step's warm-up
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--run", default="runs/tiny-shakespeare", help="the trained run to start from")
+    parser.add_argument("--tasks", nargs="+", default=["add", "count"], help="built-in tasks (default: add count)")
+    parser.add_argument("--speed-steps", type=int, default=60, help="steps of each speed run (default: 60)")
+    parser.add_argument("--repeats", type=int, default=3, help="speed runs of each kind, in turns (default: 3)")
+    args = parser.parse_args()
+    base = Path(args.run)
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        rows = []
+        for task in args.tasks:
+            before = task_score(base, task)
+            out = work / f"chat-{task}"
+            started = time.perf_counter()
+            tinylm("finetune", "--from", str(base), "--data", f"tasks:{task}", "--out", str(out),
+                   "--data-dir", str(work / f"data-{task}"), "--no-progress")
+            minutes = (time.perf_counter() - started) / 60
+            after = task_score(out, task)
+            rows.append((task, before, after, minutes))
+        speeds: dict[str, list[float]] = {"fine-tuning": [], "pretraining": []}
+        for i in range(args.repeats):
+            for kind in (["fine-tuning", "pretraining"] if i % 2 == 0 else ["pretraining", "fine-tuning"]):
+                out = work / f"speed-{kind}-{i}"
+                common = ["--out", str(out), "--max-steps", str(args.speed_steps), "--eval-interval", "100000",
+                          "--sample-tokens", "0", "--log-interval", "5", "--no-progress"]
+                if kind == "fine-tuning":
+                    tinylm("finetune", "--from", str(base), "--data", f"tasks:{args.tasks[0]}",
+                           "--data-dir", str(work / f"data-{args.tasks[0]}"), *common)
+                else:
+                    tinylm("train", "--init-from", str(base), *common)
+                speeds[kind].append(median_speed(out))
+    print(f"fine-tuning {base} on built-in tasks, default recipe (one epoch), greedy replies to 200 held-out items")
+    print(f"{'task':<10} {'before':>8} {'after':>8} {'ended turn':>11} {'minutes':>8}")
+    for task, before, after, minutes in rows:
+        print(f"{task:<10} {100 * before['exact_match']:>7.1f}% {100 * after['exact_match']:>7.1f}% "
+              f"{100 * after['ended_with_end_of_turn']:>10.1f}% {minutes:>8.1f}")
+    ft, pre = statistics.median(speeds["fine-tuning"]), statistics.median(speeds["pretraining"])
+    print(f"\ntraining tokens/s (median of {args.repeats} runs of {args.speed_steps} steps, in turns): "
+          f"fine-tuning {ft:,.0f}, pretraining {pre:,.0f}: {ft / pre:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
