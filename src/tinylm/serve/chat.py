@@ -1,5 +1,8 @@
 """How `/v1/chat/completions` turns a list of messages into a prompt: the model's chat template, or a transcript.
 
+The rendering is `tinylm.tokenizers.chat_format`'s (`ChatFormat`, `chat_prompt`, `STOP`, `reply_text`, named
+here too), shared with `tinylm chat`, so a conversation in the terminal reads the prompt ids the server reads.
+
 **A model with a chat template** (one imported from Hugging Face that was tuned on conversations:
 its tokenizer has a ``chat_template``) reads its messages as it was tuned to: the template renders them
 as `transformers`' ``apply_chat_template(messages, add_generation_prompt=True)`` does
@@ -52,81 +55,17 @@ with ``messages`` shows its tokens.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
-
-from tinylm.errors import TinyLMError
-from tinylm.tokenizers.base import Tokenizer
-from tinylm.tokenizers.chat_template import chat_prompt_ids
-
-ROLE_NAMES = {"system": "System", "developer": "System", "user": "User", "assistant": "Assistant"}
-STOP = ("\nUser:", "\nSystem:")
-ASSISTANT_PREFIX = "Assistant:"
-
-
-def message_text(content: str | Sequence[Mapping[str, Any]] | None) -> str:
-    """A message's content as text: the string itself, or its text parts joined; None is ""."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    texts = []
-    for part in content:
-        if part.get("type") != "text" or not isinstance(part.get("text"), str):
-            raise TinyLMError(f"a tinylm model reads text only: content parts must be {{'type': 'text', 'text': ...}}, "
-                              f"got a part of type {part.get('type')!r}")
-        texts.append(part["text"])
-    return "".join(texts)
-
-
-def _require_messages(messages: Sequence[Mapping[str, Any]]) -> None:
-    if not messages:
-        raise TinyLMError("messages is empty: give at least one message, e.g. {'role': 'user', 'content': 'Hi'}")
-
-
-def chat_prompt(messages: Sequence[Mapping[str, Any]]) -> str:
-    """The transcript of ``messages`` (dicts with ``role`` and ``content``) that the model continues."""
-    _require_messages(messages)
-    lines = []
-    for message in messages:
-        role = message.get("role")
-        if role not in ROLE_NAMES:
-            raise TinyLMError(f"unknown message role {role!r}; a base model's transcript has "
-                              f"{', '.join(sorted(ROLE_NAMES))} messages")
-        lines.append(f"{ROLE_NAMES[role]}: {message_text(message.get('content'))}\n")
-    return "".join(lines) + ASSISTANT_PREFIX
-
-
-@dataclass(frozen=True)
-class ChatFormat:
-    """How the served model's chats become prompt ids: its tokenizer's chat template, or the transcript."""
-
-    tokenizer: Tokenizer
-    start_ids: Sequence[int]
-
-    @property
-    def template(self) -> str | None:
-        return getattr(self.tokenizer, "chat_template", None)  # tinylm's own tokenizers have none
-
-    @property
-    def stop(self) -> tuple[str, ...]:
-        """The stop strings besides the request's: the transcript's next lines; none with a template."""
-        return () if self.template else STOP
-
-    def prompt_ids(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
-        """The prompt for ``messages`` (dicts with ``role`` and ``content``) as token ids."""
-        if not self.template:
-            return list(self.start_ids) + self.tokenizer.encode(chat_prompt(messages))
-        _require_messages(messages)
-        joined = [{**m, "content": None if m.get("content") is None else message_text(m["content"])}
-                  for m in messages]
-        return chat_prompt_ids(self.tokenizer, joined)
-
-
-def reply_text(completion: str) -> str:
-    """The assistant's message from the model's continuation: without the whitespace after ``Assistant:``."""
-    return completion.lstrip()
+# the rendering itself is the tokenizers' (`tinylm.tokenizers.chat_format`), so that `tinylm chat`, below the
+# server, reads the same prompt ids; its names are here too, where the server's modules have always found them
+from tinylm.tokenizers.chat_format import (
+    ASSISTANT_PREFIX,
+    ROLE_NAMES,
+    STOP,
+    ChatFormat,
+    chat_prompt,
+    message_text,
+    reply_text,
+)
 
 
 def is_blank_token(data: bytes) -> bool:
@@ -138,3 +77,7 @@ def is_blank_token(data: bytes) -> bool:
         return data.decode("utf-8").strip() == ""
     except UnicodeDecodeError:
         return False
+
+
+__all__ = ["ASSISTANT_PREFIX", "ROLE_NAMES", "STOP", "ChatFormat", "chat_prompt", "is_blank_token", "message_text",
+           "reply_text"]
