@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 from tinylm import __version__
 from tinylm.atomic import disk_failure
-from tinylm.cli import data, evaluate, explain, export, finetune, generate, serve, tokenizer, train
+from tinylm.cli import chat, data, evaluate, explain, export, finetune, generate, serve, tokenizer, train
 from tinylm.cli.flags import Parser, show_help
 from tinylm.errors import Stopped, TinyLMError
 
@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"tinylm {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
     # the order of `tinylm --help`
-    for commands in (tokenizer, data, train, finetune, evaluate, generate, serve, export, explain):
+    for commands in (tokenizer, data, train, finetune, evaluate, generate, chat, serve, export, explain):
         commands.add_commands(sub)
     return parser
 
