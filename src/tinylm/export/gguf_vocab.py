@@ -13,7 +13,7 @@ from types import ModuleType
 from typing import Any
 
 from tinylm.errors import TinyLMError
-from tinylm.tokenizers.base import Tokenizer
+from tinylm.tokenizers.base import Tokenizer, default_stop_ids
 from tinylm.tokenizers.bpe import BPETokenizer, pattern_name
 from tinylm.tokenizers.formats import DIGITS_THEN_GPT2, _bpe_below, bytes_to_byte_level, pattern_from_oniguruma
 from tinylm.tokenizers.imported import ByteLevelBPETokenizer, ImportedTokenizer, SentencePieceBPETokenizer
@@ -185,9 +185,9 @@ def write_tokenizer(writer: Any, tokenizer: Tokenizer, vocab_size: int, pre_toke
     writer.add_bos_token_id(start[0] if start else tokenizer.bos_id)
     writer.add_eos_token_id(tokenizer.eos_id)
     writer.add_pad_token_id(tokenizer.pad_id)
-    stop_ids = [i for i in getattr(tokenizer, "stop_ids", ()) if i != tokenizer.eos_id]
-    if stop_ids:  # the end of a turn (Llama 3's <|eot_id|>): llama.cpp stops generating there too
-        writer.add_eot_token_id(stop_ids[0])
+    stop_ids = sorted(default_stop_ids(tokenizer) - {tokenizer.eos_id})
+    if stop_ids:  # the end of a turn (Llama 3's <|eot_id|>, a fine-tuned tinylm model's <|im_end|>): llama.cpp
+        writer.add_eot_token_id(stop_ids[0])  # stops generating there too, and its chat replies end with the turn
     unk = getattr(tokenizer, "unk_id", None)
     if isinstance(tokenizer, ImportedTokenizer) and unk is not None:
         writer.add_unk_token_id(unk)

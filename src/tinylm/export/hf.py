@@ -30,7 +30,7 @@ from tinylm.export.hf_families import HF_CLASSES, llama_family_fields
 from tinylm.export.weights import architecture_for, convert_to_theirs, hf_rules
 from tinylm.model.gpt import GPT
 from tinylm.run import save_safetensors, text_start_ids
-from tinylm.tokenizers.base import Tokenizer, generation_excluded
+from tinylm.tokenizers.base import Tokenizer, default_stop_ids, generation_excluded
 from tinylm.tokenizers.bpe import BPETokenizer
 from tinylm.tokenizers.formats import to_hf_tokenizer_json
 from tinylm.tokenizers.imported import ImportedTokenizer
@@ -142,8 +142,9 @@ def _tokenizer_files(tokenizer: Tokenizer, block_size: int, model_vocab: int,
     if unk is not None:
         special_tokens_map["unk_token"] = unk
     # suppress_tokens: transformers' generate then never draws what tinylm's samplers never draw (PAD, BOS, ...)
-    # eos_token_id as a list when the tokenizer ends a turn with other tokens too (Llama 3's <|eot_id|>)
-    stop = [tokenizer.eos_id, *(i for i in getattr(tokenizer, "stop_ids", ()) if i != tokenizer.eos_id)]
+    # eos_token_id as a list when tinylm ends a generation at other tokens too (`default_stop_ids`: Llama 3's
+    # <|eot_id|>, the <|im_end|> a fine-tuned tinylm model closes its turn with), so a reply ends where tinylm's does
+    stop = [tokenizer.eos_id, *sorted(default_stop_ids(tokenizer) - {tokenizer.eos_id})]
     generation_config = {"bos_token_id": bos_id, "eos_token_id": stop if len(stop) > 1 else stop[0],
                          "pad_token_id": tokenizer.pad_id,
                          "suppress_tokens": generation_excluded(tokenizer) + list(range(tokenizer.vocab_size,
