@@ -34,8 +34,9 @@ import regex
 from tinylm.atomic import atomic_write_text
 from tinylm.errors import TinyLMError
 from tinylm.jsonfile import json_kind, read_json_object
-from tinylm.tokenizers.base import BOS, EOS, PAD, Tokenizer, special_token_names
+from tinylm.tokenizers.base import BOS, CHAT_END, CHAT_START, EOS, PAD, Tokenizer, special_token_names
 from tinylm.tokenizers.bpe import PATTERNS, BPETokenizer, pattern_name
+from tinylm.tokenizers.chat_template import CHATML_TEMPLATE
 from tinylm.tokenizers.imported import (
     SPACE_MARK,
     ByteLevelBPETokenizer,
@@ -566,8 +567,13 @@ def hf_entries(data: dict[str, Any], source: str) -> tuple[dict[str, int], list[
     return vocab, hf_merges(model.get("merges"), vocab, source), *hf_added_tokens(data.get("added_tokens"), source)
 
 
-def tokenizer_from_hf_json(data: dict[str, Any], source: str = "<tokenizer.json>") -> BPETokenizer:
-    """Rebuild a BPETokenizer from a parsed tokenizer.json, or say what does not map."""
+def tokenizer_from_hf_json(data: dict[str, Any], source: str = "<tokenizer.json>", *,
+                           chat_template: str | None = None) -> BPETokenizer:
+    """Rebuild a BPETokenizer from a parsed tokenizer.json, or say what does not map.
+
+    ``chat_template``: the template the folder's tokenizer_config.json gives, for a fine-tuned model's tokenizer
+    (one with ChatML's two markers after its other special tokens: `_own_special_tokens`).
+    """
 
     def fail(what: str) -> TinyLMError:
         return TinyLMError(f"{source}: {what}; tinylm reads byte-level BPE tokenizer.json files in its own id layout")
@@ -617,18 +623,35 @@ def tokenizer_from_hf_json(data: dict[str, Any], source: str = "<tokenizer.json>
     extra = set(vocab.values()) - set(range(base)) - set(added.values())
     if extra:
         raise fail(f"vocab ids {sorted(extra)[:5]} are neither bytes, merges nor added tokens")
+    return _own_special_tokens(merges, pattern, added, chat_template, fail)
+
+
+def _own_special_tokens(merges: list[tuple[int, int]], pattern: str, added: dict[str, int], chat_template: str | None,
+                       fail: Callable[[str], TinyLMError]) -> BPETokenizer:
+    """The BPETokenizer of ``merges`` and ``pattern`` with the special tokens ``added`` (name -> id) if they are
+    tinylm's, in tinylm's order right after the merges: bos, eos, pad, the reserved range and, in a fine-tuned model's
+    tokenizer, ChatML's two markers; anything else is ``fail``.
+
+    The markers get ``chat_template``, or ChatML's own where none is given (a tokenizer.json alone): tinylm adds
+    them with that template only (`tinylm.tokenizers.chat_template.with_chat_tokens`), so the file reads back as
+    the tokenizer it was written from, which ends a reply at ``<|im_end|>``.
+    """
     for name in (BOS, EOS, PAD):
         if name not in added:
             raise fail(
                 f"the special token {name} is missing (it has {sorted(added)[:6]}); tinylm tokenizers "
                 f"have {BOS}, {EOS}, {PAD} and <|reserved_i|> right after the merges"
             )
-    n_reserved = len(added) - 3
+    chat = [CHAT_START, CHAT_END] if CHAT_START in added and CHAT_END in added else []
+    n_reserved = len(added) - 3 - len(chat)
     tok = BPETokenizer(merges, pattern=pattern, n_reserved=max(n_reserved, 0))
+    if chat:
+        tok._add_chat_tokens(chat, chat_template or CHATML_TEMPLATE)
     if added != tok.special_tokens:
+        base = tok.base_vocab_size
         raise fail(
             f"the added tokens {added} are not tinylm's {BOS}, {EOS}, {PAD}, <|reserved_0|>... "
-            f"at ids {base}, {base + 1}, ..."
+            f"(then {CHAT_START}, {CHAT_END} after chat fine-tuning) at ids {base}, {base + 1}, ..."
         )
     return tok
 

@@ -16,7 +16,8 @@ become the tokenizer's ``stop_ids``.
 
 `read_hf_tokenizer` turns them into the tokenizer that computes the same ids:
 
-- a byte-level BPE in tinylm's own layout (as tinylm exports it) stays a `BPETokenizer`;
+- a byte-level BPE in tinylm's own layout (as tinylm exports it) stays a `BPETokenizer` (with ChatML's two
+  markers and tokenizer_config.json's chat template where the export is of a fine-tuned model);
 - any other byte-level BPE (GPT-2, Llama 3, Qwen2, SmolLM-style files) is a `ByteLevelBPETokenizer`;
 - a BPE over "▁"-pieces with ``<0xNN>`` byte tokens (Llama 2, TinyLlama, Mistral) is a
   `SentencePieceBPETokenizer`.
@@ -127,8 +128,9 @@ def read_hf_tokenizer(path: str | os.PathLike, *, roles: dict[str, str] | None =
         return _from_vocab_and_merges(path, folder / "merges.txt", side, roles or {})
     if not isinstance(data.get("model"), dict):
         raise TinyLMError(f"{path} is not a Hugging Face tokenizer.json (no \"model\")")
-    try:  # tinylm's own layout keeps tinylm's own (faster, trainable) tokenizer
-        return tokenizer_from_hf_json(data, str(path))
+    template = side.get("chat_template")
+    try:  # tinylm's own layout keeps tinylm's own (faster, trainable) tokenizer, a fine-tuned one its chat template
+        return tokenizer_from_hf_json(data, str(path), chat_template=template if isinstance(template, str) else None)
     except TinyLMError:
         pass
     return tokenizer_from_any_hf_json(data, side, roles or {}, str(path))
