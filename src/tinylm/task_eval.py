@@ -1,4 +1,5 @@
-"""Measuring what a model can do: built-in tasks scored by exact match (`tinylm eval --task tasks:NAME`).
+"""Measuring what a model can do: built-in tasks scored by exact match (`tinylm eval --task tasks:NAME`), or a
+file's conversations (`tinylm eval --task held_out.jsonl`: each asked up to its last message, which is the answer).
 
 Each held-out item of a task (`tinylm.data.tasks`: arithmetic, spelling, counting letters, lines of
 Shakespeare) is asked as a one-message chat, written out by the model's chat template, and the
@@ -15,12 +16,15 @@ the point of the comparison.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch import nn
 
+from tinylm.data.conversations import read_conversations
 from tinylm.data.tasks import exact_match, make_task, parse_task_spec
 from tinylm.device import use_threads
+from tinylm.errors import TinyLMError
 from tinylm.generate.engine import Engine
 from tinylm.generate.sampling import SamplingParams
 from tinylm.run import load_run
@@ -60,9 +64,10 @@ class TaskScore:
                 "examples": [{"prompt": p, "answer": a, "reply": r} for p, a, r in self.examples]}
 
 
-def prompt_ids(tokenizer: Tokenizer, question: str) -> list[int]:
-    """A one-message chat asking ``question``, through the tokenizer's template (ChatML spelled as text without one)."""
-    messages = [{"role": "user", "content": question}]
+def prompt_ids(tokenizer: Tokenizer, question: str | list[dict]) -> list[int]:
+    """A chat asking ``question`` (a user message, or the messages so far), through the tokenizer's template (ChatML
+    spelled as text without one), ready for the assistant's reply."""
+    messages = [{"role": "user", "content": question}] if isinstance(question, str) else question
     if tokenizer.chat_template is not None:
         return chat_prompt_ids(tokenizer, messages)
     return tokenizer.encode_ordinary(render_chat(CHATML_TEMPLATE, messages, special_token_variables(tokenizer)))
@@ -74,29 +79,49 @@ def evaluate_tasks(model: nn.Module, tokenizer: Tokenizer, spec: str, *, items: 
     """Score ``model`` on the held-out items of each task in ``spec`` (``tasks:add``, ``tasks:add+spell``): the first
     ``items`` of each task's test split, greedy replies, exact match (module docstring)."""
     turn_end = tokenizer.special_tokens.get(CHAT_END) if CHAT_END in tokenizer.special_tokens else None
-    params = SamplingParams(max_new_tokens=MAX_REPLY_TOKENS, temperature=0.0)
     scores = []
-    for name in parse_task_spec(spec):
-        asked = make_task(name, items, TASK_SEED, "test")
+    for name, asked in asked_items(spec, items):
         score = TaskScore(name, len(asked), 0, 0)
         for first in range(0, len(asked), batch_size):
             batch = asked[first:first + batch_size]
-            prompts = [prompt_ids(tokenizer, item.prompt) for item in batch]
+            prompts = [prompt_ids(tokenizer, question) for question, _ in batch]
+            params = SamplingParams(max_new_tokens=reply_tokens(model, prompts), temperature=0.0)
             completions = Engine(model, params, tokenizer, long_prompts="cut").generate(prompts)
-            for item, completion in zip(batch, completions):
-                right = exact_match(completion.text, item.answer)
-                score.exact += right
+            for (question, answer), completion in zip(batch, completions):
+                score.exact += exact_match(completion.text, answer)
                 score.ended += turn_end is not None and completion.stop == turn_end
                 if len(score.examples) < examples:
-                    score.examples.append((item.prompt, item.answer, completion.text))
+                    shown = question if isinstance(question, str) else question[-1]["content"]
+                    score.examples.append((shown, answer, completion.text))
         scores.append(score)
     return scores
+
+
+def reply_tokens(model: nn.Module, prompts: list[list[int]]) -> int:
+    """How many tokens a reply may take: `MAX_REPLY_TOKENS`, or what the context leaves after the longest prompt
+    (a small model's context would otherwise slide over its own prompt)."""
+    return max(1, min(MAX_REPLY_TOKENS, model.config.block_size - max(len(p) for p in prompts)))
+
+
+def asked_items(spec: str, items: int) -> list[tuple[str, list]]:
+    """(name, [(question, answer), ...]) per task: a built-in task's first ``items`` held-out items, or a JSONL file's
+    conversations, each asked up to its last message (the assistant's, whose text is the answer)."""
+    if spec.startswith("tasks:"):
+        return [(name, [(item.prompt, item.answer) for item in make_task(name, items, TASK_SEED, "test")])
+                for name in parse_task_spec(spec)]
+    asked = []
+    for number, conversation in enumerate(read_conversations(spec)[:items], start=1):
+        if conversation[-1]["role"] != "assistant":
+            raise TinyLMError(f"{spec}: conversation {number} does not end with the assistant's message, the "
+                              "answer to score the reply against")
+        asked.append((conversation[:-1], conversation[-1]["content"]))
+    return [(Path(spec).name, asked)]
 
 
 def evaluate_run_tasks(run_dir: str, spec: str, *, items: int = 200, checkpoint: str = "best", device: str = "cpu",
                        threads: int | None = None, log=None) -> list[TaskScore]:
     """`evaluate_tasks` on a run folder's model (its best checkpoint unless ``checkpoint`` says otherwise)."""
-    parse_task_spec(spec)  # a misspelt task is refused before the model loads
+    asked_items(spec, 1)  # a misspelt task or a bad file is refused before the model loads
     run = load_run(run_dir, checkpoint, device=device)
     with use_threads(device, threads, log=log):
         return evaluate_tasks(run.model, run.tokenizer, spec, items=items)

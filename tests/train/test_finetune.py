@@ -125,3 +125,29 @@ def test_bad_conversations_are_one_line_naming_the_line(capsys, base_run, tmp_pa
     refused(capsys, ["finetune", "--from", str(base_run), "--data", str(bad), "--out", str(tmp_path / "x"),
                      "--corpus", "shakespeare"], "--corpus")
     assert not (tmp_path / "x").exists()
+
+
+def test_task_scores_count_the_exact_greedy_replies(base_run, chat_file, tmp_path):
+    from tinylm.data.tasks import exact_match
+    from tinylm.generate.engine import Engine
+    from tinylm.generate.sampling import SamplingParams
+    from tinylm.task_eval import evaluate_run_tasks, reply_tokens
+    from tinylm.tokenizers.chat_template import chat_prompt_ids
+
+    finetune(base_run, str(chat_file), tmp_path / "chat", overrides={**FLAGS, "max_steps": 12},
+             data_dir=tmp_path / "data", log=lambda line: None)
+    held_out = tmp_path / "held_out.jsonl"
+    held_out.write_text("".join(json.dumps(c) + "\n" for c in chats(6)), encoding="utf-8")
+    (score,) = evaluate_run_tasks(str(tmp_path / "chat"), str(held_out))
+    run = load_run(tmp_path / "chat")
+    prompts = [chat_prompt_ids(run.tokenizer, [{"role": "user", "content": p}]) for p, _ in PAIRS]
+    replies = Engine(run.model, SamplingParams(max_new_tokens=reply_tokens(run.model, prompts), temperature=0.0),
+                     run.tokenizer).generate(prompts)
+    expected = sum(exact_match(r.text, answer) for r, (_, answer) in zip(replies, PAIRS))
+    ended = sum(r.stop == run.tokenizer.special_tokens[CHAT_END] for r in replies)
+    assert (score.items, score.exact, score.ended) == (6, expected, ended)
+    with pytest.raises(Exception, match="does not end with the assistant"):
+        bad = tmp_path / "bad.jsonl"
+        bad.write_text(json.dumps({"messages": [{"role": "assistant", "content": "hi"},
+                                                {"role": "user", "content": "x"}]}) + "\n", encoding="utf-8")
+        evaluate_run_tasks(str(tmp_path / "chat"), str(bad))

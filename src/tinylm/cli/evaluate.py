@@ -72,7 +72,8 @@ def _eval_tasks(args: argparse.Namespace, run: str) -> int:
         print(json.dumps({"run": str(run), "tasks": [s.as_dict() for s in scores]}))
         return 0
     for s in scores:
-        print(f"{run} on tasks:{s.task} ({s.items} held-out items, greedy): exact match {100 * s.accuracy:.1f}%, "
+        name = f"tasks:{s.task}" if args.task.startswith("tasks:") else s.task
+        print(f"{run} on {name} ({s.items} held-out items, greedy): exact match {100 * s.accuracy:.1f}%, "
               f"{100 * s.ended_share:.1f}% of replies ended with the end-of-turn token")
         for prompt, answer, reply in s.examples:
             print(f"  {prompt!r} -> {reply!r} (answer {answer!r})")
@@ -120,7 +121,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="auto", help="auto (cuda when there is a GPU, else cpu), cpu, cuda, cuda:N "
                    "or mps (default: auto, as for train)")
     p.add_argument("--task", metavar="tasks:NAME", help="instead of the loss: ask the held-out items of built-in "
-                   "tasks (tasks:add, tasks:add+spell, ...) as chats and score the greedy replies by exact match")
+                   "tasks (tasks:add, tasks:add+spell, ...) as chats and score the greedy replies by exact match; or a "
+                   "JSONL file of conversations, each asked up to its last (assistant's) message, the answer")
     p.add_argument("--items", type=positive_int, default=200, help="with --task: items per task (default: 200)")
     p.add_argument("--json", action="store_true", help="print the numbers as one JSON object (for scripts)")
     add_threads_flag(p)
