@@ -44,7 +44,8 @@ NETWORK_BUDGET = {  # `tinylm train` of a network (gpt, lstm, rnn), also under t
 COUNTING_BUDGET = {"--tokenizer-vocab-size": "300", "--sample-tokens": "8"}  # `tinylm train --model ngram`
 BUDGETS = {
     "prepare": {"--vocab-size": "300"},   # only where the line trains a tokenizer (has --vocab-size)
-    "eval": {"--tokens": "512"},
+    "eval": {"--tokens": "512", "--items": "5"},   # --items: a --task line asks five items per task
+    "finetune": {"--max-steps": "2", "--batch-size": "2", "--sample-tokens": "8", "--threads": "1"},
     "compare": {"--tokens": "512"},
     "sample": {"--max-new-tokens": "16"},
 }
