@@ -15,12 +15,10 @@ from typing import TYPE_CHECKING, Any, TextIO
 from tinylm.cli.flags import (
     add_command,
     add_run_flags,
+    add_sampling_flags,
     add_threads_flag,
     command_threads,
-    nonneg_float,
     positive_int,
-    probability,
-    seed_int,
 )
 from tinylm.errors import TinyLMError
 
@@ -154,13 +152,5 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-new-tokens", type=positive_int, metavar="N",
                    help="most tokens of a reply, kept free in the context beside the conversation "
                    "(default: 128, or half the context if that is less)")
-    p.add_argument("--temperature", type=nonneg_float, default=1.0, metavar="T",
-                   help="divide the logits by this; 0 is greedy decoding (default: 1.0)")
-    p.add_argument("--top-k", type=positive_int, metavar="K", help="keep only the k most likely tokens (default: off)")
-    p.add_argument("--top-p", type=probability, metavar="P",
-                   help="keep the smallest set of most likely tokens whose probability reaches p (default: off)")
-    p.add_argument("--min-p", type=probability, metavar="P",
-                   help="keep tokens at least this fraction as likely as the most likely one (default: off)")
-    p.add_argument("--seed", type=seed_int, metavar="N",
-                   help="make the replies reproducible (default: a fresh seed each run)")
+    add_sampling_flags(p, seed_help="make the replies reproducible")
     add_threads_flag(p)

@@ -205,6 +205,18 @@ def roles_from(args: argparse.Namespace) -> dict[str, str] | None:
     return roles or None
 
 
+def add_sampling_flags(p: argparse.ArgumentParser, seed_help: str = "make the sampling reproducible") -> None:
+    """--temperature, --top-k, --top-p, --min-p and --seed: how a next token is drawn, alike for sample and chat."""
+    p.add_argument("--temperature", type=nonneg_float, default=1.0, metavar="T",
+                   help="divide the logits by this; 0 is greedy decoding (default: 1.0)")
+    p.add_argument("--top-k", type=positive_int, metavar="K", help="keep only the k most likely tokens (default: off)")
+    p.add_argument("--top-p", type=probability, metavar="P",
+                   help="keep the smallest set of most likely tokens whose probability reaches p (default: off)")
+    p.add_argument("--min-p", type=probability, metavar="P",
+                   help="keep tokens at least this fraction as likely as the most likely one (default: off)")
+    p.add_argument("--seed", type=seed_int, metavar="N", help=f"{seed_help} (default: a fresh seed each run)")
+
+
 def add_command(sub: argparse._SubParsersAction, name: str, func: Callable[..., int], summary: str,
                 **kwargs) -> argparse.ArgumentParser:
     """Declare the command ``name``, run by ``func``: ``summary`` is its line in the parent's --help, and its own

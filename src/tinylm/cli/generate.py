@@ -18,13 +18,12 @@ from typing import TYPE_CHECKING, Any, TextIO
 from tinylm.cli.flags import (
     add_command,
     add_run_flags,
+    add_sampling_flags,
     add_threads_flag,
     command_threads,
     nonneg_float,
     parse_temperatures,
     positive_int,
-    probability,
-    seed_int,
 )
 from tinylm.errors import TinyLMError
 
@@ -230,14 +229,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-samples", type=positive_int, default=1, metavar="N", help="samples per prompt (default: 1)")
     p.add_argument("--max-new-tokens", type=positive_int, default=256, metavar="N",
                    help="most tokens to generate (default: 256)")
-    p.add_argument("--temperature", type=nonneg_float, default=1.0, metavar="T",
-                   help="divide the logits by this; 0 is greedy decoding (default: 1.0)")
-    p.add_argument("--top-k", type=positive_int, metavar="K", help="keep only the k most likely tokens (default: off)")
-    p.add_argument("--top-p", type=probability, metavar="P",
-                   help="keep the smallest set of most likely tokens whose probability reaches p (default: off)")
-    p.add_argument("--min-p", type=probability, metavar="P",
-                   help="keep tokens at least this fraction as likely as the most likely one (default: off)")
-    p.add_argument("--seed", type=seed_int, metavar="N", help="make the sampling reproducible (default: a fresh seed each run)")
+    add_sampling_flags(p)
     p.add_argument("--stop", action="append", metavar="TEXT",
                    help="stop a sample at this text (not included in the output; \\n and \\t are understood); "
                    "repeat for several; the end-of-text token always stops")
