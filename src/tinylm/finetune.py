@@ -19,10 +19,12 @@ to stop), never what the user or system wrote. `finetune` does it in four steps:
    "chats"``), from the grown weights. The run folder is an ordinary one: `sample`, `eval`, `serve`,
    `export` and `explain` take it, and ``resume`` continues it exactly after an interruption.
 
-The recipe starts from the base run's own [train] settings with the learning rates a tenth of
-pretraining's peak (fine-tuning moves the weights a little; pretraining's rates undo what was
-learned), a short warmup, evaluation a few times per run, and a budget of one epoch (every training
-conversation once) unless a budget is given.
+The recipe starts from the base run's own [train] settings, learning rates included, with a short
+warmup, evaluation a few times per run, and a budget of one epoch (every training conversation once)
+unless a budget is given. Fine-tuning large pretrained models usually takes a tenth of pretraining's
+rates; on tinylm's own small runs a tenth left new skills half learned (echoing the user's words, an
+epoch or several: `benchmarks/finetune.py` and the README say how it was measured), so ``--lr`` and
+its siblings are the way to go lower.
 """
 
 from __future__ import annotations
@@ -46,7 +48,6 @@ from tinylm.run import RUN_FILE, Checkpoint, RunResult, checkpoint_path, has_che
 from tinylm.tokenizers.chat_template import with_chat_tokens
 from tinylm.train import train
 
-LR_SCALE = 0.1  # fine-tuning's peak rates, as a share of pretraining's
 TASK_ITEMS = {"train": 20_000, "val": 200}  # items made per built-in task, per split
 INIT_FOLDER = "init"  # in the data folder: the starting weights with the chat tokens' rows
 
@@ -133,13 +134,9 @@ def recipe(base: Config, vocab_size: int, n_train: int, data_dir: Path, epochs: 
     """The fine-tuning configuration: the base model with ``vocab_size`` ids, its [train] settings with the
     fine-tuning changes (module docstring), then ``overrides`` ([train] settings, values or text as flags give
     them: parsed and checked as `tinylm train` checks its flags)."""
-    tc = base.train
     cfg = base.to_dict()
     cfg["model"]["vocab_size"] = vocab_size
     cfg["train"].update({"batch_mode": "chats", "data_dir": str(data_dir), "final_eval_tokens": 0})
-    for rate in ("lr", "muon_lr", "head_lr"):  # None: a rate that follows another (the classic recipe's head)
-        if getattr(tc, rate) is not None:
-            cfg["train"][rate] = getattr(tc, rate) * LR_SCALE
     for key in ("tokenizer", "max_tokens", "max_steps"):
         cfg["train"].pop(key, None)
     given = check_settings(overrides, epochs)

@@ -105,11 +105,11 @@ def test_a_stopped_fine_tuning_resumes_to_the_same_weights(base_run, chat_file, 
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_the_default_budget_is_one_epoch_at_a_tenth_of_the_rates(base_run, tmp_path):
+def test_the_default_budget_is_one_epoch_at_the_base_runs_rates(base_run, tmp_path):
     base = load_run(base_run).config
     config = recipe(base, base.model.vocab_size + 2, 40, tmp_path, None, {"batch_size": "4"})
     assert config.train.max_steps == 10  # 40 conversations, 4 a step
-    assert config.train.lr == pytest.approx(base.train.lr / 10)
+    assert config.train.lr == base.train.lr and config.train.batch_mode == "chats"
     assert recipe(base, 10, 40, tmp_path, 2.5, {"batch_size": 4}).train.max_steps == 25
 
 

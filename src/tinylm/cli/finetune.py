@@ -21,7 +21,7 @@ def cmd_finetune(args: argparse.Namespace) -> int:
     tasks:reverse, tasks:speaker, tasks:next-line, or a mixture such as tasks:add+spell. A model made by tinylm gets
     ChatML's turn markers as special tokens and the ChatML template; an imported chat model keeps its own. The
     result is an ordinary run folder that sample, eval, serve, export and explain take. By default it trains one
-    epoch at a tenth of the base run's learning rates; the [train] flags below change that."""
+    epoch at the base run's own learning rates; the [train] flags below change that."""
     settings = settings_from(args)
     data_dir = settings.pop("train.data_dir", None)
     val_fraction = settings.pop("train.val_fraction", None)
