@@ -316,7 +316,7 @@ def evaluate_chats(
     n = len(offsets) - 1
     if n == 0:
         raise TinyLMError(f"the {split} split of {shards.path} has no conversations")
-    losses, counts = np.zeros(n), np.zeros(n, dtype=np.int64)
+    losses, counts, n_bytes = np.zeros(n), np.zeros(n, dtype=np.int64), 0
     with _eval_mode(model), torch.no_grad():
         for first in range(0, n, batch_size):
             chats = np.arange(first, min(first + batch_size, n))
@@ -327,23 +327,12 @@ def evaluate_chats(
             nll = next_token_loss(logits.float(), torch.from_numpy(y).to(device), reduction="none")
             losses[chats] = nll.view(len(chats), -1).double().sum(dim=1).cpu().numpy()
             counts[chats] = (y != IGNORE_INDEX).sum(axis=1)
-    n_bytes = _trained_bytes(tokens, trained, offsets, block_size, tokenizer)
-    return EvalResult(split, float(losses.sum()), int(counts.sum()), float(n_bytes), False, np.arange(n),
+            # the text the scored targets stand for (the end-of-turn token stands for none)
+            n_bytes += sum(len(tokenizer.token_bytes(t)) for t in y[y != IGNORE_INDEX].tolist()
+                           if not tokenizer.is_special(t))
+    return EvalResult(split, float(losses.sum()), int(counts.sum()), float(max(n_bytes, 1)), False, np.arange(n),
                       losses, counts, seconds=time.perf_counter() - started, block_size=block_size, stride=block_size,
                       scope=f"what the assistant writes in {n:,} held-out chats, one chat a row")
-
-
-def _trained_bytes(tokens: np.ndarray, trained: np.ndarray, offsets: np.ndarray, block_size: int,
-                   tokenizer: Tokenizer) -> int:
-    """The bytes of the text the scored targets stand for: every trained token a row predicts."""
-    total = 0
-    for k in range(len(offsets) - 1):
-        a = int(offsets[k])
-        b = min(int(offsets[k + 1]), a + block_size + 1)
-        for t, flag in zip(tokens[a + 1:b], trained[a + 1:b]):
-            if flag and not tokenizer.is_special(int(t)):
-                total += len(tokenizer.token_bytes(int(t)))
-    return max(total, 1)
 
 
 def _prorated_bytes(split_bytes: int, tokens: int, n_split_tokens: int) -> tuple[bool, float]:

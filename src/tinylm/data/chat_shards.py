@@ -83,7 +83,7 @@ def prepare_chats(splits: Mapping[str, Sequence[Conversation]], tokenizer: Token
             for key, array in (("tokens", tokens), ("trained", trained), ("offsets", offsets)):
                 with atomic_path(out / names[key]) as temporary:
                     array.tofile(temporary)
-            text_bytes = sum(len(m.get("content") or "") for c in splits[split] for m in c)  # a size to show
+            text_bytes = sum(len((m.get("content") or "").encode("utf-8")) for c in splits[split] for m in c)
             stats[split] = {"file": names["tokens"], "documents": len(ids), "tokens": int(len(tokens)),
                             "bytes": text_bytes}
             chats[split] = {"trained_file": names["trained"], "offsets_file": names["offsets"],
