@@ -39,6 +39,7 @@ TINY = {
     "n_layer": 2, "d_model": 32, "n_head": 2, "block_size": 32,
     # [train]: a char tokenizer, small batches, a few steps, one thread, no sample unless asked
     "tokenizer_kind": "char", "batch_size": 4, "max_steps": 8, "max_tokens": None, "warmup_steps": 2,
+    "short_block_size": 0,  # every step at block_size unless a test asks for the sequence-length schedule
     "lr": 3e-3, "eval_interval": 4, "eval_tokens": 256, "log_interval": 1, "threads": 1,
     "sample_tokens": 0, "device": "cpu", "dtype": "float32", "val_fraction": 0.25,
     # the classic recipe (AdamW, cosine, tied head, no QK-norm): exact comparisons (accumulation, DDP) need

@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from tinylm.config.model import FAMILY_NAMES, NGRAM_ONLY, TRANSFORMER_ONLY
+from tinylm.config.model import FAMILY_NAMES, NGRAM_ONLY, TRANSFORMER_ONLY, GPTConfig
 from tinylm.config.tables import (Config, apply_overrides, build_config, load_config_file, load_preset,
                                   merge_tables, override_keys)
 from tinylm.errors import TinyLMError
@@ -77,7 +77,8 @@ def resolve_config(
         if path is not None:
             # a file without a preset = line starts where the command does, not from the dataclass defaults
             base = merge_tables(base, load_config_file(path, default_preset=None if preset else default))
-    config = build_config(tie_without_head_settings(apply_overrides(base, overrides), apply_overrides(mine, overrides)))
+    given = apply_overrides(mine, overrides)
+    config = build_config(windows_that_fit(tie_without_head_settings(apply_overrides(base, overrides), given), given))
     check_lr_alone(config, mine, overrides)
     warn_ignored(config.model.family, unused_settings(config, overrides))  # said where resolve_config is called
     return config
@@ -121,6 +122,20 @@ def tie_without_head_settings(cfg: dict[str, dict[str, Any]], mine: Mapping[str,
         cfg = merge_tables(cfg, {})
         del cfg["model"]["head_init_std"]
     return cfg
+
+
+def windows_that_fit(cfg: dict[str, dict[str, Any]], mine: Mapping[str, Mapping[str, Any]]) -> dict:
+    """``cfg`` without a preset's sequence-length schedule (``short_block_size``, tiny's 128) when it does not fit
+    the block_size the caller chose (``--block-size 64``, or the [model] of a run fine-tuned with --init-from) and
+    the caller (``mine``: their file's own tables and their flags) did not set ``short_block_size`` themselves:
+    every step then trains at block_size. Set both, and `TrainConfig.check_windows` says why they do not fit."""
+    short = cfg.get("train", {}).get("short_block_size", 0)
+    if not short or "short_block_size" in mine.get("train", {}):
+        return cfg
+    block_size = cfg.get("model", {}).get("block_size", GPTConfig.block_size)
+    if short <= block_size and block_size % short == 0:
+        return cfg
+    return merge_tables(cfg, {"train": {"short_block_size": 0}})
 
 
 def default_run_dir(preset: str | None = None, path: str | Path | None = None, overrides: Overrides = ()) -> Path:

@@ -36,6 +36,9 @@ class Config:
     model: GPTConfig = field(default_factory=GPTConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
 
+    def __post_init__(self) -> None:
+        self.train.check_windows(self.model.block_size)  # the one check that needs both tables
+
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """The nested dict `dump_toml` writes; fields left as None (meaning "the default rule") are omitted."""
         return {

@@ -39,7 +39,9 @@ class TrainConfig:
 
     The batch is counted in sequences of ``model.block_size`` tokens: one optimizer step sees
     ``batch_size * grad_accum`` sequences, whatever the number of processes (with ``torchrun``,
-    each of W processes takes ``batch_size / W`` rows of every micro-batch).
+    each of W processes takes ``batch_size / W`` rows of every micro-batch). With ``short_block_size``
+    (packed batches), the steps before the last ``long_fraction`` of them see ``block_size /
+    short_block_size`` times as many sequences of ``short_block_size`` tokens: the same tokens a step.
     """
 
     # -- data
@@ -73,6 +75,13 @@ class TrainConfig:
         "optimizer steps to train; with max_tokens too, whichever budget is smaller wins")
     max_tokens: int | None = setting(None,
         "training tokens to see, rounded up to whole steps of batch_size * grad_accum * block_size")
+    # -- sequence-length schedule
+    short_block_size: int = setting(0,
+        "packed batches: train on windows of this many tokens (it must divide block_size), block_size / "
+        "short_block_size times as many rows so that a step's tokens stay the same, except in the last long_fraction "
+        "of the steps, which train at the model's block_size; 0: every step at block_size")
+    long_fraction: float = setting(0.2,
+        "with short_block_size: the share of all steps, at the end, that train on windows of block_size")
     # -- optimizer and schedule
     optimizer: OptimizerKind = setting("adamw",
         "adamw, sgd (with momentum), or muon (torch.optim.Muon for the blocks' weight matrices, AdamW for the "
@@ -173,6 +182,11 @@ class TrainConfig:
                 raise TinyLMError(f"{name} must be a positive number, got {value}")
         if not 0.0 < self.decay_fraction <= 1.0:
             raise TinyLMError(f"decay_fraction is a share of the steps in (0, 1], got {self.decay_fraction}")
+        if self.short_block_size < 0:
+            raise TinyLMError(f"short_block_size must be 0 (no schedule) or a number of tokens that divides "
+                              f"block_size, got {self.short_block_size}")
+        if not 0.0 <= self.long_fraction <= 1.0:
+            raise TinyLMError(f"long_fraction is a share of the steps in [0, 1], got {self.long_fraction}")
         if self.muon_momentum_warmup < 0:
             raise TinyLMError(f"muon_momentum_warmup must be 0 or more, got {self.muon_momentum_warmup}")
         for name in ("beta1", "beta2", "momentum", "muon_momentum"):
@@ -193,6 +207,22 @@ class TrainConfig:
     def final_lr(self) -> float:
         """min_lr, or lr / 10 when it is unset."""
         return self.lr / 10 if self.min_lr is None else self.min_lr
+
+    def check_windows(self, block_size: int) -> None:
+        """Refuse a sequence-length schedule that does not fit the model's ``block_size`` (packed batches only:
+        document and chat rows are one document or conversation each, always ``block_size`` long)."""
+        short = self.short_block_size
+        if not short or self.batch_mode != "packed":
+            return
+        if short > block_size:
+            raise TinyLMError(f"short_block_size {short} is longer than block_size {block_size}: the short windows "
+                              f"must be at most block_size (e.g. {block_size // 4 or 1}), or 0 for every step at "
+                              "block_size")
+        if block_size % short:
+            divisors = [d for d in (block_size // 8, block_size // 4, block_size // 2) if d and block_size % d == 0]
+            hint = f" (e.g. {' or '.join(map(str, divisors))})" if divisors else ""
+            raise TinyLMError(f"short_block_size {short} must divide block_size {block_size}, so that a short step's "
+                              f"rows hold the same tokens as a long step's{hint}; 0 trains every step at block_size")
 
     @property
     def log_backends(self) -> tuple[str, ...]:

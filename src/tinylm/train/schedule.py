@@ -22,6 +22,13 @@ lower loss. Why warmup-stable-decay (Hu et al., 2024, "MiniCPM"; Hägele et al.,
 rate for longer makes faster progress, and a short final decay collects it; the stable phase does
 not depend on the run's length, so a run can be extended before its decay starts.
 
+`window_at` is the sequence-length schedule: with ``short_block_size`` (packed batches), the steps
+train on short windows, as many more rows of them as keep a step's tokens, until the last
+``long_fraction`` of the steps (from ``total - round(long_fraction * total)`` on), which train on
+windows of the model's block_size. Short windows are cheaper per token in attention and give the
+same gradient noise per step; the long steps at the end teach the model the far positions (RoPE
+has no position table to learn, so a model trained at 128 is already a model of 512 positions).
+
 `group_lr` is the schedule a run's [train] settings give one optimizer group. `momentum_at` is
 Muon's momentum warm-up (modded-nanogpt's): from 0.85 up to its value over the
 first ``warmup`` steps, which damps the first, noisiest updates.
@@ -79,3 +86,16 @@ def group_lr(tc: TrainConfig, total: int, step: int, peak: float) -> float:
     floor = tc.final_lr if peak == tc.lr else tc.final_lr * peak / tc.lr
     return lr_at(step, lr=peak, min_lr=floor, warmup=tc.warmup_steps, total=total,
                  decay=tc.decay, fraction=tc.decay_fraction, shape=tc.decay_shape)
+
+
+def long_start(tc: TrainConfig, total: int) -> int:
+    """The first step of ``total`` that trains on windows of the model's block_size (0: every step does)."""
+    if not tc.short_block_size or tc.batch_mode != "packed":
+        return 0
+    return total - round(tc.long_fraction * total)
+
+
+def window_at(tc: TrainConfig, block_size: int, total: int, step: int) -> int:
+    """The window length (tokens a row) of step ``step`` of ``total``: short_block_size before `long_start`,
+    ``block_size`` from it on (see the module docstring)."""
+    return block_size if step >= long_start(tc, total) else tc.short_block_size
