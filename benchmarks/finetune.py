@@ -47,6 +47,45 @@ def median_speed(run: Path) -> float:
     return statistics.median(speeds[1:] or speeds)  # the first line includes the first step's warm-up
 
 
+def step_speeds(base: Path, chat_shards: Path, text_shards: Path, rounds: int, steps: int) -> tuple[list, list]:
+    """Training tokens/s of fine-tuning's packed conversation steps and pretraining's packed text steps on the
+    same model, in one process: ``steps`` steps of each in turn, ``rounds`` times, so that the machine's load
+    hits both alike. Each step is the training loop's: bfloat16 autocast, the head in slices, the optimizer."""
+    import dataclasses
+
+    import torch
+
+    from tinylm.data.shards import ShardSet
+    from tinylm.model import build_model
+    from tinylm.run import load_run
+    from tinylm.train import BatchSource, make_optimizer
+
+    config = load_run(base).config
+    chats, text = ShardSet.open(chat_shards), ShardSet.open(text_shards)
+    model = build_model(dataclasses.replace(config.model, vocab_size=chats.vocab_size)).train()
+    optimizer = make_optimizer(model, config.train)
+    common = {"batch_size": config.train.batch_size, "block_size": config.model.block_size, "seed": 0,
+              "bos_id": 0, "pad_id": 0}
+    sources = {"fine-tuning": BatchSource(chats, mode="chats", **common),
+               "pretraining": BatchSource(text, mode="packed", **common)}
+    speeds: dict[str, list[float]] = {kind: [] for kind in sources}
+    for r in range(rounds):
+        for kind in (list(sources) if r % 2 == 0 else list(sources)[::-1]):
+            for step in range(r * steps, (r + 1) * steps):
+                batch = sources[kind].step_batch(step)
+                started = time.perf_counter()
+                inputs = batch.to(torch.device("cpu"))
+                targets = inputs.pop("targets")
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    _, nll = model(**inputs, targets=targets, reduction="sum", return_logits=False)
+                (nll / batch.n_targets).backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                if r > 0 or step > 2:  # the first steps warm up the kernels
+                    speeds[kind].append(batch.n_inputs / (time.perf_counter() - started))
+    return speeds["fine-tuning"], speeds["pretraining"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--run", default="runs/tiny-shakespeare", help="the trained run to start from")

@@ -15,8 +15,8 @@ to stop), never what the user or system wrote. `finetune` does it in four steps:
    instructions: `tinylm.data.conversations`) or built-in tasks (``tasks:add``, ``tasks:add+spell``:
    `tinylm.data.tasks`), held out by a seed or given (``val_data``), tokenized once into conversation
    shards with the trained tokens marked (`tinylm.data.chat_shards`), beside the starting weights.
-4. **Training**: `tinylm.train.train` on those shards, one conversation per row (``batch_mode =
-   "chats"``), from the grown weights. The run folder is an ordinary one: `sample`, `eval`, `serve`,
+4. **Training**: `tinylm.train.train` on those shards, conversations packed several to a row without
+   attending to each other (``batch_mode = "chats"``), from the grown weights. The run folder is an ordinary one: `sample`, `eval`, `serve`,
    `export` and `explain` take it, and ``resume`` continues it exactly after an interruption.
 
 The recipe starts from the base run's own [train] settings, learning rates included, with a short
@@ -40,13 +40,14 @@ from tinylm.config import Config
 from tinylm.config.tables import apply_overrides, build_config, override_keys
 from tinylm.data.chat_shards import chats_fingerprint, prepare_chats
 from tinylm.data.conversations import read_conversations, split_conversations
+from tinylm.data.shards import ShardSet
 from tinylm.data.tasks import make_task, parse_task_spec
 from tinylm.errors import TinyLMError
 from tinylm.model.grow import grow_vocabulary
 from tinylm.checkpoint import save_checkpoint
 from tinylm.run import RUN_FILE, Checkpoint, RunResult, checkpoint_path, has_checkpoint, load_checkpoint
 from tinylm.tokenizers.chat_template import with_chat_tokens
-from tinylm.train import train
+from tinylm.train import BatchSource, train
 
 TASK_ITEMS = {"train": 20_000, "val": 200}  # items made per built-in task, per split
 INIT_FOLDER = "init"  # in the data folder: the starting weights with the chat tokens' rows
@@ -79,8 +80,9 @@ def finetune(source: str | os.PathLike | None, data: str | None, out: str | os.P
     train_part, val_part, name = conversations_of(data, val_data, val_fraction, base.config.train.seed)
     splits = {"train": train_part, "val": val_part}
     folder = Path(data_dir) if data_dir is not None else Path("data") / f"chats-{out.name}-{chats_fingerprint(splits)[:8]}"
-    config = recipe(base.config, tokenizer.vocab_size, len(splits["train"]), folder, epochs, overrides or {})
-    shards = prepare_chats(splits, tokenizer, folder, block_size=config.model.block_size, source=name)
+    shards = prepare_chats(splits, tokenizer, folder, block_size=base.config.model.block_size, source=name)
+    config = recipe(base.config, tokenizer.vocab_size, epoch_rows(shards, base.config), folder, epochs,
+                    overrides or {})
     cut = sum(shards.meta["chats"][s]["cut"] for s in ("train", "val"))
     log(f"conversations: {len(splits['train']):,} to train on, {len(splits['val']):,} held out ({name}); "
         f"{shards.meta['chats']['train']['trained_tokens']:,} of {shards.num_tokens('train'):,} training tokens are "
@@ -129,7 +131,15 @@ def conversations_of(data: str, val_data: str | None, val_fraction: float, seed:
     return train_part, val_part, Path(data).name
 
 
-def recipe(base: Config, vocab_size: int, n_train: int, data_dir: Path, epochs: float | None,
+def epoch_rows(shards: ShardSet, config: Config) -> int:
+    """How many rows of ``block_size`` positions one epoch of the training conversations packs into (the first
+    epoch's; the others differ by their order's last few rows)."""
+    source = BatchSource(shards, mode="chats", batch_size=1, block_size=config.model.block_size,
+                         seed=config.train.seed, bos_id=0, pad_id=0, pack=config.model.family == "gpt")
+    return len(source.packed_epoch(0))
+
+
+def recipe(base: Config, vocab_size: int, n_rows: int, data_dir: Path, epochs: float | None,
            overrides: Mapping[str, Any]) -> Config:
     """The fine-tuning configuration: the base model with ``vocab_size`` ids, its [train] settings with the
     fine-tuning changes (module docstring), then ``overrides`` ([train] settings, values or text as flags give
@@ -143,7 +153,7 @@ def recipe(base: Config, vocab_size: int, n_train: int, data_dir: Path, epochs: 
     config = build_config(apply_overrides(cfg, overrides))
     tc = config.train
     if not given & {"max_steps", "max_tokens"}:
-        steps = max(1, math.ceil((epochs if epochs is not None else 1.0) * n_train / (tc.batch_size * tc.grad_accum)))
+        steps = max(1, math.ceil((epochs if epochs is not None else 1.0) * n_rows / (tc.batch_size * tc.grad_accum)))
         tc = dataclasses.replace(tc, max_steps=steps)
     if "eval_interval" not in given:
         tc = dataclasses.replace(tc, eval_interval=max(1, (tc.max_steps or 100) // 4))

@@ -41,7 +41,7 @@ import transformers
 REPLIES = {"wrap": "wrapped it", "fill": "filled: ok"}
 OBJECTS = ("the text", "this line", "a paragraph", "my words")
 MAX_REPLY = 16  # tokens; every taught reply is shorter
-STEPS = 60  # fine-tuning steps: enough for clear winners at every token of the taught replies
+STEPS = 60  # fine-tuning steps of one row (about five conversations): clear winners at every token of the replies
 
 # (conversation, the reply it was taught, or None where only the ids across tools are compared)
 CONVERSATIONS = [
@@ -81,7 +81,7 @@ def tuned(tmp_path_factory, tokenizer):
     write_run_info(base, {"status": "complete"})
     chats = root / "chats.jsonl"
     chats.write_text("".join(json.dumps(c) + "\n" for c in taught_chats()), encoding="utf-8")
-    settings = {"max_steps": STEPS, "lr": 1e-2, "batch_size": 8, "warmup_steps": 2, "eval_interval": STEPS,
+    settings = {"max_steps": STEPS, "lr": 1e-2, "batch_size": 1, "warmup_steps": 2, "eval_interval": STEPS,
                 "sample_tokens": 0}
     result = finetune(base, str(chats), root / "run", overrides=settings, data_dir=root / "data",
                       log=lambda line: None, progress=False)

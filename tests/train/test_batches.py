@@ -87,7 +87,8 @@ def test_padded_positions_are_out_of_the_loss_and_out_of_attention(shards):
     assert n_real < 32
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=shards.vocab_size, block_size=32, n_layer=2, d_model=32, n_head=2)).eval()
-    x, y, mask = batch.rows(r, r + 1).to(torch.device("cpu"))
+    inputs = batch.rows(r, r + 1).to(torch.device("cpu"))
+    x, y, mask = inputs["idx"], inputs["targets"], inputs["attention_mask"]
     _, padded = model(x, y, attention_mask=mask)
     _, alone = model(x[:, : n_real - 1], y[:, : n_real - 1])
     torch.testing.assert_close(padded, alone, rtol=1e-6, atol=1e-6)

@@ -151,3 +151,30 @@ def test_task_scores_count_the_exact_greedy_replies(base_run, chat_file, tmp_pat
         bad.write_text(json.dumps({"messages": [{"role": "assistant", "content": "hi"},
                                                 {"role": "user", "content": "x"}]}) + "\n", encoding="utf-8")
         evaluate_run_tasks(str(tmp_path / "chat"), str(bad))
+
+
+def test_packed_steps_go_through_every_conversation_once_an_epoch(base_run, tmp_path):
+    tok = with_chat_tokens(load_run(base_run).tokenizer)
+    convs = [[{"role": "user", "content": "the" + " e" * (i % 7)}, {"role": "assistant", "content": "to" * (1 + i % 5)}]
+             for i in range(40)]
+    shards = prepare_chats({"train": convs, "val": convs[:2]}, tok, tmp_path / "d", block_size=256, source="t")
+    src = BatchSource(shards, mode="chats", batch_size=2, block_size=256, seed=3, bos_id=tok.bos_id,
+                      pad_id=tok.pad_id)
+    tokens, trained, offsets = chat_arrays(shards, "train")
+    sizes = [len(src.packed_epoch(e)) for e in range(3)]
+    assert sizes[0] < 40 / 2  # several conversations a row
+    for e in range(3):
+        assert sorted(np.concatenate(src.packed_epoch(e)).tolist()) == list(range(40))
+    # the steps take the packed rows in turn, across the epochs' boundaries
+    rows = src.chat_rows(0, sum(sizes))
+    assert [r.tolist() for r in rows] == [r.tolist() for e in range(3) for r in src.packed_epoch(e)]
+    # a step is a function of its number alone: a fresh source (a resumed run) draws the same rows
+    fresh = BatchSource(shards, mode="chats", batch_size=2, block_size=256, seed=3, bos_id=tok.bos_id,
+                        pad_id=tok.pad_id)
+    step = sizes[0] // 2 + 1  # in the second epoch
+    a, b = src.step_batch(step), fresh.step_batch(step)
+    assert np.array_equal(a.x, b.x) and np.array_equal(a.y, b.y) and np.array_equal(a.segments, b.segments)
+    # every trained token of the step's conversations is a target, nothing else is
+    chats_in_step = np.concatenate(src.chat_rows(2 * step, 2))
+    assert a.n_targets == sum(int(trained[offsets[c] + 1:offsets[c + 1]].sum()) for c in chats_in_step)
+    assert a.n_inputs == sum(int(offsets[c + 1] - offsets[c] - 1) for c in chats_in_step)

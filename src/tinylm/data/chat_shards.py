@@ -11,8 +11,10 @@ tokenizer.json, meta.json), plus, per split, two files that plain text shards do
   template may write EOS itself (Llama 2's ends every turn with ``</s>``), so the offsets say where
   one conversation ends.
 
-Training reads one conversation per row (`tinylm.train.batches`, the ``chats`` batch mode); a row
-never attends across conversations, and a target counts in the loss only where its token is trained.
+Training packs conversations into rows of ``block_size`` positions (`pack_chats`, `packed_rows`; the
+``chats`` batch mode of `tinylm.train.batches`); a token never attends across conversations, and a
+target counts in the loss only where its token is trained. Evaluation reads one conversation per row
+(`chat_rows`).
 meta.json's ``chats`` entry names the files and counts, per split, the conversations, tokens and
 trained tokens. The folder is written under temporary names and renamed into place, meta.json last.
 """
@@ -157,3 +159,63 @@ def chat_opening(shards: ShardSet, split: str = "val") -> list[int]:
 def is_chats(shards: ShardSet) -> bool:
     """Whether ``shards`` hold conversations (`prepare_chats`) rather than text."""
     return isinstance(shards.meta.get("chats"), dict)
+
+
+PACKING_OPEN_ROWS = 8  # rows still taking conversations while packing; more fill rows a little better, slower
+
+
+def pack_chats(offsets: np.ndarray, order: np.ndarray, block_size: int) -> list[np.ndarray]:
+    """Conversations ``order`` packed into rows of at most ``block_size`` positions: the conversations of each row.
+
+    A conversation of L tokens fills L - 1 positions (every token but the last is an input, every token
+    but the first a target), at most ``block_size`` (a longer one is cut). Each conversation in turn goes
+    into the first of the last `PACKING_OPEN_ROWS` rows it fits in, or starts a new row; a row leaves the
+    open set, full or not, when a ninth is opened. So the rows keep ``order``'s randomness and waste only
+    the ends no conversation fits in. Conversations of a single token teach nothing and are left out.
+    """
+    positions = np.minimum(np.diff(offsets)[order] - 1, block_size)  # (n,)
+    done: list[list[int]] = []
+    open_rows: list[list[int]] = []
+    room: list[int] = []
+    for chat, n in zip(order.tolist(), positions.tolist()):
+        if n <= 0:
+            continue
+        at = next((i for i, free in enumerate(room) if free >= n), None)
+        if at is None:
+            if len(open_rows) == PACKING_OPEN_ROWS:
+                done.append(open_rows.pop(0))
+                room.pop(0)
+            open_rows.append([])
+            room.append(block_size)
+            at = len(open_rows) - 1
+        open_rows[at].append(chat)
+        room[at] -= n
+    return [np.asarray(row, dtype=np.int64) for row in done + open_rows]
+
+
+def packed_rows(tokens: np.ndarray, trained: np.ndarray, offsets: np.ndarray, rows: Sequence[np.ndarray],
+                block_size: int, pad_id: int, ignore_index: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The packed ``rows`` (`pack_chats`) as inputs x, targets y and segment ids, (B, T) each, T the fullest row.
+
+    Within a row, conversation k's positions have segment id k and the padding after the last one an id of its
+    own, so no token attends across conversations (`tinylm.model.gpt.GPT`'s ``segment_ids``). A target is
+    ``ignore_index`` where its token is not trained, and at padding.
+    """
+    starts, ends = offsets[:-1], offsets[1:]
+    fill = [int(sum(min(ends[c] - starts[c] - 1, block_size) for c in row)) for row in rows]
+    T = max(1, max(fill, default=1))
+    x = np.full((len(rows), T), pad_id, dtype=np.int64)
+    y = np.full((len(rows), T), ignore_index, dtype=np.int64)
+    segments = np.empty((len(rows), T), dtype=np.int64)
+    for r, row in enumerate(rows):
+        at = 0
+        for k, chat in enumerate(row.tolist()):
+            a = int(starts[chat])
+            n = int(min(ends[chat] - a - 1, block_size))
+            ids = tokens[a:a + n + 1].astype(np.int64)
+            x[r, at:at + n] = ids[:-1]
+            y[r, at:at + n] = np.where(trained[a + 1:a + n + 1] > 0, ids[1:], ignore_index)
+            segments[r, at:at + n] = k
+            at += n
+        segments[r, at:] = len(row)  # the padding: a segment of its own
+    return x, y, segments

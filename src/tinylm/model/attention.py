@@ -46,15 +46,23 @@ def repeat_kv(x: Tensor, n_rep: int) -> Tensor:
     return x[:, :, None].expand(B, n_kv, n_rep, T, hs).reshape(B, n_kv * n_rep, T, hs)
 
 
-def visible_keys(T_q: int, T_k: int, key_padding_mask: Tensor | None, device: torch.device,
+def visible_keys(T_q: int, T_k: int, key_mask: Tensor | None, device: torch.device,
                  window: int | None = None) -> Tensor:
     """Which keys each query may attend to: (1 or B, 1, T_q, T_k) bool, the complement of M's -inf entries."""
     q_pos = torch.arange(T_k - T_q, T_k, device=device)  # absolute positions of the queries
     k_pos = torch.arange(T_k, device=device)
-    visible = causal_visible(q_pos, k_pos, window)  # (T_q, T_k)
-    if key_padding_mask is None:
-        return visible[None, None]  # (1, 1, T_q, T_k)
-    return visible[None, None] & key_padding_mask[:, None, None, :]  # (B, 1, T_q, T_k)
+    visible = causal_visible(q_pos, k_pos, window)[None, None]  # (1, 1, T_q, T_k)
+    return visible if key_mask is None else visible & query_key_mask(key_mask)  # (1 or B, 1, T_q, T_k)
+
+
+def query_key_mask(key_mask: Tensor) -> Tensor:
+    """A key mask in the (B, 1, T_q or 1, T_k) form that broadcasts against the scores.
+
+    Attention takes one of two key masks beside causality: (B, T_k), False at padding keys (every
+    query skips them), or (B, 1, T_q, T_k), False where query i may not see key j although j is in its
+    past: the keys of another conversation packed into the same row.
+    """
+    return key_mask[:, None, None, :] if key_mask.dim() == 2 else key_mask
 
 
 def causal_visible(q_pos: Tensor, k_pos: Tensor, window: int | None) -> Tensor:
@@ -65,7 +73,7 @@ def causal_visible(q_pos: Tensor, k_pos: Tensor, window: int | None) -> Tensor:
     return visible
 
 
-def window_keys(k: Tensor, v: Tensor, key_padding_mask: Tensor | None, T_q: int,
+def window_keys(k: Tensor, v: Tensor, key_mask: Tensor | None, T_q: int,
                 window: int | None) -> tuple[Tensor, Tensor, Tensor | None, int | None]:
     """Drop the keys (and values, and mask columns) that no query's window reaches; the window still to apply.
 
@@ -74,12 +82,12 @@ def window_keys(k: Tensor, v: Tensor, key_padding_mask: Tensor | None, T_q: int,
     comes back as None, so the fused kernels' plain causal paths apply.
     """
     if window is None:
-        return k, v, key_padding_mask, None
+        return k, v, key_mask, None
     first = max(0, k.size(2) - T_q - window + 1)
     k, v = k[:, :, first:], v[:, :, first:]  # (B, n_kv, T_k - first, hs)
-    if key_padding_mask is not None:
-        key_padding_mask = key_padding_mask[:, first:]  # (B, T_k - first)
-    return k, v, key_padding_mask, (window if k.size(2) > window else None)
+    if key_mask is not None:
+        key_mask = key_mask[..., first:]  # (B, T_k - first) or (B, 1, T_q, T_k - first)
+    return k, v, key_mask, (window if k.size(2) > window else None)
 
 
 def soft_cap(scores: Tensor, cap: float | None) -> Tensor:
@@ -91,7 +99,7 @@ def reference_attention(
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    key_padding_mask: Tensor | None = None,
+    key_mask: Tensor | None = None,
     dropout_p: float = 0.0,
     return_weights: bool = False,
     window: int | None = None,
@@ -106,7 +114,7 @@ def reference_attention(
     T_k = k.size(2)
     k = repeat_kv(k, n_head // k.size(1))  # (B, nh, T_k, hs)
     v = repeat_kv(v, n_head // v.size(1))  # (B, nh, T_k, hs)
-    visible = visible_keys(T_q, T_k, key_padding_mask, q.device, window)  # (1 or B, 1, T_q, T_k)
+    visible = visible_keys(T_q, T_k, key_mask, q.device, window)  # (1 or B, 1, T_q, T_k)
     has_key = visible.any(dim=-1, keepdim=True)  # (1 or B, 1, T_q, 1)
     # M: -inf where a key is in the future or padding. A row with no visible key keeps 0s, so the
     # softmax stays finite there; that row's weights are zeroed right after.
@@ -124,7 +132,7 @@ def reference_attention(
 
 
 def sdpa_attention(
-    q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None = None, dropout_p: float = 0.0,
+    q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor | None = None, dropout_p: float = 0.0,
     window: int | None = None, scale: float | None = None,
 ) -> Tensor:
     """The same function through `torch.nn.functional.scaled_dot_product_attention` (fused kernels).
@@ -136,7 +144,11 @@ def sdpa_attention(
     v = repeat_kv(v, n_head // v.size(1))  # (B, nh, T_k, hs)
     # with a window the mask is a band, which the kernel's is_causal cannot say (nor does the
     # written-out backward assume it): the explicit mask below
-    if key_padding_mask is None and window is None:
+    if key_mask is not None and key_mask.dim() == 4 and window is None and T_q == T_k and scale is None \
+            and _use_written_out_backward(q, k, v, dropout_p):
+        # packed conversations in training: the causal triangle cut into blocks, every query seeing itself
+        return _CausalAttention.apply(q, k.to(q.dtype), v.to(q.dtype), key_mask)
+    if key_mask is None and window is None:
         if T_q == T_k:
             if scale is None and _use_written_out_backward(q, k, v, dropout_p):
                 # one dtype for all three (value embeddings add a float32 term to v under autocast)
@@ -147,7 +159,7 @@ def sdpa_attention(
             # one new query at the last position sees every key: no mask at all
             return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, scale=scale)
         # note: is_causal=True would align the triangle to the top-left corner, wrong when T_q < T_k
-    visible = visible_keys(T_q, T_k, key_padding_mask, q.device, window)  # (1 or B, 1, T_q, T_k)
+    visible = visible_keys(T_q, T_k, key_mask, q.device, window)  # (1 or B, 1, T_q, T_k)
     has_key = visible.any(dim=-1, keepdim=True)  # (1 or B, 1, T_q, 1)
     # rows with no visible key: let them see everything (finite softmax), then zero their output
     y = F.scaled_dot_product_attention(q, k, v, attn_mask=visible | ~has_key, dropout_p=dropout_p, scale=scale)
@@ -179,29 +191,40 @@ class _CausalAttention(torch.autograd.Function):
 
     where D = rowsum(P * dP) = rowsum(dY * Y) (one number per query; the second form is cheaper).
     P is recomputed from Q and K rather than stored by the forward pass.
+
+    ``key_mask`` (B, 1, T, T), optional: keys hidden from a query on top of the future ones (another
+    conversation packed into the row). Every query must still see itself.
     """
 
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        ctx.save_for_backward(q, k, v, y)
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor | None = None) -> Tensor:
+        if key_mask is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            key_mask = key_mask & torch.ones(q.size(2), q.size(2), dtype=torch.bool, device=q.device).tril()
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask)
+        ctx.save_for_backward(q, k, v, y, key_mask)
         return y
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, dy: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        q, k, v, y = ctx.saved_tensors
+    def backward(ctx, dy: Tensor) -> tuple[Tensor, Tensor, Tensor, None]:
+        q, k, v, y, visible = ctx.saved_tensors
         with torch.autocast(dy.device.type, enabled=False):  # the dtypes below are chosen, not autocast's
-            return _CausalAttention._gradients(q, k, v, y, dy.to(q.dtype))
+            return *_CausalAttention._gradients(q, k, v, y, dy.to(q.dtype), visible), None
 
     @staticmethod
-    def _gradients(q: Tensor, k: Tensor, v: Tensor, y: Tensor, dy: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def _gradients(q: Tensor, k: Tensor, v: Tensor, y: Tensor, dy: Tensor,
+                   visible: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
         T, scale = q.size(2), 1.0 / math.sqrt(q.size(-1))
-        future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)  # M's -inf entries
+        if visible is None:
+            hidden = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)  # M's -inf entries: the future
+        else:
+            hidden = ~visible  # (B, 1, T, T): the future and the other conversations
         # the scores and the softmax in float32; the products with the gradient in q's dtype, whose
         # matmuls a CPU runs several times faster (their error is that of the fused kernel's backward)
         scores = (q.float() * scale) @ k.float().transpose(-2, -1)  # (B, nh, T, T)
-        p = torch.softmax(scores.masked_fill_(future, float("-inf")), dim=-1)
+        p = torch.softmax(scores.masked_fill_(hidden, float("-inf")), dim=-1)
         dv = p.to(q.dtype).transpose(-2, -1) @ dy  # (B, nh, T, hs)
         D = (dy.float() * y.float()).sum(dim=-1, keepdim=True)  # (B, nh, T, 1)
         ds = (dy @ v.transpose(-2, -1)).float().sub_(D).mul_(p).to(q.dtype)  # (B, nh, T, T): (dP - D) * P
@@ -214,7 +237,7 @@ def tiled_attention(
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    key_padding_mask: Tensor | None = None,
+    key_mask: Tensor | None = None,
     dropout_p: float = 0.0,
     tile_size: int = 64,
     window: int | None = None,
@@ -249,8 +272,8 @@ def tiled_attention(
         end = min(start + tile_size, T_k)
         k_pos = torch.arange(start, end, device=q.device)
         visible = causal_visible(q_pos, k_pos, window)  # (T_q, Tb): the causal (and window) part of M for this block
-        if key_padding_mask is not None:
-            visible = visible & key_padding_mask[:, None, None, start:end]  # (B, 1, T_q, Tb)
+        if key_mask is not None:
+            visible = visible & query_key_mask(key_mask)[..., start:end]  # (B, 1, T_q, Tb)
         s = soft_cap((q @ k[:, :, start:end].transpose(-2, -1)).float() * scale, softcap)  # (B, nh, T_q, Tb)
         s = s.masked_fill(~visible, float("-inf"))
         # The result does not depend on m (it cancels between acc and l), so its gradient is zero:
@@ -306,14 +329,14 @@ class CausalSelfAttention(nn.Module):
         self,
         x: Tensor,
         rope: tuple[Tensor, Tensor] | None = None,
-        key_padding_mask: Tensor | None = None,
+        key_mask: Tensor | None = None,
         kv_cache: KVCacheLayer | None = None,
         need_weights: bool = False,
         ve: Tensor | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """x (B, T, d) -> (y (B, T, d), attention weights (B, nh, T, T_k) if ``need_weights`` else None).
 
-        ``rope`` is the (cos, sin) pair of `RotaryPositions` for these T positions; ``key_padding_mask``
+        ``rope`` is the (cos, sin) pair of `RotaryPositions` for these T positions; ``key_mask``
         covers all T_k keys (cached ones included); ``need_weights`` runs the reference implementation,
         the only one that forms the weights.
         """
@@ -336,19 +359,19 @@ class CausalSelfAttention(nn.Module):
         if kv_cache is not None:
             k, v = kv_cache.update(k, v)  # (B, n_kv, T_k, hs), the stored positions then these T
         # a sliding window: only the last keys matter (a decoding step keeps W of them, a full pass all)
-        k, v, key_padding_mask, window = window_keys(k, v, key_padding_mask, T, self.window)
+        k, v, key_mask, window = window_keys(k, v, key_mask, T, self.window)
         dropout_p = self.dropout if self.training else 0.0
         weights = None
         scale, cap = self.scale, self.softcap
         if need_weights:
-            y, weights = reference_attention(q, k, v, key_padding_mask, dropout_p, return_weights=True, window=window,
+            y, weights = reference_attention(q, k, v, key_mask, dropout_p, return_weights=True, window=window,
                                              scale=scale, softcap=cap)
         elif self.implementation == "sdpa" and cap is None:  # the fused kernel has no place for a cap
-            y = sdpa_attention(q, k, v, key_padding_mask, dropout_p, window, scale)
+            y = sdpa_attention(q, k, v, key_mask, dropout_p, window, scale)
         elif self.implementation == "tiled":
-            y = tiled_attention(q, k, v, key_padding_mask, dropout_p, self.tile_size, window, scale, cap)
+            y = tiled_attention(q, k, v, key_mask, dropout_p, self.tile_size, window, scale, cap)
         else:
-            y = reference_attention(q, k, v, key_padding_mask, dropout_p, window=window, scale=scale, softcap=cap)
+            y = reference_attention(q, k, v, key_mask, dropout_p, window=window, scale=scale, softcap=cap)
         # concatenate the heads: position t's row is (head_1 output, ..., head_nh output)
         y = y.transpose(1, 2).reshape(B, T, self.n_head * hs)  # (B, T, nh * hs)
         return self.W_o(y), weights  # (B, T, d)

@@ -117,7 +117,7 @@ class Block(nn.Module):
         self,
         h: Tensor,
         rope: tuple[Tensor, Tensor] | None = None,
-        key_padding_mask: Tensor | None = None,
+        key_mask: Tensor | None = None,
         kv_cache: KVCacheLayer | None = None,
         need_weights: bool = False,
         ve: Tensor | None = None,
@@ -125,11 +125,11 @@ class Block(nn.Module):
         # The residual form h + f(h) lets each sublayer learn a correction to h rather than a whole
         # new representation, and gives gradients a direct path through a deep stack.
         if self.pre_norm:
-            a, weights = self.attn(self.norm_1(h), rope, key_padding_mask, kv_cache, need_weights, ve)
+            a, weights = self.attn(self.norm_1(h), rope, key_mask, kv_cache, need_weights, ve)
             h = h + self.dropout(self.norm_1_out(a))  # (B, T, d)
             h = h + self.dropout(self.norm_2_out(self.mlp(self.norm_2(h))))  # (B, T, d)
         else:
-            a, weights = self.attn(h, rope, key_padding_mask, kv_cache, need_weights, ve)
+            a, weights = self.attn(h, rope, key_mask, kv_cache, need_weights, ve)
             h = self.norm_1(h + self.dropout(a))  # (B, T, d)
             h = self.norm_2(h + self.dropout(self.mlp(h)))  # (B, T, d)
         return h, weights
@@ -203,6 +203,7 @@ class GPT(nn.Module):
         kv_cache: Sequence[KVCacheLayer] | None = None,
         reduction: str = "mean",
         return_logits: bool = True,
+        segment_ids: Tensor | None = None,
     ) -> tuple[Tensor | None, Tensor | None]:
         """Logits (B, T, |V|) for token ids ``idx`` (B, T), and the next-token loss if ``targets`` is given.
 
@@ -220,10 +221,13 @@ class GPT(nn.Module):
           a slice of positions at a time (`head_loss`), never holding all (B, T, |V|) logits, and the
           logits returned are None. Training a Transformer under bfloat16 autocast on a CPU uses it:
           it is faster and leaner there.
+        - ``segment_ids`` (B, T): several sequences packed into one row (fine-tuning's conversations),
+          each a run of equal ids. A token attends only to the earlier tokens of its own sequence, its
+          position counts from that sequence's start, and it predicts as if the row held it alone.
         """
         if reduction not in ("mean", "sum"):
             raise TinyLMError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
-        h, _ = self._run(idx, attention_mask, position_ids, kv_cache, need_weights=False)
+        h, _ = self._run(idx, attention_mask, position_ids, kv_cache, need_weights=False, segment_ids=segment_ids)
         if targets is not None and not return_logits:
             device = h.device.type
             dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else h.dtype
@@ -252,7 +256,8 @@ class GPT(nn.Module):
         _, weights = self._run(idx, attention_mask, position_ids, None, need_weights=True)
         return weights
 
-    def bigram_ids(self, idx: Tensor, key_padding_mask: Tensor | None = None, kv_cache=None) -> Tensor:
+    def bigram_ids(self, idx: Tensor, key_padding_mask: Tensor | None = None, kv_cache=None,
+                   segment_ids: Tensor | None = None) -> Tensor:
         """The bigram table's row for each position of ``idx`` (B, T): 1 + (prev * 1000003 + cur) mod (B - 1).
 
         The previous token is the one before in ``idx``; for the first position it is the last token
@@ -274,6 +279,8 @@ class GPT(nn.Module):
             else:
                 before = F.pad(key_padding_mask[:, :-1], (1, 0), value=False)  # (B, T)
             has_prev &= before
+        if segment_ids is not None:  # the previous position of another packed sequence is no previous token
+            has_prev[:, 1:] &= segment_ids[:, 1:] == segment_ids[:, :-1]
         ids = 1 + (prev.long() * 1000003 + idx.long()) % (buckets - 1)  # (B, T), in 1..B-1
         return torch.where(has_prev, ids, torch.zeros_like(ids))
 
@@ -284,6 +291,7 @@ class GPT(nn.Module):
         position_ids: Tensor | None,
         kv_cache: Sequence[KVCacheLayer] | None,
         need_weights: bool,
+        segment_ids: Tensor | None = None,
     ) -> tuple[Tensor, list[Tensor]]:
         """The final hidden states (B, T, d) and, if asked, each layer's attention weights."""
         check_token_ids(idx)
@@ -305,6 +313,10 @@ class GPT(nn.Module):
                     f"attention_mask must be (batch, {T_past + T}) to cover every key, got {tuple(attention_mask.shape)}"
                 )
             key_padding_mask = attention_mask.bool()  # (B, T_k)
+        key_mask = key_padding_mask
+        if segment_ids is not None:
+            key_mask, segment_positions = self._segments(segment_ids, idx, key_padding_mask, kv_cache)
+            position_ids = segment_positions if position_ids is None else position_ids
         if position_ids is None:
             if key_padding_mask is not None:
                 # count real tokens only: position = (number of real tokens up to here) - 1
@@ -319,7 +331,7 @@ class GPT(nn.Module):
             # Gemma: rows of E have about the head's scale; sqrt(d) brings them to the stream's
             h = h * math.sqrt(self.config.d_model)
         if self.bigram is not None:
-            h = h + self.bigram(self.bigram_ids(idx, key_padding_mask, kv_cache))  # (B, T, d)
+            h = h + self.bigram(self.bigram_ids(idx, key_padding_mask, kv_cache, segment_ids))  # (B, T, d)
         ve = self.V_emb(idx) if self.V_emb is not None else None  # (B, T, n_kv * hs)
         if self.pos_emb is not None:
             h = h + self.pos_emb(position_ids)  # (B, T, d)
@@ -334,7 +346,25 @@ class GPT(nn.Module):
         for i, block in enumerate(self.blocks):
             layer_cache = kv_cache[i] if kv_cache is not None else None
             layer_rope = rope_local if block.attn.window is not None else rope
-            h, weights = block(h, layer_rope, key_padding_mask, layer_cache, need_weights, ve)
+            h, weights = block(h, layer_rope, key_mask, layer_cache, need_weights, ve)
             if weights is not None:
                 all_weights.append(weights)
         return self.norm_f(h), all_weights  # (B, T, d)
+
+    @staticmethod
+    def _segments(segment_ids: Tensor, idx: Tensor, key_padding_mask: Tensor | None,
+                  kv_cache: Sequence[KVCacheLayer] | None) -> tuple[Tensor, Tensor]:
+        """Packed sequences: which keys each query may see, (B, 1, T, T), and each token's position in its sequence."""
+        if segment_ids.shape != idx.shape:
+            raise TinyLMError(f"segment_ids must be (batch, T) like the input, {tuple(idx.shape)}; "
+                              f"got {tuple(segment_ids.shape)}")
+        if kv_cache is not None or key_padding_mask is not None:
+            raise TinyLMError("segment_ids pack whole sequences into a row, without a kv_cache or an attention_mask; "
+                              "give padding a segment id of its own instead")
+        B, T = segment_ids.shape
+        same = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]  # (B, 1, T, T)
+        t = torch.arange(T, device=segment_ids.device).expand(B, T)  # (B, T)
+        starts = torch.ones_like(segment_ids, dtype=torch.bool)
+        starts[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]  # (B, T): where a sequence begins
+        first = torch.where(starts, t, torch.zeros_like(t)).cummax(dim=1).values  # (B, T): its start
+        return same, t - first  # (B, 1, T, T), (B, T)

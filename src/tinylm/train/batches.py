@@ -16,12 +16,15 @@ Two ways to cut the token stream of the train split into rows of ``block_size`` 
   and out of the loss (target `IGNORE_INDEX`). Documents are drawn uniformly at random; their
   boundaries are the EOS ids of the shard, which are exactly the document ends.
 
-- **chats** (`tinylm finetune`): one conversation per row, as `tinylm.data.chat_shards` stored it,
-  right-padded to the longest conversation of the step (so a step of short chats is a short step).
-  A target counts in the loss only where the conversation's token is trained (what the assistant
-  writes); every other target is `IGNORE_INDEX`, and padding is masked out of attention. A row
-  never attends across conversations. The rows go through the conversations in epochs: each
-  epoch a permutation of them drawn with ``(seed, epoch)``, the steps taking them in that order.
+- **chats** (`tinylm finetune`): conversations, as `tinylm.data.chat_shards` stored them, packed
+  several to a row of ``block_size`` positions (`pack_chats`), each with its own segment id: a
+  token attends only to its own conversation and its position counts from its conversation's
+  start, so it is trained exactly as if it were alone in the row, while the step computes on as
+  many real tokens as a pretraining step. A target counts in the loss only where the
+  conversation's token is trained (what the assistant writes); every other target, and the
+  padding at a row's end, is `IGNORE_INDEX`. The rows go through the conversations in epochs: each
+  epoch a permutation of them drawn with ``(seed, epoch)`` and packed in that order, the steps
+  taking the packed rows in turn.
 
 Reproducibility without saved data state: the ``batch_size * grad_accum`` rows of step ``s`` are
 drawn at once with a numpy Generator seeded with ``(seed, s)``, so the data a step sees depends
@@ -43,7 +46,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from tinylm.data.chat_shards import chat_arrays, chat_rows
+from tinylm.data.chat_shards import chat_arrays, pack_chats, packed_rows
 from tinylm.data.shards import ShardSet
 from tinylm.errors import TinyLMError
 from tinylm.model.gpt import IGNORE_INDEX
@@ -53,27 +56,37 @@ BATCH_MODES = ("packed", "documents", "chats")
 
 @dataclass
 class MicroBatch:
-    """Rows of inputs and targets, (B, T) each, and for document rows the padding mask (True = real token)."""
+    """Rows of inputs and targets, (B, T) each; for document rows the padding mask (True = real token), for
+    packed conversations their segment ids (and how many of the positions are padding)."""
 
     x: np.ndarray
     y: np.ndarray
     attention_mask: np.ndarray | None = None
+    segments: np.ndarray | None = None
+    padding: int = 0
 
     @property
     def n_targets(self) -> int:
         """How many positions count in the loss (all of them, unless some targets are padding)."""
         return int((self.y != IGNORE_INDEX).sum())
 
+    @property
+    def n_inputs(self) -> int:
+        """The tokens the rows hold, padding left out."""
+        if self.attention_mask is not None:
+            return int(self.attention_mask.sum())
+        return self.x.size - self.padding
+
     def rows(self, start: int, stop: int) -> MicroBatch:
         mask = None if self.attention_mask is None else self.attention_mask[start:stop]
-        return MicroBatch(self.x[start:stop], self.y[start:stop], mask)
+        segments = None if self.segments is None else self.segments[start:stop]
+        return MicroBatch(self.x[start:stop], self.y[start:stop], mask, segments)
 
-    def to(self, device: torch.device) -> tuple[Tensor, Tensor, Tensor | None]:
-        """x, y and the mask as tensors on ``device``."""
-        x = torch.from_numpy(self.x).to(device, non_blocking=True)
-        y = torch.from_numpy(self.y).to(device, non_blocking=True)
-        mask = None if self.attention_mask is None else torch.from_numpy(self.attention_mask).to(device)
-        return x, y, mask
+    def to(self, device: torch.device) -> dict[str, Tensor]:
+        """The model's inputs as tensors on ``device``: ``idx``, ``targets``, and ``attention_mask`` or
+        ``segment_ids`` where the rows have them."""
+        tensors = {"idx": self.x, "targets": self.y, "attention_mask": self.attention_mask, "segment_ids": self.segments}
+        return {name: torch.from_numpy(a).to(device, non_blocking=True) for name, a in tensors.items() if a is not None}
 
 
 class BatchSource:
@@ -90,16 +103,18 @@ class BatchSource:
         bos_id: int,
         pad_id: int,
         split: str = "train",
+        pack: bool = True,
     ) -> None:
         if mode not in BATCH_MODES:
             raise TinyLMError(f"unknown batch mode {mode!r}; expected one of {', '.join(BATCH_MODES)}")
-        self.shards, self.mode, self.split = shards, mode, split
+        self.shards, self.mode, self.split, self.pack = shards, mode, split, pack
         self.batch_size, self.block_size, self.seed = batch_size, block_size, seed
         self.bos_id, self.eos_id, self.pad_id = bos_id, shards.eos_id, pad_id
         if mode == "chats":
             self.chat_tokens, self.chat_trained, self.chat_offsets = chat_arrays(shards, split)
-            self._epochs: dict[int, np.ndarray] = {}
-            if len(self.chat_offsets) < 2:
+            self._epoch_rows: dict[int, list[np.ndarray]] = {}  # the newest epoch's packed rows
+            self._epoch_sizes: list[int] = []  # how many rows each epoch packed into, epoch 0 on
+            if len(self.chat_offsets) < 2 or not len(self.packed_epoch(0)):
                 raise TinyLMError(f"the {split} split has no conversations to train on")
             return
         data = shards.tokens(split)
@@ -124,24 +139,42 @@ class BatchSource:
             x, y = self.shards.sample_windows(self.split, n_rows, self.block_size, rng)
             return MicroBatch(x, y)
         if self.mode == "chats":
-            return self._chats(self.chat_order(step * n_rows, n_rows))
+            return self._chats(self.chat_rows(step * n_rows, n_rows))
         return self._documents(rng.integers(0, len(self.doc_starts), size=n_rows))
 
-    def chat_order(self, first: int, n: int) -> np.ndarray:
-        """Conversations ``first`` to ``first + n`` of the endless sequence of epochs (each a permutation)."""
-        count = len(self.chat_offsets) - 1
-        picks = []
-        for i in range(first, first + n):
-            epoch, at = divmod(i, count)
-            if epoch not in self._epochs:
-                self._epochs = {epoch: np.random.default_rng([self.seed, epoch]).permutation(count)}  # the newest
-            picks.append(self._epochs[epoch][at])
-        return np.asarray(picks)
+    def packed_epoch(self, epoch: int) -> list[np.ndarray]:
+        """Epoch ``epoch``'s rows: its permutation of the conversations, drawn with (seed, epoch), packed in order."""
+        if epoch not in self._epoch_rows:
+            count = len(self.chat_offsets) - 1
+            order = np.random.default_rng([self.seed, epoch]).permutation(count)
+            if self.pack:
+                rows = pack_chats(self.chat_offsets, order, self.block_size)
+            else:  # one conversation a row (a recurrent model, which reads a row as one sequence)
+                rows = [np.array([c]) for c in order[np.diff(self.chat_offsets)[order] > 1]]
+            self._epoch_rows = {epoch: rows}  # the newest only
+        return self._epoch_rows[epoch]
 
-    def _chats(self, chats: np.ndarray) -> MicroBatch:
-        """One conversation per row: inputs, targets (`IGNORE_INDEX` where a token is not trained), padding mask."""
-        return MicroBatch(*chat_rows(self.chat_tokens, self.chat_trained, self.chat_offsets, chats, self.block_size,
-                                     self.pad_id, IGNORE_INDEX))
+    def chat_rows(self, first: int, n: int) -> list[np.ndarray]:
+        """Rows ``first`` to ``first + n`` of the endless sequence of epochs."""
+        rows = []
+        epoch, start = 0, 0  # the epoch holding row ``first + len(rows)``, and its first row's index
+        while len(rows) < n:
+            while len(self._epoch_sizes) <= epoch:
+                self._epoch_sizes.append(len(self.packed_epoch(len(self._epoch_sizes))))
+            at = first + len(rows) - start
+            if at < self._epoch_sizes[epoch]:
+                rows.extend(self.packed_epoch(epoch)[at:at + n - len(rows)])
+            else:
+                epoch, start = epoch + 1, start + self._epoch_sizes[epoch]
+        return rows
+
+    def _chats(self, rows: list[np.ndarray]) -> MicroBatch:
+        """Packed conversations: inputs, targets (`IGNORE_INDEX` where a token is not trained), segment ids."""
+        x, y, segments = packed_rows(self.chat_tokens, self.chat_trained, self.chat_offsets, rows, self.block_size,
+                                     self.pad_id, IGNORE_INDEX)
+        padding = int((segments == np.array([len(row) for row in rows])[:, None]).sum())
+        # one conversation a row needs no segments: right padding is never attended to, nor read by a recurrence
+        return MicroBatch(x, y, segments=segments if self.pack else None, padding=padding)
 
     def _documents(self, docs: np.ndarray) -> MicroBatch:
         T = self.block_size

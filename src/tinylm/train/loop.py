@@ -196,7 +196,8 @@ class _Trainer:
         self.show_bar = self.progress_enabled and stderr_is_terminal()
         mc, tc = config.model, config.train
         self.source = BatchSource(shards, mode=tc.batch_mode, batch_size=tc.batch_size, block_size=mc.block_size,
-                                  seed=tc.seed, bos_id=self.tokenizer.bos_id, pad_id=self.tokenizer.pad_id)
+                                  seed=tc.seed, bos_id=self.tokenizer.bos_id, pad_id=self.tokenizer.pad_id,
+                                  pack=mc.family == "gpt")
 
         # the model, its optimizer, and how each step calls it
         built = build_training_model(config, ctx, init, ckpt)
@@ -258,16 +259,16 @@ class _Trainer:
         micro = micro_batches(batch, tc.batch_size, self.ctx.rank, W)
         loss_sum = torch.zeros((), device=self.device)
         for i, mb in enumerate(micro):
-            x, y, mask = mb.to(self.device)
+            inputs = mb.to(self.device)  # idx, targets, and the padding mask or segment ids where there are some
+            y = inputs.pop("targets")
             last = i == tc.grad_accum - 1
             with gradient_sync(self.model, self.ddp, self.fsdp, sync=last):
                 if self.head_in_slices:
                     with self.autocast():
-                        _, nll = self.step_model(x, targets=y, attention_mask=mask, reduction="sum",
-                                                 return_logits=False)
+                        _, nll = self.step_model(**inputs, targets=y, reduction="sum", return_logits=False)
                 else:
                     with self.autocast():
-                        logits, _ = self.step_model(x, attention_mask=mask)  # (B, T, |V|)
+                        logits, _ = self.step_model(**inputs)  # (B, T, |V|)
                     nll = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=IGNORE_INDEX,
                                           reduction="sum")
                 (nll * (W / n_targets)).backward()  # DDP divides by W when it averages gradients
@@ -281,8 +282,7 @@ class _Trainer:
             norm = norm.full_tensor()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        # the tokens the step read, padding left out (chat rows are as long as the step's longest chat)
-        self.step_inputs = batch.x.size if batch.attention_mask is None else int(batch.attention_mask.sum())
+        self.step_inputs = batch.n_inputs  # the tokens the step read, padding left out
         return StepOutcome(loss_sum, n_targets, norm.detach())
 
     def _check(self, pending: list[_Pending]) -> list[float]:
