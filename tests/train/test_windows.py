@@ -10,8 +10,10 @@ from trainkit import cli_flags, tiny_config
 
 from tinylm.config import TrainConfig
 from tinylm.errors import TinyLMError
+from tinylm.train import train
 from tinylm.train.schedule import long_start, window_at
 
+QUIET = dict(progress=False, log=lambda line: None)
 # block_size 32 (trainkit's), windows of 8 for all but the last quarter of 8 steps: steps 0-5 short, 6-7 long
 SCHEDULE = dict(short_block_size=8, long_fraction=0.25)
 
@@ -26,6 +28,15 @@ def test_the_last_long_fraction_of_the_steps_train_at_block_size():
     assert {window_at(TrainConfig(), 32, 8, s) for s in range(8)} == {32}  # no schedule
     # document and chat rows are one document or conversation each: always block_size
     assert {window_at(TrainConfig(batch_mode="documents", **SCHEDULE), 32, 8, s) for s in range(8)} == {32}
+
+
+def test_extending_a_run_past_its_switch_says_which_steps_trained_on_long_windows(tmp_path, corpus, data_dir):
+    train(tiny_config(corpus, data_dir, **SCHEDULE), tmp_path / "run", stop_after=7, **QUIET)  # steps 6 and 7 long
+    lines = []
+    train(tiny_config(corpus, data_dir, max_steps=12, **SCHEDULE), tmp_path / "run", resume=True, progress=False,
+          log=lines.append)  # 12 steps: long from step 9
+    assert any("the steps done from step 6 on trained on windows of 32 where a 12-step run trains on 8" in line
+               for line in lines), lines
 
 
 @pytest.mark.parametrize("settings, message", [

@@ -28,7 +28,7 @@ from tinylm.evaluate import EvalResult
 from tinylm.explain.accounting import summary
 from tinylm.explain.plots import plot_schedule
 from tinylm.model.memory import STEP_BATCH_BYTES_PER_TOKEN, format_bytes, machine_memory
-from tinylm.train.schedule import group_lr, momentum_at
+from tinylm.train.schedule import group_lr, long_start, momentum_at
 
 
 def stderr_is_terminal() -> bool:
@@ -111,6 +111,9 @@ def header_lines(config: Config, *, out: Any, resuming_at: int | None, shards: S
     lines.append(f"training: {total:,} steps of {tc.batch_size}{accum} x {mc.block_size} tokens = {per_step:,} tokens "
                  f"({total * per_step:,} in all), {optimizer}, {tc.warmup_steps} warmup steps, "
                  f"then {decay}; {tc.batch_mode} batches")
+    windows = windows_line(tc, mc.block_size, total)
+    if windows:
+        lines.append(windows)
     if tc.warmup_steps >= total:
         lines.append(f"warning: {tc.warmup_steps} warmup steps for a run of {total:,}: the whole run is warmup (the "
                      f"rate never decays{'' if tc.warmup_steps == total else ' nor reaches its peak'}); "
@@ -122,6 +125,21 @@ def header_lines(config: Config, *, out: Any, resuming_at: int | None, shards: S
     if len(metrics_where) > 1:  # --log-to: metrics.jsonl and where else they go
         lines.append(f"metrics: {'; '.join(metrics_where)}")
     return lines
+
+
+def windows_line(tc: TrainConfig, block_size: int, total: int) -> str | None:
+    """The sequence-length schedule in words (`tinylm.train.schedule.window_at`), or None when every step trains
+    at block_size."""
+    start = long_start(tc, total)
+    if start == 0 or tc.short_block_size == block_size:
+        return None
+    rows = tc.batch_size * block_size // tc.short_block_size
+    accum = f" x {tc.grad_accum}" if tc.grad_accum > 1 else ""
+    if start >= total:
+        return (f"windows: every step on {rows}{accum} x {tc.short_block_size} tokens (long_fraction 0: none at "
+                f"{block_size})")
+    return (f"windows: steps 1-{start:,} on {rows}{accum} x {tc.short_block_size} tokens, the last {total - start:,} "
+            f"({tc.long_fraction:.0%}) on {tc.batch_size}{accum} x {block_size}: the same tokens a step")
 
 
 def out_of_memory_advice(config: Config, device: Any) -> str:

@@ -51,7 +51,7 @@ from tinylm.run import (
 from tinylm.tokenizers.base import Tokenizer, check_same_tokenizer, load_tokenizer
 from tinylm.train.distributed import Distributed, wrap_model
 from tinylm.train.optim import make_optimizer
-from tinylm.train.schedule import group_lr
+from tinylm.train.schedule import group_lr, window_at
 
 # [train] settings that may differ when a run is resumed: they change what is logged, where it
 # runs and how fast, never which batches are drawn or how the weights are updated.
@@ -129,7 +129,7 @@ def extension_note(ckpt: Checkpoint, tc: TrainConfig, total: int, out: Path) -> 
     """What resuming with another budget does: None if the budget is the run's own, else a line to log.
 
     The steps done keep the rates they had. If the longer schedule gives them the same rates (a
-    warmup-stable-decay run extended before its decay, a constant rate), the run continues
+    warmup-stable-decay run extended before its decay and its long windows, a constant rate), the run continues
     bitwise as if the new budget had been asked for from the start; if not (a cosine stretched,
     a decay already begun), the line says from which step the schedules part.
     """
@@ -139,17 +139,24 @@ def extension_note(ckpt: Checkpoint, tc: TrainConfig, total: int, out: Path) -> 
     if total < done:
         raise TinyLMError(f"{out} has already trained {done:,} steps, more than the {total:,} this budget "
                           f"gives; ask for more than {done:,} steps (or the tokens of them) to extend it")
-    old_tc = ckpt.config.train
+    old_tc, block_size = ckpt.config.train, ckpt.config.model.block_size
     old = [group_lr(old_tc, before, step, old_tc.lr) for step in range(done)]
     new = [group_lr(tc, total, step, tc.lr) for step in range(done)]
     parted = next((step for step in range(done) if old[step] != new[step]), None)
+    # the sequence-length schedule's long steps move with the budget too (`window_at`)
+    windows = next((step for step in range(done) if window_at(old_tc, block_size, before, step)
+                    != window_at(tc, block_size, total, step)), None)
     head = f"extending the run from {before:,} to {total:,} steps ({done:,} done)"
+    long = ("" if windows is None else f"; the steps done from step {windows:,} on trained on windows of "
+            f"{block_size} where a {total:,}-step run trains on {tc.short_block_size}")
     if parted is None:
+        if windows is not None:
+            return f"{head}: the long windows start later in the longer run{long}; the rest follow the new schedule"
         return (f"{head}: the steps done had the learning rates a {total:,}-step run gives them, so it "
                 f"continues as if {total:,} steps had been asked for from the start")
     return (f"{head}: the {tc.decay} schedule is stretched over the new length, so the steps done from step "
             f"{parted:,} on had other learning rates than a {total:,}-step run gives them (step {done - 1:,}: "
-            f"{old[done - 1]:.3g}, now {new[done - 1]:.3g}); the rest follow the new schedule")
+            f"{old[done - 1]:.3g}, now {new[done - 1]:.3g}){long}; the rest follow the new schedule")
 
 
 def checkpoint_to_init_from(init_from: str | os.PathLike | None, tc: TrainConfig) -> Checkpoint | None:
