@@ -35,7 +35,9 @@ step's rows are then cut up, the same way in every process::
     its share in process r rows [i B + r B/W, i B + (r+1) B/W)      (W processes)
 
 so 2 micro-batches of B/2 rows see exactly the rows of 1 micro-batch of B, and W processes of
-B/W rows each see exactly the rows of one process of B: the equivalences the tests check.
+B/W rows each see exactly the rows of one process of B: the equivalences the tests check. A step
+of the sequence-length schedule (`tinylm.train.schedule.window_at`) draws rows of ``window`` tokens,
+``k = block_size / window`` times as many, and is cut the same way with ``B = k * batch_size``.
 """
 
 from __future__ import annotations
@@ -131,12 +133,18 @@ class BatchSource:
             self.doc_starts = np.concatenate(([0], ends[:-1] + 1))  # (n_docs,)
             self.doc_ends = ends  # the EOS position of each document
 
-    def step_batch(self, step: int, grad_accum: int = 1) -> MicroBatch:
-        """All ``batch_size * grad_accum`` rows of optimizer step ``step`` (every micro-batch, every process)."""
+    def step_batch(self, step: int, grad_accum: int = 1, window: int | None = None) -> MicroBatch:
+        """All ``batch_size * grad_accum`` rows of optimizer step ``step`` (every micro-batch, every process).
+
+        ``window`` (packed batches; `tinylm.train.schedule.window_at`): rows of that many tokens instead of
+        block_size, ``block_size / window`` times as many of them, so that the step holds the same tokens."""
         rng = np.random.default_rng([self.seed, step])
         n_rows = self.batch_size * grad_accum
         if self.mode == "packed":
-            x, y = self.shards.sample_windows(self.split, n_rows, self.block_size, rng)
+            T = window or self.block_size
+            if self.block_size % T:
+                raise TinyLMError(f"a window of {T} tokens does not divide block_size {self.block_size}")
+            x, y = self.shards.sample_windows(self.split, n_rows * (self.block_size // T), T, rng)
             return MicroBatch(x, y)
         if self.mode == "chats":
             return self._chats(self.chat_rows(step * n_rows, n_rows))

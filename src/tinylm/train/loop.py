@@ -76,7 +76,7 @@ from tinylm.train.ngram import count_ngram
 from tinylm.train.optim import optimizers_of, set_schedule
 from tinylm.train.progress import Progress, closing_lines, eval_line, header_lines, plot_schedule_of, sample_lines
 from tinylm.train.progress import out_of_memory_advice, stderr_is_terminal
-from tinylm.train.schedule import group_lr, momentum_at
+from tinylm.train.schedule import group_lr, momentum_at, window_at
 from tinylm.train.start import already_trained, build_training_model, check_arguments, plan_run, resumed_config
 from tinylm.train.start import tokens_per_step
 from tinylm.train.state import checkpoint_state, restore, save_training_checkpoint, seed_dropout
@@ -251,12 +251,14 @@ class _Trainer:
         """One optimizer step; returns this process's summed loss, the step's target count, the gradient norm."""
         tc, W = self.tc, self.ctx.world_size
         # the whole step's batch is drawn in every process (only token ids: cheap), so all agree on
-        # the number of targets; each then computes on its own rows
-        batch = self.source.step_batch(step, tc.grad_accum)
+        # the number of targets; each then computes on its own rows. A short step of the sequence-length
+        # schedule has k = block_size / window times as many rows, k * batch_size a micro-batch.
+        window = window_at(tc, self.config.model.block_size, self.total, step)
+        batch = self.source.step_batch(step, tc.grad_accum, window)
         n_targets = batch.n_targets
         if n_targets == 0:
             raise TinyLMError(f"step {step + 1} has no targets to learn from; check the data")
-        micro = micro_batches(batch, tc.batch_size, self.ctx.rank, W)
+        micro = micro_batches(batch, tc.batch_size * (self.config.model.block_size // window), self.ctx.rank, W)
         loss_sum = torch.zeros((), device=self.device)
         for i, mb in enumerate(micro):
             inputs = mb.to(self.device)  # idx, targets, and the padding mask or segment ids where there are some
