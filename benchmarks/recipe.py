@@ -66,7 +66,8 @@ CHANGES: dict[str, tuple[str, ...]] = {
     "value embeddings": ("value_embed",),
     "bigram-hash embedding": ("bigram_hash",),
     "untied head": ("tie_embeddings", "head_init_std", "head_lr"),
-    "shape and batch": ("n_layer", "d_model", "n_head", "n_kv_head", "d_ff", "block_size", "batch_size"),
+    "shape and batch": ("n_layer", "d_model", "n_head", "n_kv_head", "d_ff", "block_size", "batch_size",
+                        "short_block_size", "long_fraction"),
     "vocabulary": ("tokenizer_vocab_size",),
     "bfloat16 autocast": ("dtype",),
 }
