@@ -9,11 +9,16 @@ model reads the chat's markers as plain text), then `tinylm finetune` with its d
 epoch of the task's 20,000 training items) and its wall time, then the exact match after and the
 share of replies that ended with the end-of-turn token.
 
-Speed: training tokens per second (the median of the logged steps, padding not counted) of
-`tinylm finetune` on the first task against `tinylm train --init-from` the same run on its own
-corpus (pretraining's packed windows), each for ``--speed-steps`` steps, in turns ``--repeats``
-times, so that a change in the machine's load hits both alike. Every command is the real one, in its
-own process, as a user runs it.
+Speed, two ways, fine-tuning on the first task against pretraining the same model on its own corpus:
+
+- the real commands: training tokens per second (the median of the logged steps, padding not
+  counted) of `tinylm finetune` against `tinylm train --init-from` the run at its own batch size,
+  each for ``--speed-steps`` steps, in turns ``--repeats`` times;
+- one process (`step_speeds`): the training step of each, packed conversations and packed text,
+  ``--speed-steps`` of one then of the other, in turns ``--repeats`` times: the machine's load
+  hits both alike even when it changes from one second to the next.
+
+Every command runs with ``--threads`` (default: all cores), as a user on a quiet machine runs it.
 
 This is a measurement, not a test.
 """
@@ -22,12 +27,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+import torch
+
+from tinylm.train import prepare_data
+from tinylm.run import load_run
 
 
 def tinylm(*args: str) -> str:
@@ -37,8 +48,8 @@ def tinylm(*args: str) -> str:
     return done.stdout
 
 
-def task_score(run: Path, task: str) -> dict:
-    return json.loads(tinylm("eval", "--run", str(run), "--task", f"tasks:{task}", "--json"))["tasks"][0]
+def task_score(run: Path, task: str, threads: list[str]) -> dict:
+    return json.loads(tinylm("eval", "--run", str(run), "--task", f"tasks:{task}", "--json", *threads))["tasks"][0]
 
 
 def median_speed(run: Path) -> float:
@@ -53,11 +64,8 @@ def step_speeds(base: Path, chat_shards: Path, text_shards: Path, rounds: int, s
     hits both alike. Each step is the training loop's: bfloat16 autocast, the head in slices, the optimizer."""
     import dataclasses
 
-    import torch
-
     from tinylm.data.shards import ShardSet
     from tinylm.model import build_model
-    from tinylm.run import load_run
     from tinylm.train import BatchSource, make_optimizer
 
     config = load_run(base).config
@@ -92,32 +100,40 @@ def main() -> None:
     parser.add_argument("--tasks", nargs="+", default=["add", "count"], help="built-in tasks (default: add count)")
     parser.add_argument("--speed-steps", type=int, default=60, help="steps of each speed run (default: 60)")
     parser.add_argument("--repeats", type=int, default=3, help="speed runs of each kind, in turns (default: 3)")
+    parser.add_argument("--threads", type=int, default=os.cpu_count(), help="CPU threads (default: all cores)")
     args = parser.parse_args()
+    threads = ["--threads", str(args.threads)]
     base = Path(args.run)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         rows = []
         for task in args.tasks:
-            before = task_score(base, task)
+            before = task_score(base, task, threads)
             out = work / f"chat-{task}"
             started = time.perf_counter()
             tinylm("finetune", "--from", str(base), "--data", f"tasks:{task}", "--out", str(out),
-                   "--data-dir", str(work / f"data-{task}"), "--no-progress")
+                   "--data-dir", str(work / f"data-{task}"), "--no-progress", *threads)
             minutes = (time.perf_counter() - started) / 60
-            after = task_score(out, task)
+            after = task_score(out, task, threads)
             rows.append((task, before, after, minutes))
         speeds: dict[str, list[float]] = {"fine-tuning": [], "pretraining": []}
+        batch_size = str(load_run(base).config.train.batch_size)  # the preset's may differ from the run's
         for i in range(args.repeats):
             for kind in (["fine-tuning", "pretraining"] if i % 2 == 0 else ["pretraining", "fine-tuning"]):
                 out = work / f"speed-{kind}-{i}"
                 common = ["--out", str(out), "--max-steps", str(args.speed_steps), "--eval-interval", "100000",
-                          "--sample-tokens", "0", "--log-interval", "5", "--no-progress"]
+                          "--sample-tokens", "0", "--log-interval", "5", "--no-progress", *threads]
                 if kind == "fine-tuning":
                     tinylm("finetune", "--from", str(base), "--data", f"tasks:{args.tasks[0]}",
                            "--data-dir", str(work / f"data-{args.tasks[0]}"), *common)
                 else:
-                    tinylm("train", "--init-from", str(base), *common)
+                    tinylm("train", "--init-from", str(base), "--batch-size", batch_size, "--final-eval-tokens", "0",
+                           *common)
                 speeds[kind].append(median_speed(out))
+        torch.set_num_threads(args.threads)
+        run = load_run(base)
+        text = prepare_data(run.config.train, run.tokenizer, log=lambda line: None).path
+        in_process = step_speeds(base, work / f"data-{args.tasks[0]}", text, args.repeats, args.speed_steps)
     print(f"fine-tuning {base} on built-in tasks, default recipe (one epoch), greedy replies to 200 held-out items")
     print(f"{'task':<10} {'before':>8} {'after':>8} {'ended turn':>11} {'minutes':>8}")
     for task, before, after, minutes in rows:
@@ -125,6 +141,9 @@ def main() -> None:
               f"{100 * after['ended_with_end_of_turn']:>10.1f}% {minutes:>8.1f}")
     ft, pre = statistics.median(speeds["fine-tuning"]), statistics.median(speeds["pretraining"])
     print(f"\ntraining tokens/s (median of {args.repeats} runs of {args.speed_steps} steps, in turns): "
+          f"fine-tuning {ft:,.0f}, pretraining {pre:,.0f}: {ft / pre:.2f}x")
+    ft, pre = (statistics.median(s) for s in in_process)
+    print(f"training tokens/s in one process (median step, {args.repeats} x {args.speed_steps} steps of each in turns): "
           f"fine-tuning {ft:,.0f}, pretraining {pre:,.0f}: {ft / pre:.2f}x")
 
 

@@ -16,8 +16,9 @@ to stop), never what the user or system wrote. `finetune` does it in four steps:
    `tinylm.data.tasks`), held out by a seed or given (``val_data``), tokenized once into conversation
    shards with the trained tokens marked (`tinylm.data.chat_shards`), beside the starting weights.
 4. **Training**: `tinylm.train.train` on those shards, conversations packed several to a row without
-   attending to each other (``batch_mode = "chats"``), from the grown weights. The run folder is an ordinary one: `sample`, `eval`, `serve`,
-   `export` and `explain` take it, and ``resume`` continues it exactly after an interruption.
+   attending to each other (``batch_mode = "chats"``), from the grown weights. The run folder is an
+   ordinary one: `sample`, `eval`, `serve`, `export` and `explain` take it, and ``resume`` continues it
+   exactly after an interruption.
 
 The recipe starts from the base run's own [train] settings, learning rates included, with a short
 warmup, evaluation a few times per run, and a budget of one epoch (every training conversation once)

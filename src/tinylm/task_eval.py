@@ -48,7 +48,7 @@ class TaskScore:
     items: int
     exact: int
     ended: int
-    examples: list[tuple[str, str, str]] = field(default_factory=list)  # (prompt, answer, reply)
+    examples: list[tuple[str, str, str]] = field(default_factory=list)  # (prompt, answer, reply): misses first
 
     @property
     def accuracy(self) -> float:
@@ -82,17 +82,19 @@ def evaluate_tasks(model: nn.Module, tokenizer: Tokenizer, spec: str, *, items: 
     scores = []
     for name, asked in asked_items(spec, items):
         score = TaskScore(name, len(asked), 0, 0)
+        hits: list[tuple[str, str, str]] = []
         for first in range(0, len(asked), batch_size):
             batch = asked[first:first + batch_size]
             prompts = [prompt_ids(tokenizer, question) for question, _ in batch]
             params = SamplingParams(max_new_tokens=reply_tokens(model, prompts), temperature=0.0)
             completions = Engine(model, params, tokenizer, long_prompts="cut").generate(prompts)
             for (question, answer), completion in zip(batch, completions):
-                score.exact += exact_match(completion.text, answer)
+                right = exact_match(completion.text, answer)
+                score.exact += right
                 score.ended += turn_end is not None and completion.stop == turn_end
-                if len(score.examples) < examples:
-                    shown = question if isinstance(question, str) else question[-1]["content"]
-                    score.examples.append((shown, answer, completion.text))
+                shown = (question if isinstance(question, str) else question[-1]["content"], answer, completion.text)
+                (hits if right else score.examples).append(shown)
+        score.examples = (score.examples + hits)[:examples]  # the misses say the most
         scores.append(score)
     return scores
 

@@ -146,6 +146,10 @@ def test_task_scores_count_the_exact_greedy_replies(base_run, chat_file, tmp_pat
     expected = sum(exact_match(r.text, answer) for r, (_, answer) in zip(replies, PAIRS))
     ended = sum(r.stop == run.tokenizer.special_tokens[CHAT_END] for r in replies)
     assert (score.items, score.exact, score.ended) == (6, expected, ended)
+    # the examples shown: the misses first, in order, then the exact replies
+    shown = [(p, a, r.text) for r, (p, a) in zip(replies, PAIRS)]
+    misses = [e for e in shown if not exact_match(e[2], e[1])]
+    assert score.examples == (misses + [e for e in shown if e not in misses])[:3]
     with pytest.raises(Exception, match="does not end with the assistant"):
         bad = tmp_path / "bad.jsonl"
         bad.write_text(json.dumps({"messages": [{"role": "assistant", "content": "hi"},

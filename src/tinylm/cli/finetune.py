@@ -14,7 +14,8 @@ from tinylm.cli.flags import add_command, add_setting_flags, positive_float, pos
 
 def cmd_finetune(args: argparse.Namespace) -> int:
     """Teach a trained model to answer: supervised fine-tuning on conversations, the loss only on what the
-    assistant writes (its messages and the end-of-turn token after each), one conversation per row. --from takes a
+    assistant writes (its messages and the end-of-turn token after each), conversations packed several to a row
+    without attending to each other. --from takes a
     tinylm run, a checkpoint folder or a Hugging Face model folder (imported first). --data takes a JSONL file of
     OpenAI-style chats ({"messages": [...]}), prompt/completion pairs or Alpaca instructions
     (instruction/input/output), or built-in tasks with checkable answers: tasks:add, tasks:spell, tasks:count,
