@@ -5,8 +5,8 @@ Run from the repository root, with a trained default run (`tinylm train` makes r
     python benchmarks/finetune.py --run runs/tiny-shakespeare --tasks add count
 
 For each task: the run's exact match on 200 held-out items before (`tinylm eval --task`: a base
-model reads the chat's markers as plain text), then `tinylm finetune` with its default recipe (one
-epoch of the task's 20,000 training items) and its wall time, then the exact match after and the
+model reads the chat's markers as plain text), then `tinylm finetune` with its default recipe (two
+epochs of the task's 20,000 training items) and its wall time, then the exact match after and the
 share of replies that ended with the end-of-turn token.
 
 Speed, two ways, fine-tuning on the first task against pretraining the same model on its own corpus:
@@ -134,7 +134,7 @@ def main() -> None:
         run = load_run(base)
         text = prepare_data(run.config.train, run.tokenizer, log=lambda line: None).path
         in_process = step_speeds(base, work / f"data-{args.tasks[0]}", text, args.repeats, args.speed_steps)
-    print(f"fine-tuning {base} on built-in tasks, default recipe (one epoch), greedy replies to 200 held-out items")
+    print(f"fine-tuning {base} on built-in tasks, default recipe (two epochs), greedy replies to 200 held-out items")
     print(f"{'task':<10} {'before':>8} {'after':>8} {'ended turn':>11} {'minutes':>8}")
     for task, before, after, minutes in rows:
         print(f"{task:<10} {100 * before['exact_match']:>7.1f}% {100 * after['exact_match']:>7.1f}% "

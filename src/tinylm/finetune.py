@@ -21,8 +21,8 @@ to stop), never what the user or system wrote. `finetune` does it in four steps:
    exactly after an interruption.
 
 The recipe starts from the base run's own [train] settings, learning rates included, with a short
-warmup, evaluation a few times per run, and a budget of one epoch (every training conversation once)
-unless a budget is given. Fine-tuning large pretrained models usually takes a tenth of pretraining's
+warmup, evaluation a few times per run, and a budget of two epochs (every training conversation twice)
+but at least `MIN_STEPS` steps, unless a budget is given. Fine-tuning large pretrained models usually takes a tenth of pretraining's
 rates; on tinylm's own small runs a tenth left new skills half learned (echoing the user's words, an
 epoch or several: `benchmarks/finetune.py` and the README say how it was measured), so ``--lr`` and
 its siblings are the way to go lower.
@@ -52,6 +52,10 @@ from tinylm.train import BatchSource, train
 
 TASK_ITEMS = {"train": 20_000, "val": 200}  # items made per built-in task, per split
 INIT_FOLDER = "init"  # in the data folder: the starting weights with the chat tokens' rows
+# The default budget: two epochs, and no fewer than MIN_STEPS optimizer steps (a few thousand short chats pack
+# into a few dozen rows of steps an epoch). Measured on the default run (README, `benchmarks/finetune.py`).
+DEFAULT_EPOCHS = 2.0
+MIN_STEPS = 250
 
 
 def finetune(source: str | os.PathLike | None, data: str | None, out: str | os.PathLike, *,
@@ -132,15 +136,16 @@ def conversations_of(data: str, val_data: str | None, val_fraction: float, seed:
     return train_part, val_part, Path(data).name
 
 
-def epoch_rows(shards: ShardSet, config: Config) -> int:
+def epoch_rows(shards: ShardSet, config: Config) -> float:
     """How many rows of ``block_size`` positions one epoch of the training conversations packs into (the first
-    epoch's; the others differ by their order's last few rows)."""
-    source = BatchSource(shards, mode="chats", batch_size=1, block_size=config.model.block_size,
+    epoch's; the others differ by their order's last few rows): a step's worth is batch_size * grad_accum."""
+    block_size = config.model.block_size
+    source = BatchSource(shards, mode="chats", batch_size=1, block_size=block_size,
                          seed=config.train.seed, bos_id=0, pad_id=0, pack=config.model.family == "gpt")
-    return len(source.packed_epoch(0))
+    return len(source.packed_epoch(0)) * source.chat_width / block_size
 
 
-def recipe(base: Config, vocab_size: int, n_rows: int, data_dir: Path, epochs: float | None,
+def recipe(base: Config, vocab_size: int, n_rows: float, data_dir: Path, epochs: float | None,
            overrides: Mapping[str, Any]) -> Config:
     """The fine-tuning configuration: the base model with ``vocab_size`` ids, its [train] settings with the
     fine-tuning changes (module docstring), then ``overrides`` ([train] settings, values or text as flags give
@@ -154,7 +159,11 @@ def recipe(base: Config, vocab_size: int, n_rows: int, data_dir: Path, epochs: f
     config = build_config(apply_overrides(cfg, overrides))
     tc = config.train
     if not given & {"max_steps", "max_tokens"}:
-        steps = max(1, math.ceil((epochs if epochs is not None else 1.0) * n_rows / (tc.batch_size * tc.grad_accum)))
+        per_epoch = n_rows / (tc.batch_size * tc.grad_accum)
+        if epochs is None:
+            steps = max(math.ceil(DEFAULT_EPOCHS * per_epoch), MIN_STEPS)
+        else:
+            steps = max(1, math.ceil(epochs * per_epoch))
         tc = dataclasses.replace(tc, max_steps=steps)
     if "eval_interval" not in given:
         tc = dataclasses.replace(tc, eval_interval=max(1, (tc.max_steps or 100) // 4))

@@ -105,12 +105,15 @@ def test_a_stopped_fine_tuning_resumes_to_the_same_weights(base_run, chat_file, 
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_the_default_budget_is_one_epoch_at_the_base_runs_rates(base_run, tmp_path):
+def test_the_default_budget_is_two_epochs_at_the_base_runs_rates(base_run, tmp_path):
+    from tinylm.finetune import MIN_STEPS
+
     base = load_run(base_run).config
-    config = recipe(base, base.model.vocab_size + 2, 40, tmp_path, None, {"batch_size": "4"})
-    assert config.train.max_steps == 10  # 40 conversations, 4 a step
+    config = recipe(base, base.model.vocab_size + 2, 4000, tmp_path, None, {"batch_size": "4"})
+    assert config.train.max_steps == 2000  # 4,000 packed rows, 4 a step, twice
     assert config.train.lr == base.train.lr and config.train.batch_mode == "chats"
-    assert recipe(base, 10, 40, tmp_path, 2.5, {"batch_size": 4}).train.max_steps == 25
+    assert recipe(base, 10, 40, tmp_path, None, {"batch_size": 4}).train.max_steps == MIN_STEPS  # a small set
+    assert recipe(base, 10, 40, tmp_path, 2.5, {"batch_size": 4}).train.max_steps == 25  # --epochs as given
 
 
 def test_bad_conversations_are_one_line_naming_the_line(capsys, base_run, tmp_path):
@@ -161,8 +164,8 @@ def test_packed_steps_go_through_every_conversation_once_an_epoch(base_run, tmp_
     tok = with_chat_tokens(load_run(base_run).tokenizer)
     convs = [[{"role": "user", "content": "the" + " e" * (i % 7)}, {"role": "assistant", "content": "to" * (1 + i % 5)}]
              for i in range(40)]
-    shards = prepare_chats({"train": convs, "val": convs[:2]}, tok, tmp_path / "d", block_size=256, source="t")
-    src = BatchSource(shards, mode="chats", batch_size=2, block_size=256, seed=3, bos_id=tok.bos_id,
+    shards = prepare_chats({"train": convs, "val": convs[:2]}, tok, tmp_path / "d", block_size=128, source="t")
+    src = BatchSource(shards, mode="chats", batch_size=2, block_size=128, seed=3, bos_id=tok.bos_id,
                       pad_id=tok.pad_id)
     tokens, trained, offsets = chat_arrays(shards, "train")
     sizes = [len(src.packed_epoch(e)) for e in range(3)]
@@ -173,7 +176,7 @@ def test_packed_steps_go_through_every_conversation_once_an_epoch(base_run, tmp_
     rows = src.chat_rows(0, sum(sizes))
     assert [r.tolist() for r in rows] == [r.tolist() for e in range(3) for r in src.packed_epoch(e)]
     # a step is a function of its number alone: a fresh source (a resumed run) draws the same rows
-    fresh = BatchSource(shards, mode="chats", batch_size=2, block_size=256, seed=3, bos_id=tok.bos_id,
+    fresh = BatchSource(shards, mode="chats", batch_size=2, block_size=128, seed=3, bos_id=tok.bos_id,
                         pad_id=tok.pad_id)
     step = sizes[0] // 2 + 1  # in the second epoch
     a, b = src.step_batch(step), fresh.step_batch(step)
@@ -182,3 +185,15 @@ def test_packed_steps_go_through_every_conversation_once_an_epoch(base_run, tmp_
     chats_in_step = np.concatenate(src.chat_rows(2 * step, 2))
     assert a.n_targets == sum(int(trained[offsets[c] + 1:offsets[c + 1]].sum()) for c in chats_in_step)
     assert a.n_inputs == sum(int(offsets[c + 1] - offsets[c] - 1) for c in chats_in_step)
+
+
+def test_short_chats_in_a_long_context_take_shorter_rows_with_the_same_positions_a_step(base_run, tmp_path):
+    tok = with_chat_tokens(load_run(base_run).tokenizer)
+    convs = [[{"role": "user", "content": "the" + " e" * (i % 7)}, {"role": "assistant", "content": "to" * (1 + i % 5)}]
+             for i in range(40)]
+    shards = prepare_chats({"train": convs, "val": convs[:2]}, tok, tmp_path / "d", block_size=512, source="t")
+    src = BatchSource(shards, mode="chats", batch_size=2, block_size=512, seed=3, bos_id=tok.bos_id,
+                      pad_id=tok.pad_id)
+    assert src.chat_width == 128
+    batch = src.step_batch(1, grad_accum=2)
+    assert batch.x.shape[0] == 2 * 2 * 4 and batch.x.shape[1] <= 128  # 4 times as many rows of a quarter

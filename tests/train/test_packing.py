@@ -106,3 +106,15 @@ def test_the_written_out_backward_agrees_with_the_definition_under_a_packing_mas
     assert calls == [1]
     for got, want in zip(grads[1], grads[0]):
         torch.testing.assert_close(got, want, atol=5e-2, rtol=5e-2)
+
+
+def test_short_conversations_in_a_long_context_pack_into_shorter_rows():
+    from tinylm.train.batches import chat_width
+
+    # the longest conversation fills 29 positions: rows of 128 in a context of 512 (4 times as many of them)
+    assert chat_width(offsets_of([30, 12, 5]), 512) == 128
+    assert chat_width(offsets_of([200, 12]), 512) == 256  # 199 positions need 256
+    assert chat_width(offsets_of([600]), 512) == 512  # cut to the context
+    assert chat_width(offsets_of([30]), 128) == 128  # never below 128 positions
+    assert chat_width(offsets_of([30]), 384) == 192  # halved only while the half divides the context
+    assert chat_width(offsets_of([30]), 96) == 96

@@ -15,14 +15,14 @@ from tinylm.cli.flags import add_command, add_setting_flags, positive_float, pos
 def cmd_finetune(args: argparse.Namespace) -> int:
     """Teach a trained model to answer: supervised fine-tuning on conversations, the loss only on what the
     assistant writes (its messages and the end-of-turn token after each), conversations packed several to a row
-    without attending to each other. --from takes a
-    tinylm run, a checkpoint folder or a Hugging Face model folder (imported first). --data takes a JSONL file of
+    without attending to each other. --from takes a tinylm run, a checkpoint folder or a Hugging Face model folder
+    (imported first). --data takes a JSONL file of
     OpenAI-style chats ({"messages": [...]}), prompt/completion pairs or Alpaca instructions
     (instruction/input/output), or built-in tasks with checkable answers: tasks:add, tasks:spell, tasks:count,
     tasks:reverse, tasks:speaker, tasks:next-line, or a mixture such as tasks:add+spell. A model made by tinylm gets
     ChatML's turn markers as special tokens and the ChatML template; an imported chat model keeps its own. The
-    result is an ordinary run folder that sample, eval, serve, export and explain take. By default it trains one
-    epoch at the base run's own learning rates; the [train] flags below change that."""
+    result is an ordinary run folder that sample, eval, serve, export and explain take. By default it trains two
+    epochs (at least 250 steps) at the base run's own learning rates; the [train] flags below change that."""
     settings = settings_from(args)
     data_dir = settings.pop("train.data_dir", None)
     val_fraction = settings.pop("train.val_fraction", None)
@@ -50,7 +50,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    "held out by the seed; built-in tasks hold out their own test items)")
     p.add_argument("--out", help="the run folder (default: runs/<the --from folder's name>-chat)")
     p.add_argument("--epochs", type=positive_float, help="the budget in passes over the training conversations "
-                   "(default: 1, unless --max-steps or --max-tokens is given)")
+                   "(default: 2, and at least 250 steps, unless --max-steps or --max-tokens is given)")
     p.add_argument("--resume", nargs="?", const="latest", metavar="CHECKPOINT",
                    help="continue the fine-tuning run in --out exactly where it stopped")
     p.add_argument("--force", action="store_true", help="start over in an existing run folder (deletes it)")

@@ -17,7 +17,10 @@ Two ways to cut the token stream of the train split into rows of ``block_size`` 
   boundaries are the EOS ids of the shard, which are exactly the document ends.
 
 - **chats** (`tinylm finetune`): conversations, as `tinylm.data.chat_shards` stored them, packed
-  several to a row of ``block_size`` positions (`pack_chats`), each with its own segment id: a
+  several to a row (`pack_chats`) of ``block_size`` positions, or of a power-of-two fraction of it
+  no shorter than 128 positions nor than the longest conversation, with as many more rows as keep a
+  step's positions (`chat_width`: short chats in a long context need no long rows, whose attention
+  costs more a token). Each conversation has its own segment id: a
   token attends only to its own conversation and its position counts from its conversation's
   start, so it is trained exactly as if it were alone in the row, while the step computes on as
   many real tokens as a pretraining step. A target counts in the loss only where the
@@ -116,6 +119,7 @@ class BatchSource:
             self.chat_tokens, self.chat_trained, self.chat_offsets = chat_arrays(shards, split)
             self._epoch_rows: dict[int, list[np.ndarray]] = {}  # the newest epoch's packed rows
             self._epoch_sizes: list[int] = []  # how many rows each epoch packed into, epoch 0 on
+            self.chat_width = chat_width(self.chat_offsets, block_size) if pack else block_size
             if len(self.chat_offsets) < 2 or not len(self.packed_epoch(0)):
                 raise TinyLMError(f"the {split} split has no conversations to train on")
             return
@@ -147,6 +151,7 @@ class BatchSource:
             x, y = self.shards.sample_windows(self.split, n_rows * (self.block_size // T), T, rng)
             return MicroBatch(x, y)
         if self.mode == "chats":
+            n_rows *= self.block_size // self.chat_width
             return self._chats(self.chat_rows(step * n_rows, n_rows))
         return self._documents(rng.integers(0, len(self.doc_starts), size=n_rows))
 
@@ -156,7 +161,7 @@ class BatchSource:
             count = len(self.chat_offsets) - 1
             order = np.random.default_rng([self.seed, epoch]).permutation(count)
             if self.pack:
-                rows = pack_chats(self.chat_offsets, order, self.block_size)
+                rows = pack_chats(self.chat_offsets, order, self.chat_width)
             else:  # one conversation a row (a recurrent model, which reads a row as one sequence)
                 rows = [np.array([c]) for c in order[np.diff(self.chat_offsets)[order] > 1]]
             self._epoch_rows = {epoch: rows}  # the newest only
@@ -178,7 +183,7 @@ class BatchSource:
 
     def _chats(self, rows: list[np.ndarray]) -> MicroBatch:
         """Packed conversations: inputs, targets (`IGNORE_INDEX` where a token is not trained), segment ids."""
-        x, y, segments = packed_rows(self.chat_tokens, self.chat_trained, self.chat_offsets, rows, self.block_size,
+        x, y, segments = packed_rows(self.chat_tokens, self.chat_trained, self.chat_offsets, rows, self.chat_width,
                                      self.pad_id, IGNORE_INDEX)
         padding = int((segments == np.array([len(row) for row in rows])[:, None]).sum())
         # one conversation a row needs no segments: right padding is never attended to, nor read by a recurrence
@@ -200,6 +205,16 @@ class BatchSource:
         y[position + 1 >= lengths[:, None]] = IGNORE_INDEX  # a target that is padding
         mask = position < lengths[:, None]  # (B, T): real input tokens
         return MicroBatch(x, y, mask)
+
+
+def chat_width(offsets: np.ndarray, block_size: int, shortest: int = 128) -> int:
+    """The length of packed conversation rows: ``block_size`` halved while the half still divides it and holds
+    the longest conversation (every token but its last, at most ``block_size``) and ``shortest`` positions."""
+    longest = int(min(np.diff(offsets).max() - 1, block_size)) if len(offsets) > 1 else block_size
+    width = block_size
+    while width % 2 == 0 and width // 2 >= max(longest, shortest):
+        width //= 2
+    return width
 
 
 def micro_batches(batch: MicroBatch, batch_size: int, rank: int = 0, world_size: int = 1) -> list[MicroBatch]:

@@ -252,13 +252,14 @@ class _Trainer:
         tc, W = self.tc, self.ctx.world_size
         # the whole step's batch is drawn in every process (only token ids: cheap), so all agree on
         # the number of targets; each then computes on its own rows. A short step of the sequence-length
-        # schedule has k = block_size / window times as many rows, k * batch_size a micro-batch.
+        # schedule (and packed conversations in rows shorter than block_size) has k = block_size / window
+        # times as many rows, k * batch_size a micro-batch.
         window = window_at(tc, self.config.model.block_size, self.total, step)
         batch = self.source.step_batch(step, tc.grad_accum, window)
         n_targets = batch.n_targets
         if n_targets == 0:
             raise TinyLMError(f"step {step + 1} has no targets to learn from; check the data")
-        micro = micro_batches(batch, tc.batch_size * (self.config.model.block_size // window), self.ctx.rank, W)
+        micro = micro_batches(batch, len(batch.x) // tc.grad_accum, self.ctx.rank, W)
         loss_sum = torch.zeros((), device=self.device)
         for i, mb in enumerate(micro):
             inputs = mb.to(self.device)  # idx, targets, and the padding mask or segment ids where there are some
