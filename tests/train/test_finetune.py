@@ -160,13 +160,18 @@ def test_task_scores_count_the_exact_greedy_replies(base_run, chat_file, tmp_pat
         evaluate_run_tasks(str(tmp_path / "chat"), str(bad))
 
 
-def test_packed_steps_go_through_every_conversation_once_an_epoch(base_run, tmp_path):
+def forty_chats(base_run, folder, block_size: int) -> tuple:
+    """Forty short chats of several lengths as conversation shards, and a source of packed steps of 2 rows."""
     tok = with_chat_tokens(load_run(base_run).tokenizer)
     convs = [[{"role": "user", "content": "the" + " e" * (i % 7)}, {"role": "assistant", "content": "to" * (1 + i % 5)}]
              for i in range(40)]
-    shards = prepare_chats({"train": convs, "val": convs[:2]}, tok, tmp_path / "d", block_size=128, source="t")
-    src = BatchSource(shards, mode="chats", batch_size=2, block_size=128, seed=3, bos_id=tok.bos_id,
-                      pad_id=tok.pad_id)
+    shards = prepare_chats({"train": convs, "val": convs[:2]}, tok, folder, block_size=block_size, source="t")
+    return shards, BatchSource(shards, mode="chats", batch_size=2, block_size=block_size, seed=3, bos_id=tok.bos_id,
+                               pad_id=tok.pad_id)
+
+
+def test_packed_steps_go_through_every_conversation_once_an_epoch(base_run, tmp_path):
+    shards, src = forty_chats(base_run, tmp_path / "d", 128)
     tokens, trained, offsets = chat_arrays(shards, "train")
     sizes = [len(src.packed_epoch(e)) for e in range(3)]
     assert sizes[0] < 40 / 2  # several conversations a row
@@ -176,8 +181,7 @@ def test_packed_steps_go_through_every_conversation_once_an_epoch(base_run, tmp_
     rows = src.chat_rows(0, sum(sizes))
     assert [r.tolist() for r in rows] == [r.tolist() for e in range(3) for r in src.packed_epoch(e)]
     # a step is a function of its number alone: a fresh source (a resumed run) draws the same rows
-    fresh = BatchSource(shards, mode="chats", batch_size=2, block_size=128, seed=3, bos_id=tok.bos_id,
-                        pad_id=tok.pad_id)
+    _, fresh = forty_chats(base_run, tmp_path / "d", 128)  # the shards are there: reused
     step = sizes[0] // 2 + 1  # in the second epoch
     a, b = src.step_batch(step), fresh.step_batch(step)
     assert np.array_equal(a.x, b.x) and np.array_equal(a.y, b.y) and np.array_equal(a.segments, b.segments)
@@ -188,12 +192,7 @@ def test_packed_steps_go_through_every_conversation_once_an_epoch(base_run, tmp_
 
 
 def test_short_chats_in_a_long_context_take_shorter_rows_with_the_same_positions_a_step(base_run, tmp_path):
-    tok = with_chat_tokens(load_run(base_run).tokenizer)
-    convs = [[{"role": "user", "content": "the" + " e" * (i % 7)}, {"role": "assistant", "content": "to" * (1 + i % 5)}]
-             for i in range(40)]
-    shards = prepare_chats({"train": convs, "val": convs[:2]}, tok, tmp_path / "d", block_size=512, source="t")
-    src = BatchSource(shards, mode="chats", batch_size=2, block_size=512, seed=3, bos_id=tok.bos_id,
-                      pad_id=tok.pad_id)
+    _, src = forty_chats(base_run, tmp_path / "d", 512)
     assert src.chat_width == 128
     batch = src.step_batch(1, grad_accum=2)
     assert batch.x.shape[0] == 2 * 2 * 4 and batch.x.shape[1] <= 128  # 4 times as many rows of a quarter
