@@ -144,15 +144,14 @@ def sdpa_attention(
     v = repeat_kv(v, n_head // v.size(1))  # (B, nh, T_k, hs)
     # with a window the mask is a band, which the kernel's is_causal cannot say (nor does the
     # written-out backward assume it): the explicit mask below
-    if key_mask is not None and key_mask.dim() == 4 and window is None and T_q == T_k and scale is None \
+    if (key_mask is None or key_mask.dim() == 4) and window is None and T_q == T_k and scale is None \
             and _use_written_out_backward(q, k, v, dropout_p):
-        # packed conversations in training: the causal triangle cut into blocks, every query seeing itself
+        # training on a CPU in bfloat16: plain causal, or the triangle cut into blocks for packed
+        # conversations (every query seeing itself); one dtype for all three (value embeddings add a
+        # float32 term to v under autocast)
         return _CausalAttention.apply(q, k.to(q.dtype), v.to(q.dtype), key_mask)
     if key_mask is None and window is None:
         if T_q == T_k:
-            if scale is None and _use_written_out_backward(q, k, v, dropout_p):
-                # one dtype for all three (value embeddings add a float32 term to v under autocast)
-                return _CausalAttention.apply(q, k.to(q.dtype), v.to(q.dtype))
             # the common training case: let the kernel build the causal mask itself (fastest)
             return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale)
         if T_q == 1:
