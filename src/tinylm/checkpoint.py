@@ -51,7 +51,7 @@ import json
 import os
 import shutil
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +65,7 @@ from tinylm.config import Config, build_config, dump_toml, load_config_file
 from tinylm.errors import TinyLMError
 from tinylm.jsonfile import JSONFormat, read_json_object
 from tinylm.model import build_model
+from tinylm.model.lora import LoraSettings, merge_adapter
 from tinylm.tokenizers.base import Tokenizer, check_same_tokenizer, load_tokenizer
 
 FORMAT_VERSION = 1  # of checkpoints and of run.json
@@ -94,6 +95,10 @@ CHECKSUMS = JSONFormat(  # no version: its files and its own checksum are all it
     foreign="checkpoint file {path} is corrupt (it does not match its own checksum)",
     valid=lambda manifest: _has_own_checksum(manifest),
 )
+# state.json of a LoRA run's checkpoint, whose model.safetensors holds the adapter only: where the base checkpoint
+# is (its absolute path, and its path from the checkpoint folder, for a run moved with its base) and the SHA-256
+# of the base's weights, which must still be the ones the adapter was trained on
+LORA_BASE = "lora_base"
 # what a model's weights may be stored as: the float types a model trains or runs in (and float64)
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -462,12 +467,33 @@ def _is_sound(path: Path) -> bool:
 
 @dataclass
 class Checkpoint:
-    """A checkpoint folder, read: its configuration, tokenizer and state.json; tensors on demand."""
+    """A checkpoint folder, read: its configuration, tokenizer and state.json; tensors on demand.
+
+    A LoRA run's checkpoint (`is_adapter`) holds only the adapter and names the checkpoint it adapts (`base`);
+    `model_state` gives the adapted model's weights, the adapter merged into the base's, so everything that
+    loads a checkpoint (sample, eval, serve, export) takes it as it takes any other.
+    """
 
     path: Path
     config: Config
     tokenizer: Tokenizer
     state: dict[str, Any]
+    _base: Checkpoint | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def is_adapter(self) -> bool:
+        """Whether this is a LoRA run's checkpoint: an adapter on a base checkpoint, not a whole model."""
+        return LORA_BASE in self.state
+
+    def base(self) -> Checkpoint:
+        """The checkpoint a LoRA run's adapter adapts, found and checked to be the one it was trained on."""
+        if self._base is None:
+            self._base = _adapter_base(self)
+        return self._base
+
+    def adapter_state(self) -> dict[str, Tensor]:
+        """A LoRA run's adapter: each target's lora_A and lora_B, by the names `tinylm.model.lora` gives them."""
+        return self._stored_tensors()
 
     @property
     def step(self) -> int:
@@ -475,11 +501,22 @@ class Checkpoint:
         return int(self.state["step"])
 
     def model_state(self) -> dict[str, Tensor]:
-        """The weights, by parameter name, with aliases (a tied head) pointing at the same tensor.
+        """The weights, by parameter name, with aliases (a tied head) pointing at the same tensor; a LoRA run's are
+        its base's with the adapter merged in (W + alpha / r * B A).
 
         A NaN or infinite weight is an error: such a model only ever gives NaN losses and samples
         (a run that diverged, or an imported file that was broken already).
         """
+        if self.is_adapter:
+            settings = LoraSettings.of(self.config.train)
+            if settings is None:
+                raise TinyLMError(f"{self.path} holds a LoRA adapter but its {CONFIG_FILE} sets no lora_rank; "
+                                  f"{_way_out(self.path)}")
+            return merge_adapter(self.base().model_state(), self._stored_tensors(), settings.scale)
+        return self._stored_tensors()
+
+    def _stored_tensors(self) -> dict[str, Tensor]:
+        """model.safetensors' tensors, checked to be finite floats, with its aliases."""
         tensors, metadata = _read_safetensors(self.path / MODEL_FILE)
         for name, t in tensors.items():
             if t.dtype not in WEIGHT_DTYPES:
@@ -526,6 +563,9 @@ class Checkpoint:
         with the safetensors header: a config.toml edited to ``d_model = 4000000`` is one line
         here, not an 8 GB allocation and then a mismatch.
         """
+        if self.is_adapter:  # the base's shapes; the adapter's are checked as it is merged
+            self.base().check_shapes()
+            return
         stored = _stored_shapes(self.path / MODEL_FILE)
         with torch.device("meta"):
             expected = {name: tuple(t.shape) for name, t in build_model(self.config.model).state_dict().items()}
@@ -540,6 +580,49 @@ class Checkpoint:
             what = f"no {missing[0]}" if missing else f"an unexpected {extra[0]}"
             raise TinyLMError(f"the weights in {self.path / MODEL_FILE} do not fit the configuration in "
                               f"{self.path / CONFIG_FILE} ({what}); use the configuration they were trained with")
+
+
+def weights_fingerprint(path: str | os.PathLike) -> str:
+    """The SHA-256 of a checkpoint folder's weights file: the one its checksums.json holds, else computed."""
+    path = Path(path)
+    try:
+        return CHECKSUMS.read(path / CHECKSUMS_FILE)["files"][MODEL_FILE]["sha256"]
+    except (TinyLMError, KeyError, TypeError):
+        return _digest(path / MODEL_FILE)["sha256"]
+
+
+def lora_base_record(base: Checkpoint, written_at: str | os.PathLike) -> dict[str, str]:
+    """What a LoRA checkpoint written at ``written_at`` says of its ``base`` (state.json's `LORA_BASE`)."""
+    where = base.path.resolve()
+    return {"path": str(where), "relative": os.path.relpath(where, Path(written_at).resolve()),
+            "sha256": weights_fingerprint(where)}
+
+
+def _adapter_base(adapter: Checkpoint) -> Checkpoint:
+    """The base checkpoint ``adapter``'s state.json names, beside it as it was (a run moved with its base) or where
+    it was, once checked to be the model the adapter was trained on."""
+    record = adapter.state[LORA_BASE]
+    if not isinstance(record, dict) or not {"path", "sha256"} <= record.keys():
+        raise TinyLMError(f"{adapter.path / STATE_FILE} names no base model for its adapter; {_way_out(adapter.path)}")
+    candidates = [adapter.path / record["relative"]] if record.get("relative") else []
+    candidates.append(Path(record["path"]))
+    found = next((c for c in candidates
+                  if (c / STATE_FILE).is_file() or (c.with_name(f".{c.name}.old") / STATE_FILE).is_file()), None)
+    if found is None:
+        raise TinyLMError(f"{adapter.path} is a LoRA adapter of the model {record['path']}, which is not there any "
+                          "more; put that checkpoint back where it was (or beside this run as it was), or import the "
+                          "adapter with the base it belongs to (tinylm import --from ADAPTER --base BASE)")
+    base = load_checkpoint(found)
+    if weights_fingerprint(base.path) != record["sha256"]:
+        raise TinyLMError(f"{adapter.path} is a LoRA adapter of the model {base.path}, but that model has changed "
+                          "since the adapter was trained on it (its weights' SHA-256 differs); put back the checkpoint "
+                          "it was trained on, or train the adapter again on this one")
+    if base.config.model != adapter.config.model:
+        raise TinyLMError(f"{adapter.path} is a LoRA adapter of another model than {base.path} (their [model] "
+                          "settings differ); use the base it was trained on")
+    check_same_tokenizer(base.tokenizer, adapter.tokenizer, f"{adapter.path}'s tokenizer is not its base's "
+                         f"({base.path})", "use the base the adapter was trained on")
+    return base
 
 
 def _stored_shapes(path: Path) -> dict[str, tuple[int, ...]]:

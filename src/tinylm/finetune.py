@@ -76,11 +76,16 @@ def finetune(source: str | os.PathLike | None, data: str | None, out: str | os.P
             raise TinyLMError("--resume continues the fine-tuning run in --out with its own data and settings; "
                               "drop --from and --data")
         return train(None, out, resume=resume, stop_after=stop_after, progress=progress, log=log)
-    if source is None or data is None:
-        raise TinyLMError("fine-tuning needs a model to start from (--from RUN) and conversations (--data FILE "
-                          "or --data tasks:NAME)")
-    check_settings(overrides or {}, epochs)  # before anything is read or imported
+    overrides = dict(overrides or {})
+    text = data is None and "corpus" in {name for _, name in override_keys(overrides)}
+    if source is None or (data is None and not text):
+        raise TinyLMError("fine-tuning needs a model to start from (--from RUN) and what to learn: conversations "
+                          "(--data FILE or --data tasks:NAME) or text (--corpus)")
+    check_settings(overrides, epochs, text=text)  # before anything is read or imported
     base = starting_checkpoint(source, out, force=force, log=log)
+    if text:  # continued pretraining on a corpus, read with the model's own tokenizer
+        config = text_recipe(base.config, overrides)
+        return train(config, out, init_from=base.path, force=force, stop_after=stop_after, progress=progress, log=log)
     tokenizer = with_chat_tokens(base.tokenizer)
     train_part, val_part, name = conversations_of(data, val_data, val_fraction, base.config.train.seed)
     splits = {"train": train_part, "val": val_part}
@@ -93,7 +98,10 @@ def finetune(source: str | os.PathLike | None, data: str | None, out: str | os.P
         f"{shards.meta['chats']['train']['trained_tokens']:,} of {shards.num_tokens('train'):,} training tokens are "
         f"the assistant's (the rest are read, not learned)"
         + (f"; {cut} longer than the context were cut to {config.model.block_size + 1} tokens" if cut else ""))
-    init = grown_init(base, tokenizer, config, folder / INIT_FOLDER)
+    if tokenizer.vocab_size == base.tokenizer.vocab_size and config.train.lora_rank:
+        init = base.path  # nothing to grow: the adapter's base is the model itself, not a copy of it
+    else:
+        init = grown_init(base, tokenizer, config, folder / INIT_FOLDER)
     return train(config, out, init_from=init, force=force, stop_after=stop_after, progress=progress, log=log)
 
 
@@ -172,12 +180,40 @@ def recipe(base: Config, vocab_size: int, n_rows: float, data_dir: Path, epochs:
     return dataclasses.replace(config, train=tc)
 
 
-def check_settings(overrides: Mapping[str, Any], epochs: float | None) -> set[str]:
+def text_recipe(base: Config, overrides: Mapping[str, Any]) -> Config:
+    """Fine-tuning on text (``--corpus``): the base's own settings, its tokenizer, a short warmup and `MIN_STEPS`
+    steps unless a budget is given, then ``overrides``."""
+    cfg = base.to_dict()
+    for key in ("tokenizer", "max_tokens", "max_steps", "data_dir"):
+        cfg["train"].pop(key, None)
+    if cfg["train"].get("batch_mode") == "chats":
+        cfg["train"]["batch_mode"] = "packed"
+    given = check_settings(overrides, None, text=True)
+    config = build_config(apply_overrides(cfg, overrides))
+    tc = config.train
+    if not given & {"max_steps", "max_tokens"}:
+        tc = dataclasses.replace(tc, max_steps=MIN_STEPS)
+    if "warmup_steps" not in given:
+        tc = dataclasses.replace(tc, warmup_steps=min(10, max(1, (tc.max_steps or 100) // 10)))
+    if "eval_interval" not in given:
+        tc = dataclasses.replace(tc, eval_interval=max(1, (tc.max_steps or 100) // 4))
+    return dataclasses.replace(config, train=tc)
+
+
+def check_settings(overrides: Mapping[str, Any], epochs: float | None, *, text: bool = False) -> set[str]:
     """The [train] settings ``overrides`` names, refusing those fine-tuning sets itself (its data, its tokenizer)
-    and a budget given two ways."""
+    and a budget given two ways. ``text``: fine-tuning on a corpus, whose settings are then the user's."""
     given = {name for _, name in override_keys(overrides)}
     if epochs is not None and given & {"max_steps", "max_tokens"}:
         raise TinyLMError("give the budget one way: --epochs, --max-steps or --max-tokens")
+    if text:
+        if epochs is not None:
+            raise TinyLMError("--epochs counts passes over conversations; for a corpus give --max-steps or --max-tokens")
+        own = given & {"tokenizer", "tokenizer_kind", "tokenizer_vocab_size", "tokenizer_pattern"}
+        if own:
+            raise TinyLMError(f"fine-tuning reads the corpus with the model's own tokenizer: drop "
+                              f"{', '.join('--' + k.replace('_', '-') for k in sorted(own))}")
+        return given
     corpus = given & {"batch_mode", "tokenizer", "corpus", "glob", "text_field", "encoding", "errors", "tokenizer_kind",
                       "tokenizer_vocab_size", "tokenizer_pattern", "data_dir", "val_fraction"}
     if corpus:

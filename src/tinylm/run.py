@@ -45,6 +45,7 @@ from tinylm.checkpoint import (  # re-exported: a run's checkpoints are part of 
     CHECKPOINTS,
     CONFIG_FILE,
     FORMAT_VERSION,
+    LORA_BASE,
     MODEL_FILE,
     TOKENIZER_FILE,
     Checkpoint,
@@ -56,6 +57,7 @@ from tinylm.checkpoint import (  # re-exported: a run's checkpoints are part of 
     has_checkpoint,
     load_checkpoint,
     load_weights,
+    lora_base_record,
     save_checkpoint,
     save_safetensors,
     unflatten_optimizer_state,
@@ -413,7 +415,7 @@ __all__ = [
     "COST_FILE", "NGRAM_DRAFT_FILE", "TENSORBOARD_DIR", "WANDB_DIR", "run_family", "check_same_family",
     "checkpoint_to_resume", "update_run_info", "write_run_files", "data_info",
     # its checkpoints (tinylm.checkpoint)
-    "CHECKPOINTS", "CHECKPOINT_NAMES", "FORMAT_VERSION", "MODEL_FILE", "Checkpoint", "checkpoint_path",
+    "CHECKPOINTS", "CHECKPOINT_NAMES", "FORMAT_VERSION", "LORA_BASE", "MODEL_FILE", "lora_base_record", "Checkpoint", "checkpoint_path",
     "copy_checkpoint", "find_checkpoint", "flatten_optimizer_state", "has_checkpoint", "load_checkpoint",
     "load_weights", "save_checkpoint", "save_safetensors", "unflatten_optimizer_state", "verify_checkpoint",
 ]

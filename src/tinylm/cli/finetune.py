@@ -22,7 +22,10 @@ def cmd_finetune(args: argparse.Namespace) -> int:
     tasks:reverse, tasks:speaker, tasks:next-line, or a mixture such as tasks:add+spell. A model made by tinylm gets
     ChatML's turn markers as special tokens and the ChatML template; an imported chat model keeps its own. The
     result is an ordinary run folder that sample, eval, serve, export and explain take. By default it trains two
-    epochs (at least 250 steps) at the base run's own learning rates; the [train] flags below change that."""
+    epochs (at least 250 steps) at the base run's own learning rates; the [train] flags below change that.
+    --corpus instead of --data continues pretraining on text (250 steps unless a budget is given). --lora-rank R
+    trains a LoRA adapter instead of every weight (--lora-alpha, --lora-dropout, --lora-targets): the run folder
+    keeps the adapter, in PEFT's layout too, and points at the base it adapts."""
     settings = settings_from(args)
     data_dir = settings.pop("train.data_dir", None)
     val_fraction = settings.pop("train.val_fraction", None)

@@ -28,6 +28,27 @@ WandbMode = Literal["offline", "online"]
 # where [train] log_to may send the metrics rows; metrics.jsonl ("jsonl") is always written
 LOG_BACKENDS = ("jsonl", "tensorboard", "wandb")
 
+# the matrices LoRA may correct (`tinylm.model.lora`), by their names in a Transformer's blocks, and the groups
+LORA_ATTENTION = ("W_q", "W_k", "W_v", "W_o")
+LORA_MLP = ("W_1", "W_2", "W_3")
+LORA_TARGET_GROUPS = {"attention": LORA_ATTENTION, "mlp": LORA_MLP, "all": LORA_ATTENTION + LORA_MLP}
+
+
+def lora_target_names(targets: str) -> tuple[str, ...]:
+    """The projection names a lora_targets setting means, in a fixed order ("attention,W_1" -> W_q, W_k, W_v, W_o,
+    W_1)."""
+    known = LORA_ATTENTION + LORA_MLP
+    wanted: set[str] = set()
+    for word in (w.strip() for w in targets.split(",")):
+        if word in LORA_TARGET_GROUPS:
+            wanted.update(LORA_TARGET_GROUPS[word])
+        elif word in known:
+            wanted.add(word)
+        else:
+            raise TinyLMError(f"lora_targets: unknown target {word!r}{did_you_mean(word, [*LORA_TARGET_GROUPS, *known])}; "
+                              f"use attention, mlp, all, or projection names ({', '.join(known)}), comma-separated")
+    return tuple(n for n in known if n in wanted)
+
 
 @dataclass
 class TrainConfig:
@@ -120,6 +141,16 @@ class TrainConfig:
     grad_clip: float = setting(1.0,
         "clip the gradient's global norm to this; 0 turns clipping off")
     seed: int = setting(1337, "seeds the initial weights, the batches and dropout")
+    # -- LoRA: train a low-rank correction to some matrices, the rest frozen (fine-tuning from --init-from)
+    lora_rank: int = setting(0,
+        "LoRA's rank r: train A (r x d_in) and B (d_out x r) beside each target matrix W, computing with "
+        "W + (lora_alpha / r) B A, every other weight frozen; 0: train every weight")
+    lora_alpha: float | None = setting(None,
+        "LoRA's alpha: the correction is scaled by lora_alpha / lora_rank; unset: 2 * lora_rank")
+    lora_dropout: float = setting(0.0, "dropout on the input of LoRA's correction (training only)")
+    lora_targets: str = setting("all",
+        "the matrices LoRA corrects: attention (W_q, W_k, W_v, W_o), mlp (W_1, W_2, W_3), all, or projection "
+        "names, comma-separated (e.g. W_q,W_v)")
     # -- evaluation, checkpoints, logging
     eval_interval: int = setting(250, "evaluate on the validation split every this many steps")
     eval_tokens: int = setting(65536,
@@ -201,6 +232,13 @@ class TrainConfig:
         if not 0.0 < self.val_fraction < 1.0:
             raise TinyLMError(f"val_fraction must be strictly between 0 and 1 (training needs a validation split), "
                               f"got {self.val_fraction}")
+        if self.lora_rank < 0:
+            raise TinyLMError(f"lora_rank must be 0 (train every weight) or a positive rank, got {self.lora_rank}")
+        if self.lora_alpha is not None and not (math.isfinite(self.lora_alpha) and self.lora_alpha > 0):
+            raise TinyLMError(f"lora_alpha must be a positive number, got {self.lora_alpha}")
+        if not 0.0 <= self.lora_dropout < 1.0:
+            raise TinyLMError(f"lora_dropout must be in [0, 1), got {self.lora_dropout}")
+        lora_target_names(self.lora_targets)  # an unknown target is an error now, not when training starts
         self.log_backends  # an unknown name is an error now, not when the run starts
 
     @property

@@ -65,7 +65,8 @@ from tinylm.generate.reference import reference_generate
 from tinylm.generate.sampling import SamplingParams
 from tinylm.lock import folder_lock
 from tinylm.model.gpt import IGNORE_INDEX
-from tinylm.run import METRICS_FILE, PLOT_FILE, SCHEDULE_FILE, Checkpoint, RunResult, checkpoint_path
+from tinylm.run import LORA_BASE, METRICS_FILE, PLOT_FILE, SCHEDULE_FILE, Checkpoint, RunResult, checkpoint_path
+from tinylm.run import lora_base_record
 from tinylm.run import check_new_run_folder, check_same_family, checkpoint_to_resume, clear_run_folder, copy_checkpoint, data_info
 from tinylm.run import empty_prompt_ids, read_metrics, run_family, start_ids, update_run_info, write_run_files
 from tinylm.train.batches import BatchSource, micro_batches
@@ -204,6 +205,7 @@ class _Trainer:
         self.model, self.step_model, self.eval_model, self.ddp = built.model, built.step_model, built.eval_model, built.ddp
         self.optimizer, self.fsdp, self.autocast = built.optimizer, built.sharded, built.autocast
         self.head_in_slices = built.head_in_slices
+        self.lora_base = built.lora_base  # a LoRA run's base: its checkpoints name it
 
         # where the run stands: fresh, or as the checkpoint left it (its optimizer, random state and counts)
         state = ckpt.state if ckpt is not None else {}
@@ -409,6 +411,8 @@ class _Trainer:
         state = checkpoint_state(self.tc, step=self.step, total=self.total, tokens=self.tokens, elapsed=self._elapsed(),
                                  best_val_loss=self.best_val_loss, best_step=self.best_step,
                                  world_size=self.ctx.world_size)
+        if self.lora_base is not None:
+            state[LORA_BASE] = lora_base_record(self.lora_base, checkpoint_path(self.out, name))
         save_training_checkpoint(checkpoint_path(self.out, name), self.model, self.optimizer, self.ctx,
                                  sharded=self.fsdp, config=self.config, tokenizer=self.tokenizer, state=state)
 

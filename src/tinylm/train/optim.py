@@ -8,6 +8,7 @@ Every trainable parameter falls in one of four roles (`parameter_roles`):
     matrix     every other parameter with 2 or more dimensions: the blocks' W_q, W_k, W_v, W_o,
                the MLP's W_1, W_2, W_3 (an RNN's or LSTM's weight matrices)
     vector     every 1-dimensional parameter: norm gains, biases, the per-layer scalars
+    adapter    a LoRA run's A and B matrices (everything else is frozen there: `tinylm.model.lora`)
 
 **Weight decay** pulls every weight toward zero a little at each step (AdamW: w <- w - lr * wd * w,
 "decoupled" from the gradient; SGD: an L2 penalty added to the gradient). It is meant for the
@@ -48,7 +49,7 @@ from torch import nn
 from tinylm.config import TrainConfig
 from tinylm.errors import TinyLMError
 
-ROLES = ("embedding", "head", "matrix", "vector")
+ROLES = ("embedding", "head", "matrix", "vector", "adapter")
 
 
 def parameter_roles(model: nn.Module) -> dict[str, str]:
@@ -60,7 +61,9 @@ def parameter_roles(model: nn.Module) -> dict[str, str]:
     for name, p in model.named_parameters():  # named_parameters lists a shared (tied) tensor once
         if not p.requires_grad:
             continue
-        if id(p) in embedding_ids:
+        if name.endswith((".lora_A", ".lora_B")):
+            roles[name] = "adapter"
+        elif id(p) in embedding_ids:
             roles[name] = "embedding"
         elif id(p) == head_id:
             roles[name] = "head"
@@ -116,6 +119,8 @@ def _groups(model: nn.Module, config: TrainConfig) -> Iterator[tuple[str, dict[s
                    config.weight_decay if config.muon_weight_decay is None else config.muon_weight_decay)
         if muon else (fallback, config.lr, config.weight_decay),
         "vector": (fallback, config.lr, 0.0),
+        # thin low-rank factors, not hidden matrices for Muon to orthogonalize: AdamW (or SGD) at lr
+        "adapter": (fallback, config.lr, config.weight_decay),
     }
     groups: dict[tuple[str, float, float], dict[str, Any]] = {}
     for name, role in roles.items():

@@ -27,6 +27,7 @@ from tinylm.device import precision_name
 from tinylm.evaluate import EvalResult
 from tinylm.explain.accounting import summary
 from tinylm.explain.plots import plot_schedule
+from tinylm.model.lora import LoraSettings, lora_line
 from tinylm.model.memory import STEP_BATCH_BYTES_PER_TOKEN, format_bytes, machine_memory
 from tinylm.train.schedule import group_lr, long_start, momentum_at
 
@@ -101,6 +102,9 @@ def header_lines(config: Config, *, out: Any, resuming_at: int | None, shards: S
             f"{splits['train']['tokens']:,} training and {splits['val']['tokens']:,} validation tokens "
             f"({shards.path}{', reused' if shards.reused else ''})")
     lines = [f"tinylm train: {verb} run {out}", data, f"model: {summary(mc)}"]
+    lora = LoraSettings.of(tc)
+    if lora is not None:
+        lines.append(lora_line(mc, lora))
     accum = f" x {tc.grad_accum} micro-batches" if tc.grad_accum > 1 else ""
     decay = f"{tc.decay} to {tc.final_lr:.2e}" if tc.decay != "constant" else "constant"
     if tc.decay == "wsd":

@@ -34,9 +34,11 @@ from tinylm.device import autocast_for
 from tinylm.errors import TinyLMError
 from tinylm.model import build_model
 from tinylm.model.gpt import GPT
+from tinylm.model.lora import LoraSettings, add_lora, load_adapter
 from tinylm.model.memory import check_fits
 from tinylm.run import (
     CONFIG_FILE,
+    LORA_BASE,
     RUN_FILE,
     Checkpoint,
     RunResult,
@@ -250,6 +252,7 @@ def plan_run(config: Config, out: Path, ckpt: Checkpoint | None, ctx: Distribute
     sharded_among = ctx.world_size if ctx.active and config.train.parallel == "fsdp" else 1
     check_fits(config.model, config.train, ctx.device, shards=sharded_among)
     init = checkpoint_to_init_from(init_from, config.train)
+    check_lora(config, init, ckpt, ctx)
     if ckpt is None:
         ctx.main_first(lambda: check_new_run_folder(out, force))
     elif ckpt.state.get("world_size", 1) != ctx.world_size:
@@ -273,6 +276,26 @@ def plan_run(config: Config, out: Path, ckpt: Checkpoint | None, ctx: Distribute
                           f"use a multiple of {W}")
     extension = extension_note(ckpt, config.train, total, out) if ckpt is not None else None
     return RunPlan(config, shards, total, init, extension)
+
+
+def check_lora(config: Config, init: Checkpoint | None, ckpt: Checkpoint | None, ctx: Distributed) -> None:
+    """A LoRA run (``lora_rank``) adapts a trained Transformer: refuse one without a model to adapt, a resumed run
+    that changed between adapter and whole-model training, and the combinations it does not take."""
+    lora = config.train.lora_rank
+    if ckpt is not None and ckpt.is_adapter != bool(lora):
+        raise TinyLMError(f"{ckpt.path} was trained {'with' if ckpt.is_adapter else 'without'} LoRA; resume it "
+                          "with its own lora settings")
+    if not lora:
+        return
+    if config.model.family != "gpt":
+        raise TinyLMError(f"LoRA (lora_rank = {lora}) adapts a Transformer's matrices; a {config.model.family} "
+                          "model is fine-tuned whole: set lora_rank = 0")
+    if ckpt is None and init is None:
+        raise TinyLMError("LoRA (lora_rank) trains an adapter on a model that is already trained: give it one with "
+                          "--init-from RUN (tinylm finetune --from RUN does)")
+    if ctx.active and config.train.parallel == "fsdp":
+        raise TinyLMError("LoRA's frozen base is not sharded by this tinylm: use --parallel ddp (every process "
+                          "keeps the base once, the adapter is small)")
 
 
 def already_trained(out: Path, ckpt: Checkpoint | None, total: int, log: Callable[[str], None]) -> RunResult | None:
@@ -300,6 +323,7 @@ class TrainingModel:
     sharded: bool  # FSDP
     autocast: Callable[[], contextlib.AbstractContextManager]
     head_in_slices: bool  # the head and loss a slice of positions at a time (`GPT.forward`'s return_logits=False)
+    lora_base: Checkpoint | None = None  # a LoRA run's base checkpoint: the frozen weights its adapter corrects
 
 
 def build_training_model(config: Config, ctx: Distributed, init: Checkpoint | None,
@@ -310,10 +334,18 @@ def build_training_model(config: Config, ctx: Distributed, init: Checkpoint | No
     sharded = ctx.active and tc.parallel == "fsdp"
     torch.manual_seed(tc.seed)  # the same initial weights in every process
     model = build_model(mc)
-    if init is not None:
-        load_weights(model, init.model_state(), init.path)
-    if ckpt is not None and not sharded:  # a sharded model loads its shards after sharding
-        ckpt.load_weights(model)
+    lora, base = LoraSettings.of(tc), None
+    if lora is not None:  # the base's weights, frozen, and the adapter (A seeded by the run's seed, B zero)
+        base = init if init is not None else ckpt.base()
+        load_weights(model, base.model_state(), base.path)
+        add_lora(model, lora)
+        if ckpt is not None:
+            load_adapter(model, ckpt.adapter_state(), str(ckpt.path))
+    else:
+        if init is not None:
+            load_weights(model, init.model_state(), init.path)
+        if ckpt is not None and not sharded:  # a sharded model loads its shards after sharding
+            ckpt.load_weights(model)
     model.to(device)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True  # float32 matmuls on tensor cores
@@ -333,4 +365,4 @@ def build_training_model(config: Config, ctx: Distributed, init: Checkpoint | No
     # logits kept). Float32 training keeps the plain head and loss, so its figures stay bit for bit.
     head_in_slices = isinstance(model, GPT) and device.type == "cpu" and autocast is not contextlib.nullcontext
     return TrainingModel(model, step_model, eval_model, wrapped if ctx.active and not sharded else None, optimizer,
-                         sharded, autocast, head_in_slices)
+                         sharded, autocast, head_in_slices, base)

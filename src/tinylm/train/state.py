@@ -21,6 +21,7 @@ import torch
 
 from tinylm.checkpoint import Checkpoint, save_checkpoint
 from tinylm.config import Config, TrainConfig
+from tinylm.model.lora import is_adapter_name
 from tinylm.tokenizers.base import Tokenizer
 from tinylm.train.distributed import Distributed
 from tinylm.train.optim import load_named_optimizer_state, named_optimizer_state, optimizers_of
@@ -88,8 +89,11 @@ def checkpoint_state(tc: TrainConfig, *, step: int, total: int, tokens: int, ela
 
 def save_training_checkpoint(path: Path, model: torch.nn.Module, optimizer: Any, ctx: Distributed, *, sharded: bool,
                              config: Config, tokenizer: Tokenizer, state: dict[str, Any]) -> None:
-    """Every process takes part (a sharded model is gathered, each random state collected); process 0 writes."""
+    """Every process takes part (a sharded model is gathered, each random state collected); process 0 writes.
+    A LoRA run writes its adapter only (``state`` names the base it adapts)."""
     model_state, optimizer_state = full_state_dicts(model, optimizer, sharded)
+    if config.train.lora_rank:
+        model_state = {name: t for name, t in model_state.items() if is_adapter_name(name)}
     rng = rng_states(ctx)
     if ctx.is_main:
         save_checkpoint(path, model_state=model_state, optimizer_state=optimizer_state, rng_state=rng,

@@ -1,0 +1,203 @@
+"""LoRA: adapting a trained model by a low-rank correction to some of its matrices, the rest frozen.
+
+Hu et al. (2021): instead of training a d_out x d_in matrix W, train two thin ones, A (r x d_in)
+and B (d_out x r) with a rank r much smaller than either side, and compute with
+
+    W' = W + (alpha / r) B A          y = x W'^T = x W^T + (alpha / r) ((x A^T) B^T)
+
+W stays as it was (no gradient, no optimizer state); only A and B learn. B starts at zero, so before
+the first step the model is exactly the one it adapts; A starts random (Kaiming-uniform, as PEFT
+does), so B's first gradient is not zero. ``alpha / r`` keeps the size of the update about the same
+when r changes. For GPT-2's 124M parameters at r = 8 on every projection that is about 1.3M numbers
+to train and two AdamW moments for them, instead of 124M and 248M.
+
+Which matrices (``targets``): a comma-separated list of `TARGET_GROUPS` names and tinylm projection names
+(``W_q, W_k, W_v, W_o`` in attention, ``W_1, W_2, W_3`` in the MLP):
+
+    attention   W_q, W_k, W_v, W_o
+    mlp         W_1, W_2 and, in a gated MLP, W_3
+    all         both (what PEFT calls "all-linear": the embeddings and the output head stay as they are)
+
+The adapter is just the A and B of each target, named after the matrix it corrects
+(``blocks.0.attn.W_q.lora_A``); `merge_adapter` folds it into a copy of the base's weights, which is how
+tinylm samples, evaluates, serves and exports an adapted model (one model, no extra work per token).
+`tinylm.export.peft` writes and reads the same adapter in PEFT's layout.
+
+Usage::
+
+    add_lora(model, LoraSettings(rank=8, alpha=16, dropout=0.0, targets="all"))  # freezes the rest
+    adapter = adapter_state(model)                        # {name: tensor}, only A and B
+    merged = merge_adapter(base_state, adapter, settings.scale)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from tinylm.config.training import LORA_ATTENTION as ATTENTION
+from tinylm.config.training import LORA_MLP as MLP
+from tinylm.config.training import LORA_TARGET_GROUPS as TARGET_GROUPS
+from tinylm.config.training import lora_target_names as target_names
+from tinylm.errors import TinyLMError
+
+LORA_A, LORA_B = "lora_A", "lora_B"  # the suffixes of an adapter's tensor names
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    """What an adapter is: its rank r, alpha (the update is scaled by alpha / r), dropout on its input, targets."""
+
+    rank: int
+    alpha: float
+    dropout: float = 0.0
+    targets: str = "all"
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+    @classmethod
+    def of(cls, train_config) -> LoraSettings | None:
+        """The settings a [train] table asks for, or None (``lora_rank = 0``: every weight trains)."""
+        if not train_config.lora_rank:
+            return None
+        alpha = train_config.lora_alpha if train_config.lora_alpha is not None else 2.0 * train_config.lora_rank
+        return cls(train_config.lora_rank, float(alpha), train_config.lora_dropout, train_config.lora_targets)
+
+
+def target_modules(model: nn.Module, targets: str) -> dict[str, nn.Linear]:
+    """The model's linear layers that ``targets`` names, by module name (``blocks.0.attn.W_q``)."""
+    names = target_names(targets)
+    found = {name: m for name, m in model.named_modules()
+             if isinstance(m, nn.Linear) and name.rsplit(".", 1)[-1] in names and name.startswith("blocks.")}
+    if not found:
+        raise TinyLMError(f"lora_targets {targets!r} names no matrix of this model (a Transformer's blocks hold "
+                          f"{', '.join(ATTENTION + MLP)}); an LSTM or RNN is fine-tuned whole (lora_rank = 0)")
+    return found
+
+
+class LoRALinear(nn.Linear):
+    """A frozen nn.Linear plus a trained low-rank correction: y = x W^T + b + scale * (dropout(x) A^T) B^T.
+
+    ``weight`` and ``bias`` keep their names, so the base's state-dict names are unchanged and the adapter's are
+    the matrix's own with ``.lora_A`` and ``.lora_B`` after them.
+    """
+
+    def __init__(self, base: nn.Linear, settings: LoraSettings) -> None:
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.weight, self.bias = base.weight, base.bias  # the same tensors: nothing is copied
+        self.scale = settings.scale
+        self.lora_dropout = nn.Dropout(settings.dropout) if settings.dropout else nn.Identity()
+        dev, dtype = base.weight.device, base.weight.dtype
+        self.lora_A = nn.Parameter(torch.empty(settings.rank, self.in_features, device=dev, dtype=dtype))
+        self.lora_B = nn.Parameter(torch.zeros(self.out_features, settings.rank, device=dev, dtype=dtype))
+        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))  # as nn.Linear's (and PEFT's) default
+
+    def forward(self, x: Tensor) -> Tensor:
+        low = F.linear(F.linear(self.lora_dropout(x), self.lora_A), self.lora_B)  # (..., out), through rank r
+        return F.linear(x, self.weight, self.bias) + self.scale * low
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, rank={self.lora_A.shape[0]}, scale={self.scale:g}"
+
+
+def add_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
+    """Freeze every weight of ``model`` and put a `LoRALinear` in place of each target (in place; returns it)."""
+    if settings.rank <= 0:
+        raise TinyLMError(f"lora_rank must be a positive integer, got {settings.rank}")
+    targets = target_modules(model, settings.targets)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for name, linear in targets.items():
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), child, LoRALinear(linear, settings))
+    return model
+
+
+def is_adapter_name(name: str) -> bool:
+    return name.endswith("." + LORA_A) or name.endswith("." + LORA_B)
+
+
+def adapter_state(model: nn.Module) -> dict[str, Tensor]:
+    """The adapter's tensors (every ``lora_A`` and ``lora_B``), by name; nothing of the frozen base."""
+    return {name: t for name, t in model.state_dict().items() if is_adapter_name(name)}
+
+
+def load_adapter(model: nn.Module, adapter: Mapping[str, Tensor], source: str) -> None:
+    """Copy ``adapter`` into a model `add_lora` prepared; the adapter must be exactly the model's."""
+    mine = adapter_state(model)
+    missing, extra = sorted(mine.keys() - adapter.keys()), sorted(adapter.keys() - mine.keys())
+    if missing or extra:
+        what = f"no {missing[0]}" if missing else f"an unexpected {extra[0]}"
+        raise TinyLMError(f"the adapter in {source} does not fit this model and its lora settings ({what}); use the "
+                          "settings it was trained with")
+    for name, t in adapter.items():
+        if mine[name].shape != t.shape:
+            raise TinyLMError(f"the adapter in {source} does not fit this model ({name} is {tuple(t.shape)}, the "
+                              f"settings make it {tuple(mine[name].shape)}); use the settings it was trained with")
+    model.load_state_dict(adapter, strict=False)
+
+
+def adapter_pairs(adapter: Mapping[str, Tensor]) -> dict[str, tuple[Tensor, Tensor]]:
+    """The adapter as (A, B) per corrected matrix, by the matrix's weight name (``blocks.0.attn.W_q.weight``)."""
+    pairs = {}
+    for name in adapter:
+        if name.endswith("." + LORA_A):
+            module = name.removesuffix("." + LORA_A)
+            b = adapter.get(f"{module}.{LORA_B}")
+            if b is None:
+                raise TinyLMError(f"the adapter has {name} but no {module}.{LORA_B}")
+            pairs[f"{module}.weight"] = (adapter[name], b)
+    return pairs
+
+
+def merge_adapter(base: Mapping[str, Tensor], adapter: Mapping[str, Tensor], scale: float) -> dict[str, Tensor]:
+    """The base's weights with each target's correction added: W + scale * B A (new tensors; ``base`` unchanged)."""
+    merged = dict(base)
+    for weight, (a, b) in adapter_pairs(adapter).items():
+        if weight not in base:
+            raise TinyLMError(f"the adapter corrects {weight}, which the base model does not have: it was trained on "
+                              "another model")
+        w = base[weight]
+        if (b.shape[0], a.shape[1]) != tuple(w.shape):
+            raise TinyLMError(f"the adapter's correction to {weight} is {b.shape[0]} x {a.shape[1]} but the base's "
+                              f"matrix is {tuple(w.shape)}: it was trained on another model")
+        merged[weight] = (w.float() + scale * (b.float() @ a.float())).to(w.dtype)
+    return merged
+
+
+def adapter_size(config, settings: LoraSettings) -> tuple[int, int]:
+    """(the adapter's numbers, the base model's) for a Transformer of ``config`` (a `GPTConfig`), from shapes alone
+    (built on PyTorch's meta device: nothing allocated)."""
+    from tinylm.model import build_model  # here: tinylm.model imports this module's names
+
+    with torch.device("meta"):
+        model = build_model(config)
+        base = sum({id(p): p.numel() for p in model.parameters()}.values())
+        add_lora(model, settings)
+    return sum(t.numel() for t in adapter_state(model).values()), base
+
+
+def lora_line(config, settings: LoraSettings) -> str:
+    """What a LoRA run trains, in one line: rank, alpha, targets, and its share of the model's numbers."""
+    adapter, base = adapter_size(config, settings)
+    return (f"lora: rank {settings.rank}, alpha {settings.alpha:g} (scale {settings.scale:g}) on "
+            f"{', '.join(target_names(settings.targets))}: {adapter:,} numbers trained, {adapter / base:.2%} of the "
+            f"model's {base:,}, which stay frozen")
+
+
+def count_adapter(model: nn.Module) -> tuple[int, int]:
+    """(trainable numbers, all numbers) of a model: with an adapter, how small the trained part is."""
+    params = {id(p): p for p in model.parameters()}.values()
+    return sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params)
+
+
+__all__ = ["LoraSettings", "LoRALinear", "TARGET_GROUPS", "add_lora", "adapter_state", "load_adapter",
+           "adapter_pairs", "merge_adapter", "target_names", "target_modules", "count_adapter", "is_adapter_name", "adapter_size", "lora_line"]
