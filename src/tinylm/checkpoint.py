@@ -604,7 +604,7 @@ def _adapter_base(adapter: Checkpoint) -> Checkpoint:
     record = adapter.state[LORA_BASE]
     if not isinstance(record, dict) or not {"path", "sha256"} <= record.keys():
         raise TinyLMError(f"{adapter.path / STATE_FILE} names no base model for its adapter; {_way_out(adapter.path)}")
-    candidates = [adapter.path / record["relative"]] if record.get("relative") else []
+    candidates = [Path(os.path.normpath(adapter.path / record["relative"]))] if record.get("relative") else []
     candidates.append(Path(record["path"]))
     found = next((c for c in candidates
                   if (c / STATE_FILE).is_file() or (c.with_name(f".{c.name}.old") / STATE_FILE).is_file()), None)

@@ -1,0 +1,177 @@
+"""LoRA: a low-rank correction trained beside frozen weights, its run folder, and how it loads.
+
+What is checked: the layer computes x W^T + (alpha / r) (x A^T) B^T (worked out with plain matrix
+products); before the first step the adapted model is the base bit for bit (B starts at zero); training
+moves A and B only, the base checkpoint's files stay byte for byte what they were, and the run's
+checkpoints hold the adapter and optimizer state for it alone; the loaded run is the base with
+W + (alpha / r) B A in place of each target; a run stopped part way and resumed ends with the adapter an
+uninterrupted one has; a missing or changed base and impossible settings are one clear line.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+
+import pytest
+import torch
+from diskkit import refused
+from trainkit import tiny_config
+
+from tinylm.checkpoint import LORA_BASE, MODEL_FILE, OPTIMIZER_FILE, load_checkpoint
+from tinylm.errors import TinyLMError
+from tinylm.finetune import finetune
+from tinylm.model import GPT
+from tinylm.model.lora import LoRALinear, LoraSettings, adapter_size, adapter_state, add_lora, merge_adapter
+from tinylm.run import checkpoint_path, load_run
+from tinylm.train import train
+
+QUIET = {"log": lambda line: None, "progress": False}
+
+
+@pytest.fixture(scope="module")
+def base_run(tmp_path_factory, corpus, data_dir):
+    out = tmp_path_factory.mktemp("base") / "run"
+    train(tiny_config(corpus, data_dir, max_steps=6), out, **QUIET)
+    return out
+
+
+def lora_config(corpus, data_dir, **overrides):
+    settings = {"max_steps": 6, "lr": 1e-2, "lora_rank": 4, "lora_alpha": 8.0, **overrides}
+    return tiny_config(corpus, data_dir, **settings)
+
+
+def files_digest(folder) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+def test_the_layer_is_the_frozen_product_plus_the_scaled_low_rank_one():
+    torch.manual_seed(0)
+    base = torch.nn.Linear(5, 3, bias=True)
+    layer = LoRALinear(base, LoraSettings(rank=2, alpha=6.0))
+    with torch.no_grad():
+        layer.lora_B.copy_(torch.randn(3, 2))
+    x = torch.randn(4, 5)
+    W, b, A, B = base.weight, base.bias, layer.lora_A, layer.lora_B
+    by_hand = x @ W.T + b + 3.0 * ((x @ A.T) @ B.T)  # alpha / r = 6 / 2
+    assert torch.allclose(layer(x), by_hand, atol=1e-6)
+    merged = merge_adapter({"m.weight": W.detach()}, {"m.lora_A": A.detach(), "m.lora_B": B.detach()}, 3.0)
+    assert torch.allclose(x @ merged["m.weight"].T + b, by_hand, atol=1e-6)
+    assert layer.weight is base.weight  # the frozen matrix is the base's own tensor, not a copy
+
+
+def test_step_zero_is_the_base_exactly_and_only_the_targets_get_an_adapter(base_run):
+    model = load_run(base_run).model
+    idx = torch.randint(0, model.config.vocab_size, (2, 16))
+    before, _ = model(idx)
+    add_lora(model, LoraSettings(rank=4, alpha=8.0, targets="W_q,W_v,W_2"))
+    after, _ = model(idx)
+    assert torch.equal(before, after)  # B = 0: the correction adds exact zeros
+    names = sorted(adapter_state(model))
+    assert names == sorted(f"blocks.{i}.{m}.{ab}" for i in range(2) for m in ("attn.W_q", "attn.W_v", "mlp.W_2")
+                           for ab in ("lora_A", "lora_B"))
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable == set(names)
+    # r (d_in + d_out) numbers per corrected matrix: W_q and W_v are 32 x 32, W_2 is 32 x d_ff
+    d_ff = model.blocks[0].mlp.W_2.in_features
+    assert adapter_size(model.config, LoraSettings(4, 8.0, targets="W_q,W_v,W_2"))[0] == \
+        2 * (4 * 64 + 4 * 64 + 4 * (d_ff + 32))
+
+
+def test_training_moves_the_adapter_only_and_the_run_keeps_just_the_adapter(base_run, corpus, data_dir, tmp_path):
+    best = checkpoint_path(base_run, "best")
+    base_files = files_digest(best)
+    out = tmp_path / "lora"
+    train(lora_config(corpus, data_dir), out, init_from=base_run, **QUIET)
+    assert files_digest(best) == base_files  # the base's files are as they were, byte for byte
+    ckpt = load_checkpoint(checkpoint_path(out, "latest"))
+    assert ckpt.is_adapter and ckpt.base().path == best
+    stored = ckpt.adapter_state()
+    assert set(stored) == set(adapter_state(add_lora(GPT(ckpt.config.model), LoraSettings(4, 8.0))))
+    assert all(n.endswith(("lora_A", "lora_B")) for n in stored)
+    assert any(stored[n].abs().max() > 0 for n in stored if n.endswith("lora_B"))  # B has moved off zero
+    optimizer = json.loads((ckpt.path / "state.json").read_text())["optimizer"]
+    assert {n for g in optimizer["param_groups"] for n in g["params"]} == set(stored)  # moments for A and B only
+    assert (ckpt.path / MODEL_FILE).stat().st_size < (best / MODEL_FILE).stat().st_size / 3
+    assert (ckpt.path / OPTIMIZER_FILE).is_file()
+    # loaded, the run is the base with W + (alpha / r) B A in place of each target, every other weight the base's
+    merged, base = load_run(out).model.state_dict(), load_run(base_run).model.state_dict()
+    for name, w in base.items():
+        if name.replace(".weight", ".lora_A") in stored:
+            a, b = stored[name.replace(".weight", ".lora_A")], stored[name.replace(".weight", ".lora_B")]
+            assert torch.allclose(merged[name], w + 2.0 * b @ a, atol=1e-6)
+            assert not torch.equal(merged[name], w)
+        else:
+            assert torch.equal(merged[name], w), name
+
+
+def test_a_stopped_and_resumed_run_ends_with_the_same_adapter(base_run, corpus, data_dir, tmp_path):
+    config = lora_config(corpus, data_dir, lora_dropout=0.1)  # dropout draws must be restored too
+    train(config, tmp_path / "whole", init_from=base_run, **QUIET)
+    train(config, tmp_path / "parts", init_from=base_run, stop_after=3, **QUIET)
+    assert load_checkpoint(checkpoint_path(tmp_path / "parts", "latest")).step == 3
+    train(None, tmp_path / "parts", resume=True, **QUIET)
+    whole = load_checkpoint(checkpoint_path(tmp_path / "whole", "latest")).adapter_state()
+    parts = load_checkpoint(checkpoint_path(tmp_path / "parts", "latest")).adapter_state()
+    assert whole.keys() == parts.keys() and all(torch.equal(whole[n], parts[n]) for n in whole)
+
+
+def test_a_moved_run_finds_its_base_beside_it_and_a_changed_base_is_refused(base_run, corpus, data_dir, tmp_path):
+    home = tmp_path / "home"
+    shutil.copytree(base_run, home / "base")
+    train(lora_config(corpus, data_dir), home / "lora", init_from=home / "base", **QUIET)
+    expected = load_run(home / "lora").model.state_dict()
+    moved = tmp_path / "moved"
+    shutil.move(home, moved)  # the run and its base move together: found by the path between them
+    again = load_run(moved / "lora").model.state_dict()
+    assert all(torch.equal(expected[n], again[n]) for n in expected)
+
+    best = checkpoint_path(moved / "base", "best")
+    (best / "config.toml").write_text((best / "config.toml").read_text())  # unchanged: still fine
+    other = tmp_path / "other"
+    train(tiny_config(corpus, data_dir, max_steps=2, seed=7), other, **QUIET)
+    shutil.rmtree(best)
+    shutil.copytree(checkpoint_path(other, "latest"), best)  # another model where the base was
+    with pytest.raises(TinyLMError, match="has changed since the adapter was trained"):
+        load_run(moved / "lora")
+    shutil.rmtree(moved / "base")
+    with pytest.raises(TinyLMError, match="which is not there any more"):
+        load_run(moved / "lora")
+
+
+def test_lora_without_a_model_to_adapt_or_on_an_lstm_is_refused(corpus, data_dir, tmp_path, capsys):
+    with pytest.raises(TinyLMError, match="already trained: give it one with --init-from"):
+        train(lora_config(corpus, data_dir), tmp_path / "a", **QUIET)
+    with pytest.raises(TinyLMError, match="fine-tuned whole"):
+        train(lora_config(corpus, data_dir, family="lstm"), tmp_path / "b", init_from=None, **QUIET)
+    refused(capsys, ["train", "--lora-rank", "4", "--lora-targets", "W_z"], "unknown target 'W_z'")
+    refused(capsys, ["train", "--lora-rank", "-1"], "lora_rank must be 0")
+    assert not (tmp_path / "a").exists()
+
+
+def test_finetune_takes_lora_on_chats_and_on_text(base_run, corpus, tmp_path, capsys):
+    pairs = [("the king", "rode to war"), ("my lord", "speak soft"), ("quiet fields", "bells rang")]
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("".join(json.dumps({"prompt": p, "completion": c}) + "\n" for p, c in pairs * 12))
+    flags = {"max_steps": 4, "batch_size": 4, "eval_interval": 2, "sample_tokens": 0, "lora_rank": 2}
+    said: list[str] = []
+    result = finetune(base_run, str(chats), tmp_path / "chat", overrides=flags, data_dir=tmp_path / "d",
+                      log=said.append, progress=False)
+    assert result.status == "complete"
+    assert any(line.startswith("lora: rank 2, alpha 4") for line in said)
+    ckpt = load_checkpoint(checkpoint_path(tmp_path / "chat", "latest"))
+    # the chat tokens' rows are new, so the base is the grown starting model in the data folder
+    assert ckpt.state[LORA_BASE]["path"] == str((tmp_path / "d" / "init").resolve())
+    assert load_run(tmp_path / "chat").tokenizer.vocab_size == load_run(base_run).tokenizer.vocab_size + 2
+    # text: continued pretraining on a corpus, through the command
+    code = __import__("tinylm.cli", fromlist=["main"]).main(
+        ["finetune", "--from", str(base_run), "--corpus", str(corpus), "--out", str(tmp_path / "text"),
+         "--lora-rank", "2", "--max-steps", "3", "--eval-interval", "3", "--sample-tokens", "0", "--threads", "1",
+         "--no-progress"])
+    assert code == 0
+    text = load_checkpoint(checkpoint_path(tmp_path / "text", "latest"))
+    assert text.is_adapter and text.step == 3 and text.base().path == checkpoint_path(base_run, "best")
+    capsys.readouterr()
+    refused(capsys, ["finetune", "--from", str(base_run), "--corpus", str(corpus), "--epochs", "1"],
+            "--epochs counts passes over conversations")
