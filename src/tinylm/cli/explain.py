@@ -4,6 +4,7 @@
     tinylm explain sampling --logits 2,1,-1 --temperatures 1,2,0.01
     tinylm explain sampling --run runs/tiny-shakespeare --text "ROMEO:" --top-k 5 --top-p 0.9 --out sampling.png
     tinylm explain cost --n-layer 1 --d-model 512 --n-head 8
+    tinylm explain cost --preset gpt2-124m --lora-rank 8 --batch 4 --context 256
     tinylm explain attention ... / tinylm explain forward ...   (cli/explain_model.py)
 
 Each command is a thin call into `tinylm.explain` (tokens, sampling, cost); --json prints the table
@@ -17,8 +18,8 @@ import json
 from collections.abc import Callable
 
 from tinylm.cli.explain_model import add_model_commands
-from tinylm.cli.flags import (Parser, add_command, add_setting_flags, add_threads_flag, positive_int, probability,
-                              settings_from, show_help)
+from tinylm.cli.flags import (SETTING_PREFIX, Parser, add_command, add_setting_flags, add_threads_flag, positive_int,
+                              probability, settings_from, show_help)
 from tinylm.errors import TinyLMError
 
 
@@ -94,25 +95,51 @@ def cmd_cost(args: argparse.Namespace) -> int:
     """Account for a model without building it: parameters per component (tied weights once), FLOPs per token
     (exact, and the 6N + attention rule), KV-cache bytes, activation memory for a batch, and (--out) a plot of cost
     against the context length. The model is a run's, or a preset, TOML file and setting flags as for
-    `tinylm train`."""
-    from tinylm.config import build_config, load_config_file, resolve_config
+    `tinylm train`. With --lora-rank (or a LoRA run's own settings) it also sets a LoRA step's memory beside
+    full fine-tuning's."""
     from tinylm.explain.cost import cost_report, format_cost, plot_cost
+    from tinylm.model.lora import LoraSettings
 
-    settings = settings_from(args)
-    if args.run is not None:
-        if args.preset or args.config or settings:
-            raise TinyLMError("--run explains the run's own configuration; leave out --preset, --config and settings")
-        from tinylm.run import CONFIG_FILE, check_run_dir
-
-        path = check_run_dir(args.run) / CONFIG_FILE
-        if not path.is_file():
-            raise TinyLMError(f"{args.run} has no {CONFIG_FILE}; give the folder `tinylm train` wrote")
-        config = build_config(load_config_file(path))
-    else:
-        config = resolve_config(args.preset, args.config, settings)
-    report = cost_report(config.model, batch_size=args.batch or config.train.batch_size, seq_len=args.context)
+    config = _cost_config(args)
+    lora = LoraSettings.of(config.train)
+    report = cost_report(config.model, batch_size=args.batch or config.train.batch_size, seq_len=args.context,
+                         lora=lora, optimizer=config.train.optimizer)
     picture = plot_cost(config.model, args.out) if args.out else None
     return _show(args, lambda: report, lambda: format_cost(report), picture)
+
+
+def _cost_config(args: argparse.Namespace):
+    """The configuration `tinylm explain cost` accounts for: a run's own (its LoRA settings may be given), or a
+    preset's and TOML file's with the setting flags over them."""
+    from tinylm.config import apply_overrides, build_config, load_config_file, resolve_config
+
+    settings = settings_from(args)
+    if args.run is None:
+        return resolve_config(args.preset, args.config, settings)
+    lora = {key: value for key, value in settings.items() if key.startswith("train.lora_")}
+    if args.preset or args.config or len(lora) < len(settings):
+        raise TinyLMError("--run explains the run's own configuration; leave out --preset, --config and settings "
+                          "(the --lora-* flags may be given)")
+    from tinylm.run import CONFIG_FILE, check_run_dir
+
+    path = check_run_dir(args.run) / CONFIG_FILE
+    if not path.is_file():
+        raise TinyLMError(f"{args.run} has no {CONFIG_FILE}; give the folder `tinylm train` wrote")
+    return build_config(apply_overrides(load_config_file(path), lora))
+
+
+def _add_lora_flags(p: argparse.ArgumentParser) -> None:
+    """--lora-rank, --lora-alpha, --lora-dropout, --lora-targets: training's [train] settings of those names."""
+    import dataclasses
+
+    from tinylm.config import TrainConfig
+
+    group = p.add_argument_group("LoRA", "set a LoRA step's memory beside full fine-tuning's (as `tinylm train` "
+                                 "and `tinylm finetune` take these settings)")
+    fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
+    for name, metavar in (("lora_rank", "R"), ("lora_alpha", "X"), ("lora_dropout", "P"), ("lora_targets", "TEXT")):
+        group.add_argument("--" + name.replace("_", "-"), dest=f"{SETTING_PREFIX}train.{name}", metavar=metavar,
+                           default=argparse.SUPPRESS, help=fields[name].metadata["help"].replace("%", "%%"))
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
@@ -156,6 +183,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    "(default: the configuration's batch_size)")
     p.add_argument("--out", metavar="PNG", help="plot parameters, FLOPs and inner products against T into this PNG")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
-    add_setting_flags(p, sections=("model",))  # the cost of a model; of training's settings it reads only --batch
+    add_setting_flags(p, sections=("model",))  # the cost of a model; of training's settings --batch and LoRA's
+    _add_lora_flags(p)
 
     add_model_commands(explain)  # tinylm explain attention, tinylm explain forward

@@ -9,6 +9,11 @@ The numbers are `tinylm.explain.accounting`'s formulas; this module puts them in
 the picture makes: the parameters do not depend on the context length T at all, the FLOPs per token grow
 linearly in T (each query meets T keys), and the inner products of a whole sequence grow as T^2, so
 doubling T quadruples them.
+
+With LoRA settings (`lora_cost_report`, ``tinylm explain cost --lora-rank 8``) the report adds what a
+float32 training step holds under LoRA and under full fine-tuning, side by side: the numbers trained,
+their gradients and optimizer state, the activations and the step's peak. LoRA's saving is the frozen
+weights' gradients and optimizer state; it saves almost no activations (`lora_activation_bytes`).
 """
 
 from __future__ import annotations
@@ -24,10 +29,20 @@ from tinylm.explain.accounting import (activation_bytes, attention_inner_product
                                        cost_vs_context, exact_flops_per_token, forward_flops_breakdown,
                                        kv_cache_bytes, matmul_params, param_breakdown, training_memory)
 from tinylm.explain.plots import save_figure
+from tinylm.model.lora import LoraSettings, target_names
+from tinylm.model.memory import BYTES_PER_VALUE, lora_matrix_shapes
+
+# float32 training's (B, T, |V|) tensors at the start of the backward pass, when a step's memory peaks: the
+# logits, their log-softmax (which the loss keeps) and the two gradients the backward pass makes of them
+# (bfloat16 training on a CPU computes the head and the loss a slice of positions at a time and keeps none)
+LOSS_COPIES = 4
+OPTIMIZER_NAMES = {"adamw": "AdamW", "muon": "Muon", "sgd": "SGD"}
 
 
-def cost_report(config: GPTConfig, batch_size: int = 1, seq_len: int | None = None) -> dict[str, Any]:
-    """Everything `tinylm explain cost` prints, as one JSON-ready dict (T = seq_len, block_size unless given)."""
+def cost_report(config: GPTConfig, batch_size: int = 1, seq_len: int | None = None,
+                lora: LoraSettings | None = None, optimizer: str = "adamw") -> dict[str, Any]:
+    """Everything `tinylm explain cost` prints, as one JSON-ready dict (T = seq_len, block_size unless given);
+    with ``lora``, LoRA against full fine-tuning under ``optimizer`` too (`lora_cost_report`)."""
     if config.family != "gpt":
         raise TinyLMError(f"the cost accounting is the Transformer's; this is a {config.family} model")
     T = config.block_size if seq_len is None else seq_len
@@ -49,6 +64,7 @@ def cost_report(config: GPTConfig, batch_size: int = 1, seq_len: int | None = No
         "kv_cache_bytes": kv_cache_bytes(config, T),
         "activation_bytes": activation_bytes(config, batch_size, T),
         "training_memory_bytes": training_memory(config),
+        **({"lora": lora_cost_report(config, lora, batch_size, T, optimizer)} if lora is not None else {}),
     }
 
 
@@ -92,6 +108,95 @@ def format_cost(report: dict[str, Any]) -> str:
                  f"({_size(act['attention_scores'])} of them the T^2 attention scores)")
     mem = report["training_memory_bytes"]
     lines.append(f"weights + gradients + AdamW state (float32): {_size(mem['total'])}")
+    if "lora" in report:
+        lines.append(format_lora_cost(report["lora"]))
+    return "\n".join(lines)
+
+
+def lora_activation_bytes(config: GPTConfig, settings: LoraSettings, tokens: int) -> int:
+    """What an adapter adds to the activations a float32 step keeps, for ``tokens`` positions (B T).
+
+    Each corrected matrix keeps x A^T, r numbers a token, for B's gradient. Nothing is saved in exchange: a
+    frozen W needs no gradient of its own, but the input x it multiplies is still kept, since A's gradient
+    needs it (and it is the same tensor that the layer's norm or activation keeps anyway). With dropout each
+    target drops its own copy of x, kept with its mask (a byte a number).
+    """
+    shapes = lora_matrix_shapes(config)
+    per_token = 0
+    for name in target_names(settings.targets):
+        if name in shapes:
+            per_token += settings.rank * BYTES_PER_VALUE
+            if settings.dropout:
+                per_token += shapes[name][0] * (BYTES_PER_VALUE + 1)
+    return config.n_layer * tokens * per_token
+
+
+def step_activation_bytes(config: GPTConfig, batch_size: int, seq_len: int,
+                          lora: LoraSettings | None = None) -> dict[str, int]:
+    """The activations a float32 training step holds at the start of its backward pass, by part: what the layers
+    keep (`activation_bytes`), the T^2 attention scores unless the fused kernel (sdpa) spares them, `LOSS_COPIES`
+    of the logits, and an adapter's own (`lora_activation_bytes`)."""
+    act = activation_bytes(config, batch_size, seq_len)
+    tokens = batch_size * seq_len
+    parts = {"layers": act["layers"],
+             "attention_scores": 0 if config.attention == "sdpa" else act["attention_scores"],
+             "logits": LOSS_COPIES * tokens * config.vocab_size * BYTES_PER_VALUE}
+    if lora is not None:
+        parts["adapter"] = lora_activation_bytes(config, lora, tokens)
+    return parts
+
+
+def lora_cost_report(config: GPTConfig, settings: LoraSettings, batch_size: int = 1, seq_len: int | None = None,
+                     optimizer: str = "adamw") -> dict[str, Any]:
+    """A float32 training step under LoRA ``settings`` and under full fine-tuning: numbers trained, bytes of weights,
+    gradients, optimizer state and activations, and the step's peak, each with LoRA's share of full's.
+
+    The peak is the weights, the optimizer state and the larger of the activations and the gradients: gradients
+    are made (from None, after each step's zero_grad) as the backward pass frees the activations, so a step
+    peaks as its backward pass begins unless the gradients outweigh what the layers kept.
+    """
+    T = config.block_size if seq_len is None else seq_len
+    report: dict[str, Any] = {"rank": settings.rank, "alpha": settings.alpha, "scale": settings.scale,
+                              "dropout": settings.dropout, "batch_size": batch_size, "context": T,
+                              "optimizer": optimizer,
+                              "targets": [name for name in target_names(settings.targets)
+                                          if name in lora_matrix_shapes(config)],
+                              "sdpa": config.attention == "sdpa"}
+    for name, rank in (("full", 0), ("lora", settings.rank)):
+        memory = training_memory(config, BYTES_PER_VALUE, optimizer, rank, settings.targets)
+        activations = step_activation_bytes(config, batch_size, T, settings if rank else None)
+        report[name] = {"trainable_params": memory["gradients"] // BYTES_PER_VALUE, "weights": memory["weights"],
+                        "gradients": memory["gradients"], "optimizer_state": memory["optimizer"],
+                        "activations": sum(activations.values()), "activation_parts": activations}
+        report[name]["peak"] = (memory["weights"] + memory["optimizer"]
+                                + max(report[name]["activations"], memory["gradients"]))
+    report["ratio"] = {key: report["lora"][key] / report["full"][key] if report["full"][key] else 0.0
+                       for key in ("trainable_params", "weights", "gradients", "optimizer_state", "activations",
+                                   "peak")}
+    return report
+
+
+def format_lora_cost(lora: dict[str, Any]) -> str:
+    """`lora_cost_report` as a small table: full fine-tuning, LoRA, and LoRA's share of each."""
+    opt = OPTIMIZER_NAMES.get(lora["optimizer"], lora["optimizer"])
+    lines = [f"LoRA against full fine-tuning (float32, {opt}, batch {lora['batch_size']} x {lora['context']}): rank "
+             f"{lora['rank']}, alpha {lora['alpha']:g} (scale {lora['scale']:g}) on {', '.join(lora['targets'])}",
+             f"  {'':<26}{'full':>16}{'LoRA':>16}{'LoRA / full':>14}"]
+    full, low, ratio = lora["full"], lora["lora"], lora["ratio"]
+    lines.append(f"  {'trainable parameters':<26}{full['trainable_params']:>16,}{low['trainable_params']:>16,}"
+                 f"{ratio['trainable_params']:>14.2%}")
+    for key, label in (("weights", "weights"), ("gradients", "gradients"), ("optimizer_state", f"{opt} state"),
+                       ("activations", "activations"), ("peak", "step's peak")):
+        share = f"{ratio[key]:.2g}x" if ratio[key] < 0.1 else f"{ratio[key]:.2f}x"
+        lines.append(f"  {label:<26}{_size(full[key]):>16}{_size(low[key]):>16}{share:>14}")
+    lines += [
+        "  LoRA keeps no gradient and no optimizer state for the frozen weights, but about the same activations: a",
+        "  frozen W needs no gradient of its own, yet each corrected matrix's input x is still kept (A's gradient",
+        "  needs it), and x A^T adds r numbers a token per matrix",
+        f"  activations: what the layers keep{' (no T^2 scores under sdpa)' if lora['sdpa'] else ''} and the "
+        f"{LOSS_COPIES} x B T |V| floats float32's backward",
+        "  pass begins with (the logits, their log-softmax and two gradients); step's peak: weights + optimizer state",
+        "  + the larger of activations and gradients (the backward pass makes the one as it frees the other)"]
     return "\n".join(lines)
 
 

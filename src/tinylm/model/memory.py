@@ -13,7 +13,8 @@ What the check counts, in float32 (what tinylm keeps weights in):
   decoder computes for every position, and a KV cache of one sequence of the full context;
 - training: the gradients and the optimizer's state (`training_memory`), and the token ids of
   one optimizer step, all ``batch_size x grad_accum`` rows, which are drawn at once
-  (`tinylm.train.batches`).
+  (`tinylm.train.batches`). A LoRA run (``lora_rank``) has gradients and optimizer state for its
+  adapter alone (`lora_params`); the frozen weights have neither.
 
 Activations are left out: they depend on the batch, and running out of them is caught as it
 happens with advice on what to lower. So a refusal here means the model cannot possibly run,
@@ -29,6 +30,7 @@ from collections.abc import Mapping
 import torch
 
 from tinylm.config import GPTConfig, TrainConfig
+from tinylm.config.training import lora_target_names
 from tinylm.errors import TinyLMError
 
 BYTES_PER_VALUE = 4  # float32 weights, gradients, optimizer state, caches
@@ -109,11 +111,40 @@ def count_recurrent_params(config: GPTConfig) -> int:
     return V * d * (1 if config.tie_embeddings else 2) + config.n_layer * per_layer
 
 
-def training_memory(config: GPTConfig, bytes_per_value: int = 4, optimizer: str = "adamw") -> dict[str, int]:
-    """Bytes for weights, gradients and optimizer state (activations excluded), and their total."""
+def lora_matrix_shapes(config: GPTConfig) -> dict[str, tuple[int, int]]:
+    """(d_in, d_out) of each matrix of a block that LoRA may correct, by its name (W_3 only in a gated MLP)."""
+    d, hs, nh, nkv, d_ff = config.d_model, config.head_dim, config.n_head, config.kv_heads, config.hidden_dim
+    shapes = {"W_q": (d, nh * hs), "W_k": (d, nkv * hs), "W_v": (d, nkv * hs), "W_o": (nh * hs, d),
+              "W_1": (d, d_ff), "W_2": (d_ff, d)}
+    if config.gated:
+        shapes["W_3"] = (d, d_ff)
+    return shapes
+
+
+def lora_params(config: GPTConfig, rank: int, targets: str = "all") -> int:
+    """The numbers a LoRA adapter of rank r on ``targets`` trains: r (d_in + d_out) for each matrix it corrects
+    (A is r x d_in, B is d_out x r), in every layer. A target the model does not have (W_3 of a GELU MLP) adds none."""
+    shapes = lora_matrix_shapes(config)
+    per_layer = sum(rank * sum(shapes[name]) for name in lora_target_names(targets) if name in shapes)
+    return config.n_layer * per_layer
+
+
+def training_memory(config: GPTConfig, bytes_per_value: int = 4, optimizer: str = "adamw",
+                    lora_rank: int = 0, lora_targets: str = "all") -> dict[str, int]:
+    """Bytes for weights, gradients and optimizer state (activations excluded), and their total.
+
+    With ``lora_rank`` the weights are the frozen model's and the adapter's, and only the adapter has gradients
+    and optimizer state; an optimizer keeps AdamW's two moments for it even under Muon (`tinylm.train.optim`).
+    """
     if optimizer not in OPTIMIZER_STATES:
         raise TinyLMError(f"unknown optimizer {optimizer!r}; expected one of {', '.join(OPTIMIZER_STATES)}")
     n = count_params(config) * bytes_per_value
+    if lora_rank:
+        adapter = lora_params(config, lora_rank, lora_targets) * bytes_per_value
+        states = (2 if optimizer == "muon" else OPTIMIZER_STATES[optimizer]) * adapter
+        memory = {"weights": n + adapter, "gradients": adapter, "optimizer": states}
+        memory["total"] = sum(memory.values())
+        return memory
     states = OPTIMIZER_STATES[optimizer] * n
     if optimizer == "muon":  # one tensor for the blocks' matrices, AdamW's two for everything else
         matrices = config.n_layer * (attention_layer_params(config) + mlp_layer_params(config)) * bytes_per_value
@@ -194,8 +225,9 @@ def memory_parts(config: GPTConfig, train: TrainConfig | None = None) -> dict[st
     n = count_params(config) * BYTES_PER_VALUE
     parts = {"weights": n}
     if train is not None:
-        if config.family == "gpt":
-            memory = training_memory(config, BYTES_PER_VALUE, train.optimizer)
+        if config.family == "gpt":  # a LoRA run: the adapter's weights, gradients and state beside the frozen model
+            memory = training_memory(config, BYTES_PER_VALUE, train.optimizer, train.lora_rank, train.lora_targets)
+            parts["weights"] = memory["weights"]
             parts["gradients"], parts["optimizer state"] = memory["gradients"], memory["optimizer"]
         else:  # Muon's momentum is one tensor where AdamW keeps two: AdamW's count bounds both
             parts["gradients"], parts["optimizer state"] = n, n * max(OPTIMIZER_STATES.values())
