@@ -9,31 +9,41 @@ from __future__ import annotations
 
 import argparse
 
-from tinylm.cli.flags import add_command, add_run_flags, add_threads_flag, nonneg_float, port, positive_int
+from tinylm.cli.flags import RUN_HELP, add_command, add_run_flags, add_threads_flag, nonneg_float, port, positive_int
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """Serve a trained run over HTTP: the OpenAI API (/v1/models, /v1/completions, /v1/chat/completions, streaming
     by server-sent events) that the official openai clients use unchanged, and a playground page at / that streams
-    completions and charts the next-token probabilities. Requests in flight are decoded together in batches."""
+    completions and charts the next-token probabilities. Requests in flight are decoded together in batches.
+
+    --adapter NAME=DIR (repeatable) serves a LoRA adapter of the run's model beside it, as the model NAME: the base
+    is loaded once, and requests for the base and any adapters decode in one batch. Without --run, the adapters'
+    own base is served."""
     # the flags are checked before the run is loaded, so a bad value is refused at once
     from tinylm.serve import server
     from tinylm.serve.options import api_key_or_env, check_options
 
+    if args.run is None and not args.adapter:
+        args.parser.error("the following arguments are required: --run (or --adapter NAME=DIR, whose base is served)")
     api_key = api_key_or_env(args.api_key)
     check_options(model_name=args.model_name, body_timeout=args.body_timeout, allow_origins=args.allow_origin or ())
     server.serve(args.run, host=args.host, port=args.port, api_key=api_key, model_name=args.model_name,
                  max_batch_size=args.max_batch_size, batch_window=args.batch_window_ms / 1000,
                  checkpoint=args.checkpoint, device=args.device, log_level=args.log_level,
                  allow_origins=args.allow_origin or (), draft=args.draft, draft_k=args.draft_k,
-                 body_timeout=args.body_timeout, threads=args.threads)
+                 body_timeout=args.body_timeout, threads=args.threads, adapters=args.adapter or ())
     return 0
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
     """tinylm serve."""
     p = add_command(sub, "serve", cmd_serve, "serve a trained run: an OpenAI-compatible API and a web playground")
-    add_run_flags(p)
+    add_run_flags(p, RUN_HELP + "; with --adapter, the adapters' base (its run or checkpoint folder; default: "
+                  "the base they name)", required=False)
+    p.add_argument("--adapter", action="append", metavar="NAME=DIR",
+                   help="also serve the LoRA adapter in DIR (a run of finetune/train --lora-rank, or its checkpoint) "
+                   "as the model NAME, sharing the base's weights; repeat for several (default: none)")
     p.add_argument("--host", default="127.0.0.1",
                    help="the address to listen on (default: 127.0.0.1, this machine only; 0.0.0.0 for every network)")
     p.add_argument("--port", type=port, default=8000, help="the port (default: 8000; 0 picks a free one)")

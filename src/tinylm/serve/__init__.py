@@ -6,6 +6,9 @@
 - `Scheduler` (scheduler.py): the background thread that decodes every request in flight
   together through one KV cache (continuous batching), each row with its own sampling settings;
   a `Job` (jobs.py) is one request to it, and the events it sends back.
+- `ServedAdapters` (adapters.py): LoRA adapters served beside their base, each as a model of its
+  own name (``tinylm serve --run BASE --adapter NAME=DIR``), the base loaded once and rows of any
+  adapters decoded in one batch.
 - `chat_prompt` (chat.py): the plain-text chat template ("System: ...", "User: ...",
   "Assistant:") that lets a base model answer `/v1/chat/completions`; a model whose tokenizer has
   a chat template reads its own (`ChatFormat`, `tinylm.tokenizers.chat_template`).

@@ -20,8 +20,9 @@ The routes find what they serve in ``app.state``: ``model`` (a `ServedModel`), `
 `ChatFormat`), ``scheduler`` and ``heavy`` (the `HeavyLane`).
 
 =========================  =========================================================================
-``GET  /v1/models``        the one model this server serves (and ``GET /v1/models/{id}``; ``/v1/models/``
-                           is the list too); ``HEAD`` answers as ``GET`` does, without the body
+``GET  /v1/models``        the model this server serves, and each LoRA adapter served beside it (and
+                           ``GET /v1/models/{id}``; ``/v1/models/`` is the list too); ``HEAD`` answers
+                           as ``GET`` does, without the body
 ``POST /v1/completions``   continue a prompt: text, texts, token ids; ``n``, ``stop``, ``seed``,
                            ``logprobs``, ``echo``, ``stream``, plus ``top_k`` and ``min_p``
 ``POST /v1/chat/completions``  messages through the model's chat template, or a plain-text transcript
@@ -79,8 +80,9 @@ prompt never holds up the event loop (and /health and the streams it serves).
 
 from __future__ import annotations
 
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -88,8 +90,10 @@ from typing import Any
 from fastapi import FastAPI
 from starlette.concurrency import run_in_threadpool
 
+from tinylm.errors import TinyLMError
 from tinylm.generate.speculative import load_draft
 from tinylm.serve import inside, routes_openai, routes_site, routes_tokens
+from tinylm.serve.adapters import LoraAdapter, ServedAdapters, check_adapters, find_adapters
 from tinylm.serve.chat import ChatFormat
 from tinylm.serve.limits import BODY_TIMEOUT, MAX_BODY_BYTES, HeavyLane
 from tinylm.serve.middleware import JSON, add_error_handlers, add_middleware
@@ -103,7 +107,8 @@ __all__ = ["ServedModel", "create_app", "served_context"]
 def create_app(run: Any, *, model_name: str | None = None, api_key: str | None = None, max_batch_size: int = 32,
                batch_window: float = 0.002, max_body_bytes: int = MAX_BODY_BYTES,
                body_timeout: float = BODY_TIMEOUT, allow_origins: Sequence[str] = (), draft: str | None = None,
-               draft_k: int = 4) -> FastAPI:
+               draft_k: int = 4,
+               adapters: Mapping[str, str | os.PathLike] | Sequence[LoraAdapter] = ()) -> FastAPI:
     """The app serving ``run`` (a `tinylm.run.Run`, or any object with model, tokenizer, start_ids).
 
     ``model_name`` is the id clients ask for (default: the run folder's name); ``api_key`` makes
@@ -114,14 +119,18 @@ def create_app(run: Any, *, model_name: str | None = None, api_key: str | None =
     names the drafts). ``max_body_bytes`` and ``body_timeout`` (seconds): the most a request's body may
     hold, and how long it may take to arrive (`tinylm.serve.limits`). A value that cannot be meant (an empty
     key or name, an origin with a path) is refused as `tinylm serve` refuses it (`tinylm.serve.options`).
+    ``adapters``: LoRA adapters of the run's model to serve beside it, each under its own name ({name: folder},
+    or `tinylm.serve.adapters.find_adapters`' list); they are stacked on ``run.model`` in place.
     """
     check_options(api_key=api_key, model_name=model_name, body_timeout=body_timeout, allow_origins=allow_origins)
     path = getattr(run, "path", None)
-    served = ServedModel(name=model_name or (Path(path).name if path else "tinylm"), model=run.model,
-                         tokenizer=run.tokenizer, start_ids=list(run.start_ids), block_size=served_context(run))
+    name = model_name or (Path(path).name if path else "tinylm")
+    stacked = served_adapters(run, name, adapters) if adapters else None
+    served = ServedModel(name=name, model=run.model, tokenizer=run.tokenizer, start_ids=list(run.start_ids),
+                         block_size=served_context(run), adapters=stacked)
     drafter = load_draft(draft, run, log=lambda line: print(f"tinylm: {line}", file=sys.stderr)) if draft else None
     scheduler = Scheduler(run.model, run.tokenizer, max_batch_size=max_batch_size, batch_window=batch_window,
-                          draft=drafter, draft_k=draft_k)
+                          draft=drafter, draft_k=draft_k, adapters=stacked)
     heavy = HeavyLane()
 
     @asynccontextmanager
@@ -147,3 +156,14 @@ def create_app(run: Any, *, model_name: str | None = None, api_key: str | None =
         app.include_router(routes.router)
     routes_site.mount_files(app)
     return app
+
+
+def served_adapters(run: Any, name: str,
+                    adapters: Mapping[str, str | os.PathLike] | Sequence[LoraAdapter]) -> ServedAdapters:
+    """The adapters, read (unless they are already) and checked against the run's checkpoint, stacked on its model."""
+    found = find_adapters(adapters) if isinstance(adapters, Mapping) else list(adapters)
+    checkpoint = getattr(run, "checkpoint", None)
+    if checkpoint is None:
+        raise TinyLMError("LoRA adapters adapt a network's checkpoint; this run has none (an n-gram run?)")
+    check_adapters(found, checkpoint, name)
+    return ServedAdapters(run.model, found)

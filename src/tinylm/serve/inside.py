@@ -61,8 +61,7 @@ def _check_range(name: str, value: int | None, count: int) -> None:
 
 @router.post("/explain/tokens")
 async def explain_tokens(body: ExplainTokensRequest, request: Request) -> Response:
-    served = request.app.state.model
-    served.check(body.model)
+    served = request.app.state.model.check(body.model)
     _check_text(body.text, "/explain/tokens")
 
     def explained() -> dict[str, Any]:
@@ -78,8 +77,7 @@ async def explain_tokens(body: ExplainTokensRequest, request: Request) -> Respon
 
 @router.post("/explain/attention")
 async def explain_attention(body: ExplainAttentionRequest, request: Request) -> Response:
-    served = request.app.state.model
-    served.check(body.model)
+    served = request.app.state.model.check(body.model)
     _check_text(body.text, "/explain/attention")
     if body.head is not None and body.layer is None:
         raise APIError(400, "head needs a layer: give layer too (or neither, for every layer's heads)", param="head")
@@ -94,7 +92,7 @@ def _attention(served: Any, body: ExplainAttentionRequest) -> dict[str, Any]:
     if warning is not None:
         log.warning(f"/explain/attention: {warning}")
     try:  # inference only, beside the scheduler (as /next_token)
-        maps = [m.float().cpu() for m in attention_maps(served.model, ids)]
+        maps = [m.float().cpu() for m in served.call(attention_maps, served.model, ids)]
     except TinyLMError as e:  # an n-gram or LSTM model: attention_maps says which family has none
         raise APIError(400, str(e), code="no_attention") from None
     n_layer, n_head = len(maps), maps[0].shape[0]  # the checks after the maps: a model with no attention says so

@@ -105,12 +105,12 @@ class Job:
     is n); ``logprobs`` how many alternatives to report per token (None: no alternatives);
     ``prompt_logprobs`` whether to report the prompt's tokens' log-probabilities, from index
     ``echo_from`` of each prompt on; ``on_event`` receives lists of events, from the
-    scheduler's thread.
+    scheduler's thread. ``adapter``: the LoRA adapter its rows read (`tinylm.serve.adapters`; 0: the base).
     """
 
     def __init__(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *,
                  on_event: Callable[[list], None], logprobs: int | None = None, prompt_logprobs: bool = False,
-                 echo_from: int = 0) -> None:
+                 echo_from: int = 0, adapter: int = 0) -> None:
         if params.num_beams != 1:
             raise TinyLMError("the server samples; beam search is not offered")
         self.prompts = [list(map(int, p)) for p in prompts]
@@ -119,6 +119,7 @@ class Job:
         self.logprobs = logprobs
         self.prompt_logprobs = prompt_logprobs
         self.echo_from = echo_from
+        self.adapter = adapter
         self.on_event = on_event
         self.cancelled = False  # set by `Scheduler.cancel`, from any thread
         self.failed = False

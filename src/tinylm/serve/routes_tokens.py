@@ -27,8 +27,7 @@ log = logging.getLogger("uvicorn.error")  # where uvicorn logs what the apps it 
 
 @router.post("/tokenize")
 async def tokenize(body: TokenizeRequest, request: Request) -> Response:
-    served, chat = request.app.state.model, request.app.state.chat
-    served.check(body.model)
+    served, chat = request.app.state.model.check(body.model), request.app.state.chat
     if (body.prompt is None) == (body.messages is None):
         raise APIError(400, "give either prompt (text) or messages (a chat)", param="prompt")
 
@@ -47,8 +46,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> Response:
 
 @router.post("/detokenize")
 async def detokenize(body: DetokenizeRequest, request: Request) -> Response:
-    served = request.app.state.model
-    served.check(body.model)
+    served = request.app.state.model.check(body.model)
 
     def detokenized() -> dict[str, Any]:  # in a worker thread: a million ids take a while
         vocab = served.tokenizer.vocab_size
@@ -64,8 +62,7 @@ async def next_token(body: NextTokenRequest, request: Request) -> dict[str, Any]
     """The logits of the token after ``prompt`` (all of them, base64 float32 little-endian, so a page can
     apply any temperature and filter itself; -inf at the ids no sample takes) and the ``top`` most likely
     tokens at temperature 1."""
-    served = request.app.state.model
-    served.check(body.model)
+    served = request.app.state.model.check(body.model)
     ids = served.start_ids + await run_in_threadpool(served.tokenizer.encode, body.prompt)
     # the model reads the last block_size tokens (`fit_prompt`, as `tinylm next-token`); it runs beside the
     # scheduler (inference only)
@@ -73,7 +70,7 @@ async def next_token(body: NextTokenRequest, request: Request) -> dict[str, Any]
     if warning is not None:
         log.warning(f"/next_token: {warning}")
     # -inf at the ids no sample takes (padding, BOS, reserved ids, <unk>), so the page charts what the server draws
-    logits = (await run_in_threadpool(drawable_logits, served.model, served.tokenizer, ids)).cpu()  # (V,)
+    logits = (await run_in_threadpool(served.call, drawable_logits, served.model, served.tokenizer, ids)).cpu()  # (V,)
     probs = torch.softmax(logits, dim=-1)  # (V,)
     order = top_ids(logits, body.top)
     return {"model": served.name, "prompt_tokens": len(ids), "vocab_size": len(logits),

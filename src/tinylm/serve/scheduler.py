@@ -49,6 +49,10 @@ for those the scheduler batches statically (`tinylm.serve.batch`): the rows admi
 prefilled together and decoded until each finishes, and waiting rows start with the next batch.
 Admission is fair in the same way.
 
+**Adapters** (`tinylm.serve.adapters`): with LoRA adapters stacked on the model, each job names the
+adapter its rows read (0: the base), and before each prefill and each step the scheduler tells the
+adapters which row reads which (`ServedAdapters.choose`), so rows of any adapters share one batch.
+
 **Speculative decoding** (`tinylm.serve.drafting`): with a ``draft``, a batch of one row decodes by
 speculative rounds while drafting pays; batches of two rows or more decode step by step as above.
 
@@ -78,6 +82,7 @@ import threading
 import time
 from collections import defaultdict, deque
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -87,7 +92,7 @@ from tinylm.generate.fast import make_decoder
 from tinylm.generate.request import RequestRules
 from tinylm.generate.sampling import prompt_generators, sample, token_logprobs
 from tinylm.generate.speculative import Draft
-from tinylm.generate.steps import left_pad
+from tinylm.generate.steps import Decoder, left_pad
 from tinylm.generate.stream import TextStream
 from tinylm.serve.batch import Batch, Row, fits_static, leaving, mask_excluded, prefill_groups, shrink
 from tinylm.serve.drafting import Drafting
@@ -101,14 +106,16 @@ class Scheduler:
 
     ``tokenizer`` turns tokens into text and gives the end-of-text id that stops a row;
     ``max_batch_size`` is the most rows decoded together (1 serves one sample at a time);
-    ``batch_window`` is how long an idle scheduler waits for more requests before prefilling.
+    ``batch_window`` is how long an idle scheduler waits for more requests before prefilling;
+    ``adapters`` (a `tinylm.serve.adapters.ServedAdapters`) are the LoRA adapters a job may name.
 
         scheduler = Scheduler(run.model, run.tokenizer).start()
         scheduler.submit(Job([ids], SamplingParams(max_new_tokens=20), on_event=print))
     """
 
     def __init__(self, model: nn.Module, tokenizer: Tokenizer, *, max_batch_size: int = 32,
-                 batch_window: float = 0.002, draft: Draft | None = None, draft_k: int = 4) -> None:
+                 batch_window: float = 0.002, draft: Draft | None = None, draft_k: int = 4,
+                 adapters: Any = None) -> None:
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise TinyLMError(f"max_batch_size must be an integer >= 1, got {max_batch_size!r}")
         if batch_window < 0:
@@ -130,6 +137,7 @@ class Scheduler:
         if not isinstance(draft_k, int) or draft_k < 1:
             raise TinyLMError(f"the draft length must be an integer >= 1, got {draft_k!r}")
         self.drafting = Drafting(draft, draft_k) if draft is not None else None
+        self.adapters = adapters
         self._cond = threading.Condition()
         self._waiting: deque[Job] = deque()  # jobs with rows not yet admitted, in arrival order
         self._batch: Batch | None = None
@@ -163,6 +171,8 @@ class Scheduler:
     def submit(self, job: Job) -> None:
         """Queue a job; its rows join the batch as slots free up. Refuses prompts that would outgrow the context."""
         job.request = self.rules.prepare(job.prompts, job.params, long_prompts="refuse")  # batches never slide
+        if job.adapter and not 0 < job.adapter <= (len(self.adapters) if self.adapters is not None else 0):
+            raise TinyLMError(f"no adapter of index {job.adapter} is served")
         if job.generators is None and not job.params.greedy:  # where the probabilities will be
             job.generators = prompt_generators(job.params.seed, len(job.prompts), job.n, self.device,
                                                prompts=job.prompts)
@@ -305,6 +315,7 @@ class Scheduler:
         Bn, P = idx.shape
         capacity = P if self.continuous else P + max(r.remaining for r in rows)
         decoder = make_decoder(self.model, Bn, capacity)  # a GPT's: the decoding layout
+        self._choose_adapters(decoder, rows)
         # every position's logits (Bn, P, V) only when a request wants its prompt's logprobs; each row counts its
         # own tokens
         echo = [b for b, r in enumerate(rows) if r.job.prompt_logprobs and r.index % r.job.n == 0]  # once per prompt
@@ -326,6 +337,7 @@ class Scheduler:
         rows = batch.rows
         lone = self.drafting is not None and len(rows) == 1
         started = time.perf_counter()
+        self._choose_adapters(batch.decoder, rows)
         if lone and self.drafting.round(rows[0], batch.decoder, self.vocab_size, outbox):
             self.steps += 1
             return
@@ -335,6 +347,11 @@ class Scheduler:
         self._draw(rows, logits, outbox)
         if lone:
             self.drafting.plain_step(time.perf_counter() - started)
+
+    def _choose_adapters(self, decoder: Decoder, rows: Sequence[Row]) -> None:
+        """Before ``decoder`` runs ``rows``: which adapter each row reads (nothing to do without adapters)."""
+        if self.adapters is not None:
+            self.adapters.choose(decoder, [row.job.adapter for row in rows])
 
     def _draw(self, rows: list[Row], logits: Tensor, outbox: dict[Job, list]) -> None:
         """Sample each row's next token from logits (B, V) with its own settings; record it; emit events."""

@@ -34,7 +34,8 @@ import os
 import signal
 import socket
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from tinylm.errors import TinyLMError
@@ -119,12 +120,12 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve(run_dir: str | os.PathLike, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-          model_name: str | None = None, max_batch_size: int = 32, batch_window: float = 0.002,
-          checkpoint: str = "best", device: str = "cpu", log_level: str = "info",
+def serve(run_dir: str | os.PathLike | None, *, host: str = "127.0.0.1", port: int = 8000,
+          api_key: str | None = None, model_name: str | None = None, max_batch_size: int = 32,
+          batch_window: float = 0.002, checkpoint: str = "best", device: str = "cpu", log_level: str = "info",
           graceful_timeout: float = GRACEFUL_TIMEOUT, allow_origins: Sequence[str] = (),
           draft: str | None = None, draft_k: int = 4, body_timeout: float | None = None,
-          threads: int | None = None) -> None:
+          threads: int | None = None, adapters: Mapping[str, str | os.PathLike] | Sequence[str] = ()) -> None:
     """Serve the run in ``run_dir`` until interrupted (Ctrl+C): the OpenAI API under /v1, the playground at /.
 
     ``api_key``: the key clients must send; None reads ``$TINYLM_API_KEY`` (unset or empty: no key).
@@ -135,6 +136,11 @@ def serve(run_dir: str | os.PathLike, *, host: str = "127.0.0.1", port: int = 80
     shutdown waits for the requests in flight (see the module docstring). ``body_timeout``: the seconds a
     request's body may take to arrive (None: `tinylm.serve.limits.BODY_TIMEOUT`). ``threads``: CPU threads for
     the server's life; None follows `tinylm.device.use_threads` (busy cores left out, said in one line).
+
+    ``adapters`` ({name: folder}, or ``NAME=DIR`` strings as ``--adapter`` takes them): LoRA adapters of the
+    run's model, each served under its own name beside it (`tinylm.serve.adapters`); ``run_dir`` may then be
+    the base's checkpoint folder, or None for the adapters' own base. They are read and checked against the
+    base before the socket is bound.
     """
     try:
         import uvicorn
@@ -145,17 +151,19 @@ def serve(run_dir: str | os.PathLike, *, host: str = "127.0.0.1", port: int = 80
         raise TinyLMError(f"tinylm serve needs FastAPI and uvicorn ({e.name} is missing): "
                           "reinstall tinylm (pip install -e .), which brings them") from None
     from tinylm.device import use_threads
-    from tinylm.run import check_run_dir, load_run
+    from tinylm.run import load_run
+    from tinylm.serve.adapters import checkpoint_run, is_checkpoint_folder
 
     api_key = api_key_or_env(api_key)
     check_options(model_name=model_name, body_timeout=body_timeout, allow_origins=allow_origins)
-    check_run_dir(run_dir)
+    run_dir, model_name, found = check_base_and_adapters(run_dir, checkpoint, model_name, adapters)
     sock = bind_socket(host, port)  # before loading: a port in use is said at once, not after a long load
     try:
-        run = load_run(run_dir, checkpoint=checkpoint, device=device)
+        run = (checkpoint_run(run_dir, device) if is_checkpoint_folder(run_dir)
+               else load_run(run_dir, checkpoint=checkpoint, device=device))
         app = create_app(run, model_name=model_name, api_key=api_key, max_batch_size=max_batch_size,
                          batch_window=batch_window, allow_origins=allow_origins, draft=draft, draft_k=draft_k,
-                         body_timeout=BODY_TIMEOUT if body_timeout is None else body_timeout)
+                         body_timeout=BODY_TIMEOUT if body_timeout is None else body_timeout, adapters=found)
     except BaseException:
         sock.close()
         raise
@@ -164,7 +172,8 @@ def serve(run_dir: str | os.PathLike, *, host: str = "127.0.0.1", port: int = 80
         print(f"tinylm: warning: listening on {bound_host}, beyond this machine, with no API key: anyone who can "
               "reach it can use the model; set --api-key (or $TINYLM_API_KEY) to require one", file=sys.stderr,
               flush=True)
-    print(f"serving {run_dir} as '{app.state.model.name}' at {url_for(bound_host, bound_port)} "
+    beside = "".join(f"{', ' if i else ' with the adapters '}'{a.name}'" for i, a in enumerate(found))
+    print(f"serving {run_dir} as '{app.state.model.name}'{beside} at {url_for(bound_host, bound_port)} "
           f"(OpenAI API under /v1, playground at /; Ctrl+C stops)", flush=True)
     config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=graceful_timeout)
     server = graceful_server(config, app.state.scheduler.end_all)
@@ -172,6 +181,40 @@ def serve(run_dir: str | os.PathLike, *, host: str = "127.0.0.1", port: int = 80
     # scheduler's thread starts with the server, under this count
     with use_threads(device, threads, log=lambda line: print(f"tinylm: {line}", file=sys.stderr, flush=True)):
         run_server(server, sock)
+
+
+def check_base_and_adapters(run_dir: str | os.PathLike | None, checkpoint: str, model_name: str | None,
+                            adapters: Mapping[str, str | os.PathLike] | Sequence[str]) -> tuple[Path, str | None, list]:
+    """Before anything is bound or loaded: the folder to serve (the adapters' base where ``run_dir`` is None),
+    the base's name (None: the run folder's, as without adapters) and the adapters, read and checked against
+    the base (`tinylm.serve.adapters`)."""
+    from tinylm.run import check_run_dir, load_checkpoint
+    from tinylm.serve.adapters import (
+        adapters_base,
+        base_name,
+        check_adapters,
+        find_adapters,
+        is_checkpoint_folder,
+        served_checkpoint,
+    )
+
+    found = find_adapters(adapters) if adapters else []
+    if run_dir is None:
+        if not found:
+            raise TinyLMError("give the run to serve (--run DIR), or adapters (--adapter NAME=DIR) whose base to serve")
+        given, run_dir = None, adapters_base(found)
+    else:
+        given = run_dir = check_run_dir(run_dir)
+    if found:
+        base = served_checkpoint(run_dir, checkpoint)
+        if base is None:  # an n-gram run, or none trained yet
+            raise TinyLMError(f"{run_dir} has no checkpoint of a network for the adapters to adapt; give the run "
+                              "they were trained on (or leave out --run)")
+        model_name = model_name or base_name(given, base)
+        check_adapters(found, load_checkpoint(base), model_name)
+    elif is_checkpoint_folder(run_dir):  # a checkpoint folder is named as its run (when it has one)
+        model_name = model_name or base_name(given, run_dir)
+    return Path(run_dir), model_name, found
 
 
 def run_server(server: Any, sock: socket.socket) -> None:
