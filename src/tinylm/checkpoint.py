@@ -493,6 +493,8 @@ class Checkpoint:
 
     def adapter_state(self) -> dict[str, Tensor]:
         """A LoRA run's adapter: each target's lora_A and lora_B, by the names `tinylm.model.lora` gives them."""
+        if not self.is_adapter:
+            raise TinyLMError(f"{self.path} holds a whole model, not a LoRA adapter")
         return self._stored_tensors()
 
     @property
@@ -594,8 +596,14 @@ def weights_fingerprint(path: str | os.PathLike) -> str:
 def lora_base_record(base: Checkpoint, written_at: str | os.PathLike) -> dict[str, str]:
     """What a LoRA checkpoint written at ``written_at`` says of its ``base`` (state.json's `LORA_BASE`)."""
     where = base.path.resolve()
-    return {"path": str(where), "relative": os.path.relpath(where, Path(written_at).resolve()),
-            "sha256": weights_fingerprint(where)}
+    sha = weights_fingerprint(where)
+    where = where.with_name(where.name.removeprefix(".").removesuffix(".old"))  # caught mid-save: its final name
+    record = {"path": str(where), "sha256": sha}
+    try:
+        record["relative"] = os.path.relpath(where, Path(written_at).resolve())
+    except ValueError:  # another drive (Windows): no path between them
+        pass
+    return record
 
 
 def _adapter_base(adapter: Checkpoint) -> Checkpoint:

@@ -37,7 +37,9 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from tinylm.config import Config
+import torch
+
+from tinylm.config import Config, load_config_file
 from tinylm.config.tables import apply_overrides, build_config, override_keys
 from tinylm.data.chat_shards import chats_fingerprint, prepare_chats
 from tinylm.data.conversations import read_conversations, split_conversations
@@ -46,7 +48,7 @@ from tinylm.data.tasks import make_task, parse_task_spec
 from tinylm.errors import TinyLMError
 from tinylm.model.grow import grow_vocabulary
 from tinylm.checkpoint import save_checkpoint
-from tinylm.run import RUN_FILE, Checkpoint, RunResult, checkpoint_path, has_checkpoint, load_checkpoint
+from tinylm.run import ADAPTER_FOLDER, RUN_FILE, Checkpoint, RunResult, checkpoint_path, has_checkpoint, load_checkpoint
 from tinylm.tokenizers.chat_template import with_chat_tokens
 from tinylm.train import BatchSource, train
 
@@ -75,7 +77,8 @@ def finetune(source: str | os.PathLike | None, data: str | None, out: str | os.P
         if source is not None or data is not None:
             raise TinyLMError("--resume continues the fine-tuning run in --out with its own data and settings; "
                               "drop --from and --data")
-        return train(None, out, resume=resume, stop_after=stop_after, progress=progress, log=log)
+        return with_adapter_folder(train(None, out, resume=resume, stop_after=stop_after, progress=progress, log=log),
+                                   log)
     overrides = dict(overrides or {})
     text = data is None and "corpus" in {name for _, name in override_keys(overrides)}
     if source is None or (data is None and not text):
@@ -85,7 +88,8 @@ def finetune(source: str | os.PathLike | None, data: str | None, out: str | os.P
     base = starting_checkpoint(source, out, force=force, log=log)
     if text:  # continued pretraining on a corpus, read with the model's own tokenizer
         config = text_recipe(base.config, overrides)
-        return train(config, out, init_from=base.path, force=force, stop_after=stop_after, progress=progress, log=log)
+        return with_adapter_folder(train(config, out, init_from=base.path, force=force, stop_after=stop_after,
+                                         progress=progress, log=log), log)
     tokenizer = with_chat_tokens(base.tokenizer)
     train_part, val_part, name = conversations_of(data, val_data, val_fraction, base.config.train.seed)
     splits = {"train": train_part, "val": val_part}
@@ -102,7 +106,24 @@ def finetune(source: str | os.PathLike | None, data: str | None, out: str | os.P
         init = base.path  # nothing to grow: the adapter's base is the model itself, not a copy of it
     else:
         init = grown_init(base, tokenizer, config, folder / INIT_FOLDER)
-    return train(config, out, init_from=init, force=force, stop_after=stop_after, progress=progress, log=log)
+    return with_adapter_folder(train(config, out, init_from=init, force=force, stop_after=stop_after, progress=progress,
+                                     log=log), log)
+
+
+def with_adapter_folder(result: RunResult, log: Callable[[str], None]) -> RunResult:
+    """A LoRA run's adapter also in PEFT's layout, in the run folder's ``adapter/`` (its best checkpoint's, else its
+    latest's), for ``PeftModel.from_pretrained`` on the base's Hugging Face export; ``result`` as it was."""
+    from tinylm.export.peft import export_peft
+
+    folder = Path(result.run_dir)
+    if not (folder / "config.toml").is_file() or not build_config(load_config_file(folder / "config.toml")).train.lora_rank:
+        return result
+    try:
+        where = export_peft(folder, folder / ADAPTER_FOLDER, overwrite=True)
+        log(f"adapter, in PEFT's layout: {where} (PeftModel.from_pretrained on the base's Hugging Face export)")
+    except TinyLMError as e:  # a model no Hugging Face architecture computes: the run itself is fine
+        log(f"no PEFT copy of the adapter: {e}")
+    return result
 
 
 def starting_checkpoint(source: str | os.PathLike, out: Path, *, force: bool, log: Callable[[str], None]) -> Checkpoint:
@@ -226,6 +247,15 @@ def grown_init(base: Checkpoint, tokenizer: Any, config: Config, path: Path) -> 
     """The starting weights with a row for each new token id (`grow_vocabulary`), saved as a checkpoint at ``path``
     with the chat tokenizer, for `train`'s ``init_from``."""
     state = grow_vocabulary(base.model_state(), tokenizer.vocab_size)
+    if has_checkpoint(path):  # made before from the same data: keep it (a LoRA run's base may be this very folder)
+        try:
+            made = load_checkpoint(path)
+            kept = made.model_state()
+            if (made.tokenizer.fingerprint() == tokenizer.fingerprint() and made.config.model == config.model
+                    and kept.keys() == state.keys() and all(torch.equal(kept[k], state[k]) for k in state)):
+                return path
+        except TinyLMError:
+            pass  # damaged or another model's: written again below
     return save_checkpoint(path, model_state=state, optimizer_state=None, rng_state={}, state={"step": 0},
                            config=config, tokenizer=tokenizer)
 

@@ -86,10 +86,11 @@ COST_FILE = "cost.json"  # what a step costs and what the run cost (`tinylm.trai
 NGRAM_DRAFT_FILE = "draft-ngram.npz"  # the counts speculative decoding drafts with (`generate.speculative`)
 TENSORBOARD_DIR = "tensorboard"  # --log-to tensorboard's event files
 WANDB_DIR = "wandb"  # --log-to wandb: wandb.init(dir=run) writes its runs in <run>/wandb
+ADAPTER_FOLDER = "adapter"  # a LoRA run's adapter in PEFT's layout (`tinylm finetune --lora-rank`)
 # Everything tinylm writes in a run folder, and so everything `--force` may delete: anything else
 # there (a user's notes, a data folder put inside) is left where it is.
 RUN_ENTRIES = frozenset({RUN_FILE, CONFIG_FILE, TOKENIZER_FILE, METRICS_FILE, PLOT_FILE, SCHEDULE_FILE, NGRAM_FILE,
-                         COST_FILE, NGRAM_DRAFT_FILE, TENSORBOARD_DIR, WANDB_DIR, CHECKPOINTS})
+                         COST_FILE, NGRAM_DRAFT_FILE, TENSORBOARD_DIR, WANDB_DIR, ADAPTER_FOLDER, CHECKPOINTS})
 # a file being written atomically (`tinylm.atomic`): ".<name>.<pid>.tmp"
 _TEMPORARY = re.compile(r"\.(?P<name>.+)\.\d+\.tmp")
 
@@ -412,7 +413,7 @@ __all__ = [
     "read_metrics", "write_metrics", "read_run_info", "write_run_info", "start_ids", "text_start_ids",
     "empty_prompt_ids", "Run", "check_run_dir",
     "load_run", "RunResult", "check_new_run_folder", "is_run_folder", "clear_run_folder", "RUN_ENTRIES",
-    "COST_FILE", "NGRAM_DRAFT_FILE", "TENSORBOARD_DIR", "WANDB_DIR", "run_family", "check_same_family",
+    "COST_FILE", "ADAPTER_FOLDER", "NGRAM_DRAFT_FILE", "TENSORBOARD_DIR", "WANDB_DIR", "run_family", "check_same_family",
     "checkpoint_to_resume", "update_run_info", "write_run_files", "data_info",
     # its checkpoints (tinylm.checkpoint)
     "CHECKPOINTS", "CHECKPOINT_NAMES", "FORMAT_VERSION", "LORA_BASE", "MODEL_FILE", "lora_base_record", "Checkpoint", "checkpoint_path",

@@ -164,6 +164,14 @@ def test_finetune_takes_lora_on_chats_and_on_text(base_run, corpus, tmp_path, ca
     # the chat tokens' rows are new, so the base is the grown starting model in the data folder
     assert ckpt.state[LORA_BASE]["path"] == str((tmp_path / "d" / "init").resolve())
     assert load_run(tmp_path / "chat").tokenizer.vocab_size == load_run(base_run).tokenizer.vocab_size + 2
+    peft_config = json.loads((tmp_path / "chat" / "adapter" / "adapter_config.json").read_text())
+    assert peft_config["peft_type"] == "LORA" and peft_config["r"] == 2 and peft_config["lora_alpha"] == 4
+    # a second fine-tuning on the same data reuses the grown base as it is: the first run's base is not rewritten
+    init = tmp_path / "d" / "init" / MODEL_FILE
+    written = init.stat().st_mtime_ns
+    finetune(base_run, str(chats), tmp_path / "chat2", overrides=flags, data_dir=tmp_path / "d", **QUIET)
+    assert init.stat().st_mtime_ns == written
+    assert load_checkpoint(checkpoint_path(tmp_path / "chat", "latest")).base().path == tmp_path / "d" / "init"
     # text: continued pretraining on a corpus, through the command
     code = __import__("tinylm.cli", fromlist=["main"]).main(
         ["finetune", "--from", str(base_run), "--corpus", str(corpus), "--out", str(tmp_path / "text"),

@@ -101,8 +101,13 @@ class LoRALinear(nn.Linear):
         nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))  # as nn.Linear's (and PEFT's) default
 
     def forward(self, x: Tensor) -> Tensor:
-        low = F.linear(F.linear(self.lora_dropout(x), self.lora_A), self.lora_B)  # (..., out), through rank r
-        return F.linear(x, self.weight, self.bias) + self.scale * low
+        out = F.linear(x, self.weight, self.bias)  # (..., out)
+        low = F.linear(self.lora_dropout(x), self.lora_A)  # (..., r)
+        # out + scale * low B^T, added in place: no (..., out) temporary beside the output, which on a CPU left the
+        # heap holding freed blocks (a higher peak than the arithmetic needs: benchmarks/lora_memory.py)
+        flat = out.view(-1, self.out_features)
+        flat.addmm_(low.reshape(-1, low.shape[-1]).to(out.dtype), self.lora_B.to(out.dtype).t(), alpha=self.scale)
+        return out
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, rank={self.lora_A.shape[0]}, scale={self.scale:g}"
@@ -149,6 +154,8 @@ def adapter_pairs(adapter: Mapping[str, Tensor]) -> dict[str, tuple[Tensor, Tens
     """The adapter as (A, B) per corrected matrix, by the matrix's weight name (``blocks.0.attn.W_q.weight``)."""
     pairs = {}
     for name in adapter:
+        if name.endswith("." + LORA_B) and name.removesuffix(LORA_B) + LORA_A not in adapter:
+            raise TinyLMError(f"the adapter has {name} but no {name.removesuffix(LORA_B) + LORA_A}")
         if name.endswith("." + LORA_A):
             module = name.removesuffix("." + LORA_A)
             b = adapter.get(f"{module}.{LORA_B}")
