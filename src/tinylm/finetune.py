@@ -97,6 +97,9 @@ def finetune(source: str | os.PathLike | None, data: str | None, out: str | os.P
     shards = prepare_chats(splits, tokenizer, folder, block_size=base.config.model.block_size, source=name)
     config = recipe(base.config, tokenizer.vocab_size, epoch_rows(shards, base.config), folder, epochs,
                     overrides or {})
+    if config.train.lora_rank and tokenizer.vocab_size > base.tokenizer.vocab_size:  # the chat markers' rows train
+        config = dataclasses.replace(config, train=dataclasses.replace(
+            config.train, lora_new_tokens=tokenizer.vocab_size - base.tokenizer.vocab_size))
     cut = sum(shards.meta["chats"][s]["cut"] for s in ("train", "val"))
     log(f"conversations: {len(splits['train']):,} to train on, {len(splits['val']):,} held out ({name}); "
         f"{shards.meta['chats']['train']['trained_tokens']:,} of {shards.num_tokens('train'):,} training tokens are "

@@ -164,8 +164,14 @@ def test_finetune_takes_lora_on_chats_and_on_text(base_run, corpus, tmp_path, ca
     # the chat tokens' rows are new, so the base is the grown starting model in the data folder
     assert ckpt.state[LORA_BASE]["path"] == str((tmp_path / "d" / "init").resolve())
     assert load_run(tmp_path / "chat").tokenizer.vocab_size == load_run(base_run).tokenizer.vocab_size + 2
-    peft_config = json.loads((tmp_path / "chat" / "adapter" / "adapter_config.json").read_text())
-    assert peft_config["peft_type"] == "LORA" and peft_config["r"] == 2 and peft_config["lora_alpha"] == 4
+    # the chat markers' two rows of the embedding and the head train with the adapter; every other row is the base's
+    assert ckpt.config.train.lora_new_tokens == 2
+    merged, start = load_run(tmp_path / "chat").model.state_dict(), ckpt.base().model_state()
+    for table in ("E.weight", "lm_head.weight"):
+        assert torch.equal(merged[table][:-2], start[table][:-2])
+        assert not torch.equal(merged[table][-2:], start[table][-2:])
+    assert not (tmp_path / "chat" / "adapter").exists()  # PEFT's layout has no place for them here: said so
+    assert any(line.startswith("no PEFT copy of the adapter") and "new tokens" in line for line in said)
     # a second fine-tuning on the same data reuses the grown base as it is: the first run's base is not rewritten
     init = tmp_path / "d" / "init" / MODEL_FILE
     written = init.stat().st_mtime_ns
@@ -180,6 +186,8 @@ def test_finetune_takes_lora_on_chats_and_on_text(base_run, corpus, tmp_path, ca
     assert code == 0
     text = load_checkpoint(checkpoint_path(tmp_path / "text", "latest"))
     assert text.is_adapter and text.step == 3 and text.base().path == checkpoint_path(base_run, "best")
+    peft_config = json.loads((tmp_path / "text" / "adapter" / "adapter_config.json").read_text())
+    assert peft_config["peft_type"] == "LORA" and peft_config["r"] == 2 and peft_config["lora_alpha"] == 4
     capsys.readouterr()
     refused(capsys, ["finetune", "--from", str(base_run), "--corpus", str(corpus), "--epochs", "1"],
             "--epochs counts passes over conversations")

@@ -148,6 +148,9 @@ class TrainConfig:
     lora_alpha: float | None = setting(None,
         "LoRA's alpha: the correction is scaled by lora_alpha / lora_rank; unset: 2 * lora_rank")
     lora_dropout: float = setting(0.0, "dropout on the input of LoRA's correction (training only)")
+    lora_new_tokens: int = setting(0,
+        "with lora_rank: the last this many token ids (chat tokens fine-tuning added) train their embedding and "
+        "output-head rows too, as the adapter's; tinylm finetune sets it")
     lora_targets: str = setting("all",
         "the matrices LoRA corrects: attention (W_q, W_k, W_v, W_o), mlp (W_1, W_2, W_3), all, or projection "
         "names, comma-separated (e.g. W_q,W_v)")
@@ -234,6 +237,8 @@ class TrainConfig:
                               f"got {self.val_fraction}")
         if self.lora_rank < 0:
             raise TinyLMError(f"lora_rank must be 0 (train every weight) or a positive rank, got {self.lora_rank}")
+        if self.lora_new_tokens < 0:
+            raise TinyLMError(f"lora_new_tokens must be 0 or more, got {self.lora_new_tokens}")
         if self.lora_alpha is not None and not (math.isfinite(self.lora_alpha) and self.lora_alpha > 0):
             raise TinyLMError(f"lora_alpha must be a positive number, got {self.lora_alpha}")
         if not 0.0 <= self.lora_dropout < 1.0:

@@ -191,6 +191,10 @@ def export_peft(run_or_checkpoint: str | os.PathLike, out_dir: str | os.PathLike
     if not ckpt.is_adapter or settings is None:
         raise TinyLMError(f"{run_or_checkpoint} is not a LoRA run (its checkpoint holds a whole model, not an "
                           "adapter); export it with --format hf or --format gguf")
+    if settings.new_tokens:
+        raise TinyLMError(f"{run_or_checkpoint} also trains the rows of {settings.new_tokens} new tokens (the chat "
+                          "markers), which this export does not write in PEFT's layout; export the merged model with "
+                          "--format hf or --format gguf")
     architecture_for(ckpt.config.model)
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():

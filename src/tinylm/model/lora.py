@@ -47,6 +47,8 @@ from tinylm.config.training import lora_target_names as target_names
 from tinylm.errors import TinyLMError
 
 LORA_A, LORA_B = "lora_A", "lora_B"  # the suffixes of an adapter's tensor names
+LORA_ROWS = "lora_rows"  # new tokens' rows: a delta added to the last rows of the embedding and the head
+ROWS_INFIX = ".parametrizations.weight.0."  # where torch's parametrization puts the delta in the state dict
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,7 @@ class LoraSettings:
     alpha: float
     dropout: float = 0.0
     targets: str = "all"
+    new_tokens: int = 0  # the last this many token ids' embedding and head rows train too (`NewRows`)
 
     @property
     def scale(self) -> float:
@@ -68,7 +71,8 @@ class LoraSettings:
         if not train_config.lora_rank:
             return None
         alpha = train_config.lora_alpha if train_config.lora_alpha is not None else 2.0 * train_config.lora_rank
-        return cls(train_config.lora_rank, float(alpha), train_config.lora_dropout, train_config.lora_targets)
+        return cls(train_config.lora_rank, float(alpha), train_config.lora_dropout, train_config.lora_targets,
+                   train_config.lora_new_tokens)
 
 
 def target_modules(model: nn.Module, targets: str) -> dict[str, nn.Linear]:
@@ -113,6 +117,32 @@ class LoRALinear(nn.Linear):
         return f"{super().extra_repr()}, rank={self.lora_A.shape[0]}, scale={self.scale:g}"
 
 
+class NewRows(nn.Module):
+    """The rows of token ids a fine-tuning added (the chat markers), trained beside a frozen table: the weight read
+    is the table with ``lora_rows`` (new_tokens x d, starting at zero) added to its last rows. Without it those rows
+    would stay the mean rows they were grown as, and a frozen head could never make the end-of-turn token likely."""
+
+    def __init__(self, n: int, d: int, device, dtype) -> None:
+        super().__init__()
+        self.lora_rows = nn.Parameter(torch.zeros(n, d, device=device, dtype=dtype))
+
+    def forward(self, weight: Tensor) -> Tensor:
+        n = self.lora_rows.shape[0]
+        return torch.cat([weight[:-n], weight[-n:] + self.lora_rows.to(weight.dtype)])
+
+
+def add_new_rows(model: nn.Module, n: int) -> None:
+    """Train the last ``n`` rows of the token embedding and the output head (one delta when they are tied)."""
+    from torch.nn.utils import parametrize
+
+    E, head = model.E.weight, model.lm_head.weight
+    rows = NewRows(n, E.shape[1], E.device, E.dtype)
+    parametrize.register_parametrization(model.E, "weight", rows, unsafe=True)
+    tied = head is E
+    parametrize.register_parametrization(model.lm_head, "weight", rows if tied else NewRows(n, E.shape[1], E.device,
+                                                                                          E.dtype), unsafe=True)
+
+
 def add_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
     """Freeze every weight of ``model`` and put a `LoRALinear` in place of each target (in place; returns it)."""
     if settings.rank <= 0:
@@ -123,11 +153,13 @@ def add_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
     for name, linear in targets.items():
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name), child, LoRALinear(linear, settings))
+    if settings.new_tokens:
+        add_new_rows(model, settings.new_tokens)
     return model
 
 
 def is_adapter_name(name: str) -> bool:
-    return name.endswith("." + LORA_A) or name.endswith("." + LORA_B)
+    return name.endswith(("." + LORA_A, "." + LORA_B, "." + LORA_ROWS))
 
 
 def adapter_state(model: nn.Module) -> dict[str, Tensor]:
@@ -168,6 +200,12 @@ def adapter_pairs(adapter: Mapping[str, Tensor]) -> dict[str, tuple[Tensor, Tens
 def merge_adapter(base: Mapping[str, Tensor], adapter: Mapping[str, Tensor], scale: float) -> dict[str, Tensor]:
     """The base's weights with each target's correction added: W + scale * B A (new tensors; ``base`` unchanged)."""
     merged = dict(base)
+    for name, delta in adapter.items():  # new tokens' rows: ``E.parametrizations.weight.0.lora_rows`` -> E.weight
+        if name.endswith(ROWS_INFIX + LORA_ROWS):
+            weight = name.removesuffix(ROWS_INFIX + LORA_ROWS) + ".weight"
+            w = base[weight].clone()
+            w[-delta.shape[0]:] += delta.to(w.dtype)
+            merged[weight] = w
     for weight, (a, b) in adapter_pairs(adapter).items():
         if weight not in base:
             raise TinyLMError(f"the adapter corrects {weight}, which the base model does not have: it was trained on "

@@ -148,6 +148,10 @@ def adapter_checkpoint(name: str, path: Path) -> Checkpoint:
     if not checkpoint.is_adapter or LoraSettings.of(checkpoint.config.train) is None:
         raise TinyLMError(f"{given}: {folder} holds a whole model, not a LoRA adapter; serve it on its own "
                           f"(tinylm serve --run {path}), or train an adapter (--lora-rank 8)")
+    if checkpoint.config.train.lora_new_tokens:
+        raise TinyLMError(f"{given}: {folder} also trains the rows of {checkpoint.config.train.lora_new_tokens} new "
+                          "tokens, which a shared base cannot hold for several adapters at once; serve it on its own "
+                          f"(tinylm serve --run {folder})")
     return checkpoint
 
 

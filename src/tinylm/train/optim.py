@@ -61,7 +61,7 @@ def parameter_roles(model: nn.Module) -> dict[str, str]:
     for name, p in model.named_parameters():  # named_parameters lists a shared (tied) tensor once
         if not p.requires_grad:
             continue
-        if name.endswith((".lora_A", ".lora_B")):
+        if name.endswith((".lora_A", ".lora_B", ".lora_rows")):
             roles[name] = "adapter"
         elif id(p) in embedding_ids:
             roles[name] = "embedding"
