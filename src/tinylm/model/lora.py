@@ -45,6 +45,7 @@ from tinylm.config.training import LORA_MLP as MLP
 from tinylm.config.training import LORA_TARGET_GROUPS as TARGET_GROUPS
 from tinylm.config.training import lora_target_names as target_names
 from tinylm.errors import TinyLMError
+from tinylm.model.memory import count_params, lora_params
 
 LORA_A, LORA_B = "lora_A", "lora_B"  # the suffixes of an adapter's tensor names
 LORA_ROWS = "lora_rows"  # new tokens' rows: a delta added to the last rows of the embedding and the head
@@ -184,17 +185,13 @@ def load_adapter(model: nn.Module, adapter: Mapping[str, Tensor], source: str) -
 
 def adapter_pairs(adapter: Mapping[str, Tensor]) -> dict[str, tuple[Tensor, Tensor]]:
     """The adapter as (A, B) per corrected matrix, by the matrix's weight name (``blocks.0.attn.W_q.weight``)."""
-    pairs = {}
-    for name in adapter:
-        if name.endswith("." + LORA_B) and name.removesuffix(LORA_B) + LORA_A not in adapter:
-            raise TinyLMError(f"the adapter has {name} but no {name.removesuffix(LORA_B) + LORA_A}")
-        if name.endswith("." + LORA_A):
-            module = name.removesuffix("." + LORA_A)
-            b = adapter.get(f"{module}.{LORA_B}")
-            if b is None:
-                raise TinyLMError(f"the adapter has {name} but no {module}.{LORA_B}")
-            pairs[f"{module}.weight"] = (adapter[name], b)
-    return pairs
+    modules = {suffix: {n.removesuffix("." + suffix) for n in adapter if n.endswith("." + suffix)}
+               for suffix in (LORA_A, LORA_B)}
+    odd = sorted(modules[LORA_A] ^ modules[LORA_B])
+    if odd:
+        have, lack = (LORA_A, LORA_B) if odd[0] in modules[LORA_A] else (LORA_B, LORA_A)
+        raise TinyLMError(f"the adapter has {odd[0]}.{have} but no {odd[0]}.{lack}")
+    return {f"{m}.weight": (adapter[f"{m}.{LORA_A}"], adapter[f"{m}.{LORA_B}"]) for m in sorted(modules[LORA_A])}
 
 
 def merge_adapter(base: Mapping[str, Tensor], adapter: Mapping[str, Tensor], scale: float) -> dict[str, Tensor]:
@@ -219,15 +216,10 @@ def merge_adapter(base: Mapping[str, Tensor], adapter: Mapping[str, Tensor], sca
 
 
 def adapter_size(config, settings: LoraSettings) -> tuple[int, int]:
-    """(the adapter's numbers, the base model's) for a Transformer of ``config`` (a `GPTConfig`), from shapes alone
-    (built on PyTorch's meta device: nothing allocated)."""
-    from tinylm.model import build_model  # here: tinylm.model imports this module's names
-
-    with torch.device("meta"):
-        model = build_model(config)
-        base = sum({id(p): p.numel() for p in model.parameters()}.values())
-        add_lora(model, settings)
-    return sum(t.numel() for t in adapter_state(model).values()), base
+    """(the adapter's numbers, the base model's) for a Transformer of ``config`` (a `GPTConfig`), counted from its
+    shapes (`tinylm.model.memory`): r (d_in + d_out) per corrected matrix, and the new tokens' rows."""
+    rows = settings.new_tokens * config.d_model * (1 if config.tie_embeddings else 2)
+    return lora_params(config, settings.rank, settings.targets) + rows, count_params(config)
 
 
 def lora_line(config, settings: LoraSettings) -> str:
