@@ -48,7 +48,7 @@ from tinylm.data.tasks import make_task, parse_task_spec
 from tinylm.errors import TinyLMError
 from tinylm.model.grow import grow_vocabulary
 from tinylm.checkpoint import save_checkpoint
-from tinylm.run import ADAPTER_FOLDER, RUN_FILE, Checkpoint, RunResult, checkpoint_path, has_checkpoint, load_checkpoint
+from tinylm.run import ADAPTER_FOLDER, CONFIG_FILE, RUN_FILE, Checkpoint, RunResult, checkpoint_path, has_checkpoint, load_checkpoint
 from tinylm.tokenizers.chat_template import with_chat_tokens
 from tinylm.train import BatchSource, train
 
@@ -119,7 +119,7 @@ def with_adapter_folder(result: RunResult, log: Callable[[str], None]) -> RunRes
     from tinylm.export.peft import export_peft
 
     folder = Path(result.run_dir)
-    if not (folder / "config.toml").is_file() or not build_config(load_config_file(folder / "config.toml")).train.lora_rank:
+    if not (folder / CONFIG_FILE).is_file() or not build_config(load_config_file(folder / CONFIG_FILE)).train.lora_rank:
         return result
     try:
         where = export_peft(folder, folder / ADAPTER_FOLDER, overwrite=True)

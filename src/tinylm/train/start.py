@@ -38,7 +38,6 @@ from tinylm.model.lora import LoraSettings, add_lora, load_adapter
 from tinylm.model.memory import check_fits
 from tinylm.run import (
     CONFIG_FILE,
-    LORA_BASE,
     RUN_FILE,
     Checkpoint,
     RunResult,
