@@ -8,7 +8,8 @@ Run from the repository root, with a trained default run (`tinylm train` makes r
 Each variant is one `tinylm finetune` of the run on a task (the task's 20,000 training items, the
 default budget unless ``steps=N``), then `tinylm eval --task` on its 200 held-out items: the exact
 match of greedy replies. A variant is ``full`` (every weight) or comma-separated LoRA settings:
-``rank``, ``alpha``, ``lr``, ``targets`` (attention, mlp, all or W_q,...), ``dropout``, and ``steps``.
+``rank``, ``alpha``, ``lr``, ``targets`` (attention, mlp, outer, all or W_q,..., joined by "+"), ``dropout``, ``bratio`` (B's
+rate over A's, LoRA+), ``wd`` (weight decay), ``warmup``, ``decay`` (the schedule), and ``steps``.
 ``time=full`` gives a LoRA variant the steps that fit in the first full fine-tuning's training time on
 that task (from the two runs' measured seconds per step), the comparison at equal time.
 
@@ -30,7 +31,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 FLAGS = {"rank": "--lora-rank", "alpha": "--lora-alpha", "lr": "--lr", "targets": "--lora-targets",
-         "dropout": "--lora-dropout", "steps": "--max-steps"}
+         "dropout": "--lora-dropout", "steps": "--max-steps", "bratio": "--lora-b-lr-ratio", "wd": "--weight-decay",
+         "warmup": "--warmup-steps", "decay": "--decay"}
 
 
 def tinylm(*args: str) -> str:
@@ -53,7 +55,8 @@ def parse_variant(spec: str) -> dict[str, str]:
 def finetune(base: Path, task: str, work: Path, name: str, settings: dict[str, str], common: list[str]) -> dict:
     """One fine-tuning and its score: exact match, wall seconds, steps, seconds per step."""
     out = work / f"{task}-{name}"
-    flags = [a for key, value in settings.items() if key in FLAGS for a in (FLAGS[key], value)]
+    # targets=all+outer: "+" joins target names inside a variant, whose settings are comma-separated
+    flags = [a for key, value in settings.items() if key in FLAGS for a in (FLAGS[key], value.replace("+", ","))]
     started = time.perf_counter()
     tinylm("finetune", "--from", str(base), "--data", f"tasks:{task}", "--out", str(out), "--data-dir",
            str(work / f"data-{task}"), "--no-progress", "--sample-tokens", "0", *flags, *common)

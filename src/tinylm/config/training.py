@@ -31,13 +31,15 @@ LOG_BACKENDS = ("jsonl", "tensorboard", "wandb")
 # the matrices LoRA may correct (`tinylm.model.lora`), by their names in a Transformer's blocks, and the groups
 LORA_ATTENTION = ("W_q", "W_k", "W_v", "W_o")
 LORA_MLP = ("W_1", "W_2", "W_3")
-LORA_TARGET_GROUPS = {"attention": LORA_ATTENTION, "mlp": LORA_MLP, "all": LORA_ATTENTION + LORA_MLP}
+LORA_OUTER = ("E", "lm_head")  # the token embedding and the output head, outside the blocks
+LORA_TARGET_GROUPS = {"attention": LORA_ATTENTION, "mlp": LORA_MLP, "all": LORA_ATTENTION + LORA_MLP,
+                      "outer": LORA_OUTER}
 
 
 def lora_target_names(targets: str) -> tuple[str, ...]:
     """The projection names a lora_targets setting means, in a fixed order ("attention,W_1" -> W_q, W_k, W_v, W_o,
     W_1)."""
-    known = LORA_ATTENTION + LORA_MLP
+    known = LORA_ATTENTION + LORA_MLP + LORA_OUTER
     wanted: set[str] = set()
     for word in (w.strip() for w in targets.split(",")):
         if word in LORA_TARGET_GROUPS:
@@ -152,8 +154,12 @@ class TrainConfig:
         "with lora_rank: the last this many token ids (chat tokens fine-tuning added) train their embedding and "
         "output-head rows too, as the adapter's; tinylm finetune sets it")
     lora_targets: str = setting("all",
-        "the matrices LoRA corrects: attention (W_q, W_k, W_v, W_o), mlp (W_1, W_2, W_3), all, or projection "
-        "names, comma-separated (e.g. W_q,W_v)")
+        "the matrices LoRA corrects: attention (W_q, W_k, W_v, W_o), mlp (W_1, W_2, W_3), all (both), outer (the "
+        "token embedding E and the untied head lm_head), or names, comma-separated (e.g. W_q,W_v or all,outer); "
+        "tinylm finetune makes it all,outer unless given")
+    lora_b_lr_ratio: float = setting(1.0,
+        "with lora_rank: B's learning rate over A's (LoRA+, Hayou et al. 2024, suggest 16: B starts at zero and "
+        "learns slowly at A's rate); 1: one rate for both")
     # -- evaluation, checkpoints, logging
     eval_interval: int = setting(250, "evaluate on the validation split every this many steps")
     eval_tokens: int = setting(65536,
@@ -241,6 +247,8 @@ class TrainConfig:
             raise TinyLMError(f"lora_new_tokens must be 0 or more, got {self.lora_new_tokens}")
         if self.lora_alpha is not None and not (math.isfinite(self.lora_alpha) and self.lora_alpha > 0):
             raise TinyLMError(f"lora_alpha must be a positive number, got {self.lora_alpha}")
+        if not (math.isfinite(self.lora_b_lr_ratio) and self.lora_b_lr_ratio > 0):
+            raise TinyLMError(f"lora_b_lr_ratio must be a positive number, got {self.lora_b_lr_ratio}")
         if not 0.0 <= self.lora_dropout < 1.0:
             raise TinyLMError(f"lora_dropout must be in [0, 1), got {self.lora_dropout}")
         lora_target_names(self.lora_targets)  # an unknown target is an error now, not when training starts

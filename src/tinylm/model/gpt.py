@@ -39,6 +39,7 @@ from tinylm.config import GPTConfig
 from tinylm.errors import TinyLMError
 from tinylm.model.attention import CausalSelfAttention, KVCacheLayer
 from tinylm.model.head_loss import IGNORE_INDEX, head_loss, next_token_loss
+from tinylm.model.lora import head_weight
 from tinylm.model.memory import check_fits
 from tinylm.model.positions import LearnedPositions, RopeScaling, RotaryPositions, SinusoidalPositions
 
@@ -231,7 +232,7 @@ class GPT(nn.Module):
         if targets is not None and not return_logits:
             device = h.device.type
             dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else h.dtype
-            loss = head_loss(h.flatten(0, 1), self.lm_head.weight, targets.flatten(), dtype, self.config.logit_softcap)
+            loss = head_loss(h.flatten(0, 1), head_weight(self.lm_head), targets.flatten(), dtype, self.config.logit_softcap)
             if reduction == "mean":  # as F.cross_entropy: NaN when no target counts
                 loss = loss / (targets != IGNORE_INDEX).sum()
             return None, loss

@@ -42,6 +42,7 @@ from torch import Tensor, nn
 
 from tinylm.config.training import LORA_ATTENTION as ATTENTION
 from tinylm.config.training import LORA_MLP as MLP
+from tinylm.config.training import LORA_OUTER as OUTER
 from tinylm.config.training import LORA_TARGET_GROUPS as TARGET_GROUPS
 from tinylm.config.training import lora_target_names as target_names
 from tinylm.errors import TinyLMError
@@ -76,11 +77,16 @@ class LoraSettings:
                    train_config.lora_new_tokens)
 
 
-def target_modules(model: nn.Module, targets: str) -> dict[str, nn.Linear]:
-    """The model's linear layers that ``targets`` names, by module name (``blocks.0.attn.W_q``)."""
+def target_modules(model: nn.Module, targets: str) -> dict[str, nn.Linear | nn.Embedding]:
+    """The model's layers that ``targets`` names, by module name (``blocks.0.attn.W_q``, ``E``, ``lm_head``)."""
     names = target_names(targets)
     found = {name: m for name, m in model.named_modules()
              if isinstance(m, nn.Linear) and name.rsplit(".", 1)[-1] in names and name.startswith("blocks.")}
+    outer = [name for name in OUTER if name in names]
+    if outer and getattr(model.config, "tie_embeddings", False):
+        raise TinyLMError(f"lora_targets {', '.join(outer)}: this model's head is its embedding (tied), which a "
+                          "low-rank correction to one of them would split; leave E and lm_head out of lora_targets")
+    found.update({name: getattr(model, name) for name in outer if hasattr(model, name)})
     if not found:
         raise TinyLMError(f"lora_targets {targets!r} names no matrix of this model (a Transformer's blocks hold "
                           f"{', '.join(ATTENTION + MLP)}); an LSTM or RNN is fine-tuned whole (lora_rank = 0)")
@@ -118,6 +124,35 @@ class LoRALinear(nn.Linear):
         return f"{super().extra_repr()}, rank={self.lora_A.shape[0]}, scale={self.scale:g}"
 
 
+class LoRAEmbedding(nn.Embedding):
+    """A frozen token embedding plus a trained low-rank correction to its table: row x of E + scale * B A, where
+    B (|V| x r) starts at zero and A (r x d) random, the same form as `LoRALinear`'s (W is |V| x d here), so that
+    `merge_adapter` folds both alike. Looking up B's rows costs r numbers per token, not a |V| x d table."""
+
+    def __init__(self, base: nn.Embedding, settings: LoraSettings) -> None:
+        nn.Module.__init__(self)
+        self.num_embeddings, self.embedding_dim = base.num_embeddings, base.embedding_dim
+        self.padding_idx, self.max_norm, self.sparse = base.padding_idx, None, False
+        self.norm_type, self.scale_grad_by_freq = 2.0, False
+        self.weight = base.weight
+        self.scale = settings.scale
+        dev, dtype = base.weight.device, base.weight.dtype
+        self.lora_A = nn.Parameter(torch.empty(settings.rank, self.embedding_dim, device=dev, dtype=dtype))
+        self.lora_B = nn.Parameter(torch.zeros(self.num_embeddings, settings.rank, device=dev, dtype=dtype))
+        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
+
+    def forward(self, idx: Tensor) -> Tensor:
+        return F.embedding(idx, self.weight) + self.scale * (F.embedding(idx, self.lora_B) @ self.lora_A)
+
+
+def head_weight(head: nn.Linear) -> Tensor:
+    """The output head's weight as the model computes with it: with a LoRA correction, W + scale * B A (for the
+    loss that reads the weight in slices instead of calling the layer)."""
+    if isinstance(head, LoRALinear):
+        return head.weight + head.scale * (head.lora_B @ head.lora_A)
+    return head.weight
+
+
 class NewRows(nn.Module):
     """The rows of token ids a fine-tuning added (the chat markers), trained beside a frozen table: the weight read
     is the table with ``lora_rows`` (new_tokens x d, starting at zero) added to its last rows. Without it those rows
@@ -153,7 +188,8 @@ def add_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
         p.requires_grad_(False)
     for name, linear in targets.items():
         parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name), child, LoRALinear(linear, settings))
+        wrapped = LoRAEmbedding(linear, settings) if isinstance(linear, nn.Embedding) else LoRALinear(linear, settings)
+        setattr(model.get_submodule(parent_name), child, wrapped)
     if settings.new_tokens:
         add_new_rows(model, settings.new_tokens)
     return model

@@ -123,10 +123,13 @@ def lora_matrix_shapes(config: GPTConfig) -> dict[str, tuple[int, int]]:
 
 def lora_params(config: GPTConfig, rank: int, targets: str = "all") -> int:
     """The numbers a LoRA adapter of rank r on ``targets`` trains: r (d_in + d_out) for each matrix it corrects
-    (A is r x d_in, B is d_out x r), in every layer. A target the model does not have (W_3 of a GELU MLP) adds none."""
+    (A is r x d_in, B is d_out x r), in every layer. A target the model does not have (W_3 of a GELU MLP) adds none; the embedding E and the head
+    (|V| x d each) add r (|V| + d) once."""
     shapes = lora_matrix_shapes(config)
-    per_layer = sum(rank * sum(shapes[name]) for name in lora_target_names(targets) if name in shapes)
-    return config.n_layer * per_layer
+    names = lora_target_names(targets)
+    per_layer = sum(rank * sum(shapes[name]) for name in names if name in shapes)
+    outer = sum(rank * (config.vocab_size + config.d_model) for name in ("E", "lm_head") if name in names)
+    return config.n_layer * per_layer + outer
 
 
 def training_memory(config: GPTConfig, bytes_per_value: int = 4, optimizer: str = "adamw",

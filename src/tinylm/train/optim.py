@@ -8,7 +8,11 @@ Every trainable parameter falls in one of four roles (`parameter_roles`):
     matrix     every other parameter with 2 or more dimensions: the blocks' W_q, W_k, W_v, W_o,
                the MLP's W_1, W_2, W_3 (an RNN's or LSTM's weight matrices)
     vector     every 1-dimensional parameter: norm gains, biases, the per-layer scalars
-    adapter    a LoRA run's A and B matrices (everything else is frozen there: `tinylm.model.lora`)
+    router     a Mixture of Experts' router matrices W_r (E x d): AdamW at ``lr`` even under Muon
+               (`tinylm.model.moe`; the experts' W_1, W_2, W_3 are matrices like the dense MLP's)
+    adapter    a LoRA run's A matrices and new-token rows (everything else is frozen there:
+               `tinylm.model.lora`), and its B matrices (``adapter_B``), at ``lora_b_lr_ratio`` times
+               the rate (LoRA+)
 
 **Weight decay** pulls every weight toward zero a little at each step (AdamW: w <- w - lr * wd * w,
 "decoupled" from the gradient; SGD: an L2 penalty added to the gradient). It is meant for the
@@ -49,7 +53,7 @@ from torch import nn
 from tinylm.config import TrainConfig
 from tinylm.errors import TinyLMError
 
-ROLES = ("embedding", "head", "matrix", "vector", "adapter")
+ROLES = ("embedding", "head", "matrix", "vector", "adapter", "adapter_B", "router")
 
 
 def parameter_roles(model: nn.Module) -> dict[str, str]:
@@ -61,12 +65,16 @@ def parameter_roles(model: nn.Module) -> dict[str, str]:
     for name, p in model.named_parameters():  # named_parameters lists a shared (tied) tensor once
         if not p.requires_grad:
             continue
-        if name.endswith((".lora_A", ".lora_B", ".lora_rows")):
+        if name.endswith(".lora_B"):
+            roles[name] = "adapter_B"
+        elif name.endswith((".lora_A", ".lora_rows")):
             roles[name] = "adapter"
         elif id(p) in embedding_ids:
             roles[name] = "embedding"
         elif id(p) == head_id:
             roles[name] = "head"
+        elif name.endswith(".router.weight"):
+            roles[name] = "router"
         else:
             roles[name] = "matrix" if p.dim() >= 2 else "vector"
     return roles
@@ -119,8 +127,11 @@ def _groups(model: nn.Module, config: TrainConfig) -> Iterator[tuple[str, dict[s
                    config.weight_decay if config.muon_weight_decay is None else config.muon_weight_decay)
         if muon else (fallback, config.lr, config.weight_decay),
         "vector": (fallback, config.lr, 0.0),
+        # a few logits a token, whose every direction Muon would move as far as the largest: AdamW at lr
+        "router": (fallback, config.lr, config.weight_decay),
         # thin low-rank factors, not hidden matrices for Muon to orthogonalize: AdamW (or SGD) at lr
         "adapter": (fallback, config.lr, config.weight_decay),
+        "adapter_B": (fallback, config.lr * config.lora_b_lr_ratio, config.weight_decay),  # LoRA+ when the ratio > 1
     }
     groups: dict[tuple[str, float, float], dict[str, Any]] = {}
     for name, role in roles.items():
