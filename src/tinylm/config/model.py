@@ -32,12 +32,18 @@ PositionKind = Literal["learned", "sinusoidal", "rope", "none"]
 RopeScalingKind = Literal["none", "linear", "llama3"]
 AttentionKind = Literal["sdpa", "reference", "tiled"]
 SmoothingKind = Literal["kn", "add-k", "mle", "kn-nltk"]
+MoERouter = Literal["softmax", "sigmoid"]
+MoEBalance = Literal["aux", "bias", "none"]
+MoEDispatch = Literal["fast", "reference"]
 # the transformers / llama.cpp architecture an export writes; "auto" is the first that computes the model
 ExportArchitecture = Literal["auto", "gpt2", "llama", "qwen3", "qwen2", "mistral", "phi3", "gemma2", "gemma3"]
 
 # SwiGLU's hidden width when not given: 8/3 d (so its three matrices hold as many weights as
 # GELU's two at 4 d), rounded up to a multiple of this so the matrices tile well on hardware.
 SWIGLU_MULTIPLE = 64
+# A Mixture-of-Experts expert's hidden width when not given is d_ff / (top_k + shared experts), rounded to a
+# multiple of this (at least one multiple): a token then does the dense MLP's multiply-adds.
+MOE_MULTIPLE = 8
 
 
 @dataclass
@@ -75,6 +81,36 @@ class GPTConfig:
     mlp: MLPKind = setting("gelu", "the MLP: GELU (GPT-2), SwiGLU (Llama), ReLU^2 or GeGLU (Gemma)")
     d_ff: int | None = setting(None, "the MLP's hidden width (unset: 4 d for gelu and relu2, about 8/3 d for the "
                                "gated swiglu and geglu)")
+    # -- Mixture of Experts (`tinylm.model.moe`): every block's MLP becomes moe_experts MLPs of the kind above,
+    # each token sent through the moe_top_k its router scores highest, their outputs mixed by the gate weights
+    moe_experts: int = setting(0, "experts per MoE layer, each an MLP of the kind --mlp says (0: the dense MLP)")
+    moe_top_k: int = setting(2, "with moe_experts: the experts each token goes through")
+    moe_shared_experts: int = setting(
+        0, "with moe_experts: 1 adds an expert every token goes through, beside the routed ones (0: none)")
+    moe_d_ff: int | None = setting(
+        None, "with moe_experts: an expert's hidden width (unset: d_ff / (top_k + shared experts), a multiple of "
+        "8, so a token does about the dense MLP's FLOPs)")
+    # softmax: p = softmax(x W_r), the top k of p, renormalised over them (Mixtral); sigmoid: s = sigmoid(x W_r),
+    # the top k of s, normalised over them (DeepSeek-V3)
+    moe_router: MoERouter = setting(
+        "softmax", "with moe_experts: the router's scores, softmax over the experts (Mixtral) or a sigmoid each "
+        "(DeepSeek-V3)")
+    moe_norm_topk: bool = setting(
+        True, "with moe_experts: divide the chosen experts' scores by their sum (false: the scores themselves are "
+        "the gate weights, Qwen2-MoE's norm_topk_prob = false)")
+    moe_balance: MoEBalance = setting(
+        "aux", "with moe_experts: keep the experts' loads even by a loss (aux: Switch, Mixtral), by a bias on "
+        "the scores that choose them (bias: DeepSeek-V3, no loss), or not at all (none)")
+    moe_aux_weight: float = setting(
+        0.01, "with moe_balance aux: the weight of the load-balancing loss E sum_i f_i P_i (1 when even)")
+    moe_z_weight: float = setting(
+        0.001, "with moe_experts: the weight of the router z-loss, the mean of logsumexp(x W_r)^2 (0: none)")
+    moe_bias_rate: float = setting(
+        0.001, "with moe_balance bias: how far each expert's bias moves after a step, toward even loads")
+    # both compute the same function; the tests pin them equal
+    moe_dispatch: MoEDispatch = setting(
+        "fast", "MoE implementation: tokens sorted by expert and multiplied in groups (fast), or a loop over "
+        "the experts (reference)")
     norm: NormKind = setting("layernorm", "LayerNorm or RMSNorm")
     # pre: a final norm before the head too, as modern LMs; post: the original Transformer's, no final norm;
     # sandwich: pre, and each sublayer's output normalized again before it is added (four norms a block)
@@ -178,6 +214,14 @@ class GPTConfig:
         return self.sliding_window
 
     @property
+    def moe_hidden_dim(self) -> int:
+        """An expert's hidden width: moe_d_ff, or hidden_dim / (top_k + shared experts) rounded to `MOE_MULTIPLE`."""
+        if self.moe_d_ff is not None:
+            return self.moe_d_ff
+        share = self.hidden_dim / (self.moe_top_k + self.moe_shared_experts)
+        return max(MOE_MULTIPLE, MOE_MULTIPLE * round(share / MOE_MULTIPLE))
+
+    @property
     def hidden_dim(self) -> int:
         """The MLP's hidden width: d_ff, or 4 d for gelu and 8/3 d rounded up to a multiple of 64 for the gated ones."""
         if self.d_ff is not None:
@@ -245,6 +289,7 @@ class GPTConfig:
                               "every projection has one already: leave qkv_bias unset or add --no-bias")
         self._check_rope_scaling()
         self._check_windows()
+        self._check_moe()
         if self.positions == "sinusoidal" and self.d_model % 2:
             raise TinyLMError(
                 f"positions = 'sinusoidal' pairs a sine and a cosine per frequency, so d_model must be even; "
@@ -263,6 +308,27 @@ class GPTConfig:
         if self.rope_local_theta is not None and self.positions != "rope":
             raise TinyLMError(f"rope_local_theta is RoPE's base on the windowed layers, but positions = "
                               f"{self.positions!r}: use positions = 'rope' or leave it unset")
+
+    def _check_moe(self) -> None:
+        if self.moe_experts < 0 or self.moe_experts == 1:
+            raise TinyLMError(f"moe_experts is 0 (the dense MLP) or 2 or more experts to route among, got "
+                              f"{self.moe_experts}")
+        if self.moe_shared_experts not in (0, 1):
+            raise TinyLMError(f"moe_shared_experts is 0 or 1, got {self.moe_shared_experts}")
+        if self.moe_d_ff is not None and self.moe_d_ff <= 0:
+            raise TinyLMError(f"moe_d_ff must be a positive integer (or left out), got {self.moe_d_ff}")
+        for name in ("moe_aux_weight", "moe_z_weight", "moe_bias_rate"):
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
+                raise TinyLMError(f"{name} must be 0 or a positive number, got {getattr(self, name)}")
+        if not self.moe_experts:
+            return
+        if not 1 <= self.moe_top_k <= self.moe_experts:
+            raise TinyLMError(f"moe_top_k ({self.moe_top_k}) must be between 1 and moe_experts "
+                              f"({self.moe_experts}): each token goes through top_k of the experts")
+        if self.moe_top_k == 1 and self.moe_norm_topk:
+            raise TinyLMError("moe_top_k = 1 with the gate weights normalised over the chosen experts makes every "
+                              "gate weight 1, so the loss never teaches the router: add --no-moe-norm-topk (Switch: "
+                              "the gate is the expert's score) or use moe_top_k 2 or more")
 
     def _check_rope_scaling(self) -> None:
         used = {"none": (), "linear": ("rope_factor",),
@@ -296,7 +362,9 @@ TRANSFORMER_ONLY = frozenset({
     "n_head", "n_kv_head", "d_head", "mlp", "d_ff", "norm", "norm_position", "norm_eps", "positions", "rope_theta",
     "rope_scaling", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_context",
     "sliding_window", "bias", "qkv_bias", "attention", "tile_size", "sliding_window_pattern", "rope_local_theta",
-    "embed_scale", "attn_scale_dim", "attn_softcap", "export_as"})
+    "embed_scale", "attn_scale_dim", "attn_softcap", "export_as", "moe_experts", "moe_top_k", "moe_shared_experts",
+    "moe_d_ff", "moe_router", "moe_norm_topk", "moe_balance", "moe_aux_weight", "moe_z_weight", "moe_bias_rate",
+    "moe_dispatch"})
 NGRAM_ONLY = frozenset({"order", "smoothing", "add_k"})
 
 

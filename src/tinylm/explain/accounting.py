@@ -47,6 +47,7 @@ from tinylm.model.memory import (  # noqa: F401
     count_params,
     kv_cache_bytes_per_token,
     mlp_layer_params,
+    mlp_matmul_weights,
     norm_params,
     param_breakdown,
     training_memory,
@@ -54,22 +55,20 @@ from tinylm.model.memory import (  # noqa: F401
 
 def matmul_params(config: GPTConfig) -> int:
     """N of the FLOP formula: weights used in matrix multiplications per token (no biases, norms or lookups)."""
-    d, hs, nh, nkv, d_ff = config.d_model, config.head_dim, config.n_head, config.kv_heads, config.hidden_dim
+    d, hs, nh, nkv = config.d_model, config.head_dim, config.n_head, config.kv_heads
     attention = d * nh * hs + 2 * d * nkv * hs + nh * hs * d
-    mlp = (3 if config.gated else 2) * d * d_ff
-    return config.n_layer * (attention + mlp) + d * config.vocab_size
+    return config.n_layer * (attention + mlp_matmul_weights(config)) + d * config.vocab_size
 
 
 def forward_flops_breakdown(config: GPTConfig, seq_len: int | None = None) -> dict[str, int]:
     """Forward-pass FLOPs per token by part (a multiply-add counts 2), with a context of ``seq_len`` tokens."""
     T = _context(config, seq_len)
-    d, hs, nh, nkv, d_ff, L = (config.d_model, config.head_dim, config.n_head, config.kv_heads,
-                               config.hidden_dim, config.n_layer)
+    d, hs, nh, nkv, L = config.d_model, config.head_dim, config.n_head, config.kv_heads, config.n_layer
     return {
         "attention_projections": L * 2 * (d * nh * hs + 2 * d * nkv * hs + nh * hs * d),
         "attention_scores": L * 2 * nh * hs * T,  # q k_j^T for T keys, every head
         "attention_weighted_sum": L * 2 * nh * hs * T,  # sum_j a_j v_j over T values, every head
-        "mlp": L * 2 * (3 if config.gated else 2) * d * d_ff,
+        "mlp": L * 2 * mlp_matmul_weights(config),  # a Mixture of Experts: the experts a token goes through
         "lm_head": 2 * d * config.vocab_size,
     }
 

@@ -30,7 +30,7 @@ from tinylm.explain.accounting import (activation_bytes, attention_inner_product
                                        kv_cache_bytes, matmul_params, param_breakdown, training_memory)
 from tinylm.explain.plots import save_figure
 from tinylm.model.lora import LoraSettings, target_names
-from tinylm.model.memory import BYTES_PER_VALUE, lora_matrix_shapes
+from tinylm.model.memory import BYTES_PER_VALUE, count_active_params, expert_params, lora_matrix_shapes
 
 # float32 training's (B, T, |V|) tensors at the start of the backward pass, when a step's memory peaks: the
 # logits, their log-softmax (which the loss keeps) and the two gradients the backward pass makes of them
@@ -54,6 +54,8 @@ def cost_report(config: GPTConfig, batch_size: int = 1, seq_len: int | None = No
         "attention_layer_weights": attention_layer_weights(config),
         "attention_layer_params": attention_layer_params(config),
         "tied_embeddings": config.tie_embeddings,
+        "active_params": count_active_params(config),
+        **({"moe": moe_report(config)} if config.moe_experts else {}),
         "forward_flops_per_token": forward_flops_breakdown(config, T),
         "flops_per_token": exact_flops_per_token(config, T),
         # the rule with N = the weights that multiply (no lookups, biases or norms), beside its usual all-parameter N
@@ -66,6 +68,23 @@ def cost_report(config: GPTConfig, batch_size: int = 1, seq_len: int | None = No
         "training_memory_bytes": training_memory(config),
         **({"lora": lora_cost_report(config, lora, batch_size, T, optimizer)} if lora is not None else {}),
     }
+
+
+def moe_report(config: GPTConfig) -> dict[str, int]:
+    """A Mixture of Experts' shape per layer: experts, how many a token takes, their width and parameters, the router."""
+    return {"experts": config.moe_experts, "top_k": config.moe_top_k, "shared": config.moe_shared_experts,
+            "expert_d_ff": config.moe_hidden_dim, "expert_params": expert_params(config, config.moe_hidden_dim),
+            "router_params": config.d_model * config.moe_experts}
+
+
+def format_moe(moe: dict[str, int], total: int, active: int) -> str:
+    """The Mixture-of-Experts lines of the parameter table: all the parameters, and those one token goes through."""
+    shared = " and the shared one" if moe["shared"] else ""
+    return (f"  Mixture of Experts: {moe['experts']} experts a layer of {moe['expert_params']:,} parameters each "
+            f"(hidden width {moe['expert_d_ff']}), router {moe['router_params']:,}; a token goes through "
+            f"{moe['top_k']}{shared}\n"
+            f"  {'active per token':<32}{active:>16,}  ({active / total:.0%} of the total; the FLOPs below are "
+            "the active ones)")
 
 
 def _size(n: float) -> str:
@@ -83,6 +102,8 @@ def format_cost(report: dict[str, Any]) -> str:
     lines += [f"  {name:<32}{n:>16,}" for name, n in p.items() if n or name == "total"]
     if report["tied_embeddings"]:
         lines.append("  (the output head is tied to the token embedding: counted once)")
+    if "moe" in report:
+        lines.append(format_moe(report["moe"], p["total"], report["active_params"]))
     w, n = report["attention_layer_weights"], report["attention_layer_params"]
     lines.append(f"  one attention layer: {w:,} weights (W_q, W_k, W_v, W_o)"
                  + (f", {n:,} with its biases and norm gains" if n != w else ", no biases"))

@@ -70,8 +70,8 @@ ONE_TOKEN_INDUCTOR_OPTIONS = {"realize_reads_threshold": 1, "realize_cpu_opcount
 
 
 def supports(model: nn.Module) -> bool:
-    """Whether `DecodeWeights` can lay out ``model``: a GPT without a bigram-hash table."""
-    return isinstance(model, GPT) and not model.config.bigram_hash
+    """Whether `DecodeWeights` can lay out ``model``: a GPT without a bigram-hash table or Mixture-of-Experts MLPs."""
+    return isinstance(model, GPT) and not model.config.bigram_hash and not model.config.moe_experts
 
 
 def _fused(linears: tuple[nn.Linear, ...], in_out: bool) -> tuple[Tensor, Tensor | None]:

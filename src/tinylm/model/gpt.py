@@ -41,6 +41,8 @@ from tinylm.model.attention import CausalSelfAttention, KVCacheLayer
 from tinylm.model.head_loss import IGNORE_INDEX, head_loss, next_token_loss
 from tinylm.model.lora import head_weight
 from tinylm.model.memory import check_fits
+from tinylm.model.mlp import MLP, mlp_activation  # noqa: F401 (mlp_activation: the fast decoder's)
+from tinylm.model.moe import MoE
 from tinylm.model.positions import LearnedPositions, RopeScaling, RotaryPositions, SinusoidalPositions
 
 
@@ -63,42 +65,6 @@ def make_norm(config: GPTConfig) -> nn.Module:
     return nn.LayerNorm(config.d_model, eps=config.norm_eps, bias=config.bias)
 
 
-class MLP(nn.Module):
-    """The per-position feed-forward network: GELU (GPT-2), SwiGLU (Llama), GeGLU (Gemma) or ReLU^2 (modded-nanogpt).
-
-    gelu:   y = GELU(x W_1) W_2, with GELU in GPT-2's tanh approximation ("gelu_new" in Hugging
-            Face), so GPT-2 weights give GPT-2's outputs.
-    swiglu: y = (SiLU(x W_1) * (x W_3)) W_2: a gated unit, x W_3 scaled elementwise by a gate.
-    geglu:  y = (GELU(x W_1) * (x W_3)) W_2: the same with GELU's tanh form as the gate.
-    relu2:  y = ReLU(x W_1)^2 W_2 (So et al., 2021, "Primer"): as cheap as GELU, sparser.
-    """
-
-    def __init__(self, config: GPTConfig) -> None:
-        super().__init__()
-        d, d_ff = config.d_model, config.hidden_dim
-        self.kind = config.mlp
-        self.gated = config.gated
-        self.W_1 = nn.Linear(d, d_ff, bias=config.bias)
-        if self.gated:
-            self.W_3 = nn.Linear(d, d_ff, bias=config.bias)
-        self.W_2 = nn.Linear(d_ff, d, bias=config.bias)
-
-    def forward(self, x: Tensor) -> Tensor:
-        hidden = mlp_activation(self.kind, self.W_1(x), self.W_3(x) if self.gated else None)  # (B, T, d_ff)
-        return self.W_2(hidden)  # (B, T, d)
-
-
-def mlp_activation(kind: str, a: Tensor, b: Tensor | None = None) -> Tensor:
-    """The MLP's hidden layer from a = x W_1 (and, gated, b = x W_3): SiLU(a) * b, GELU(a) * b, ReLU(a)^2 or GELU(a)."""
-    if kind == "swiglu":
-        return F.silu(a) * b
-    if kind == "geglu":
-        return F.gelu(a, approximate="tanh") * b
-    if kind == "relu2":
-        return F.relu(a).square()
-    return F.gelu(a, approximate="tanh")
-
-
 class Block(nn.Module):
     """One Transformer layer: attention then MLP, each with a norm and a residual connection."""
 
@@ -108,7 +74,7 @@ class Block(nn.Module):
         self.norm_1 = make_norm(config)
         self.attn = CausalSelfAttention(config, layer)
         self.norm_2 = make_norm(config)
-        self.mlp = MLP(config)
+        self.mlp = MoE(config) if config.moe_experts else MLP(config)  # MoE: experts behind a router
         # sandwich (Gemma 2 and 3): each sublayer's output normalized too before it joins the stream
         self.norm_1_out = make_norm(config) if config.norm_position == "sandwich" else nn.Identity()
         self.norm_2_out = make_norm(config) if config.norm_position == "sandwich" else nn.Identity()
@@ -134,6 +100,11 @@ class Block(nn.Module):
             h = self.norm_1(h + self.dropout(a))  # (B, T, d)
             h = self.norm_2(h + self.dropout(self.mlp(h)))  # (B, T, d)
         return h, weights
+
+
+def residual_mlp_projections(mlp: nn.Module) -> list[nn.Linear]:
+    """The W_2 of a dense MLP, or of every expert (and the shared one) of a Mixture of Experts: they write into the stream."""
+    return [expert.W_2 for expert in mlp.all_experts()] if isinstance(mlp, MoE) else [mlp.W_2]
 
 
 def check_token_ids(idx: Tensor) -> None:
@@ -185,7 +156,7 @@ class GPT(nn.Module):
             elif isinstance(module, nn.Embedding):
                 nn.init.normal_(module.weight, mean=0.0, std=std)
         for block in self.blocks:
-            for residual_projection in (block.attn.W_o, block.mlp.W_2):
+            for residual_projection in (block.attn.W_o, *residual_mlp_projections(block.mlp)):
                 if self.config.zero_init_projections:
                     nn.init.zeros_(residual_projection.weight)
                 else:

@@ -60,13 +60,42 @@ def attention_layer_params(config: GPTConfig) -> int:
     return weights + biases + qk_norm + value_weight
 
 
-def mlp_layer_params(config: GPTConfig) -> int:
-    """Parameters of one MLP: two matrices for gelu, three for the gated swiglu and geglu, with biases if any."""
-    d, d_ff = config.d_model, config.hidden_dim
+def expert_params(config: GPTConfig, d_ff: int) -> int:
+    """Parameters of one MLP of hidden width ``d_ff``: two matrices for gelu, three for the gated swiglu and geglu,
+    with biases if any."""
+    d = config.d_model
     n_in = 2 if config.gated else 1  # W_1 (and W_3) map d -> d_ff; gelu and relu2 have no gate
     weights = (n_in + 1) * d * d_ff
     biases = n_in * d_ff + d if config.bias else 0
     return weights + biases
+
+
+def mlp_layer_params(config: GPTConfig) -> int:
+    """Parameters of one block's MLP: the dense MLP, or a Mixture of Experts' E experts (and the shared one) of
+    width moe_d_ff with its router W_r (d x E)."""
+    if not config.moe_experts:
+        return expert_params(config, config.hidden_dim)
+    experts = config.moe_experts + config.moe_shared_experts
+    return experts * expert_params(config, config.moe_hidden_dim) + config.d_model * config.moe_experts
+
+
+def active_mlp_layer_params(config: GPTConfig) -> int:
+    """The parameters of one block's MLP that a token goes through: all of a dense MLP; of a Mixture of Experts,
+    its top_k experts, the shared one and the router."""
+    if not config.moe_experts:
+        return mlp_layer_params(config)
+    experts = config.moe_top_k + config.moe_shared_experts
+    return experts * expert_params(config, config.moe_hidden_dim) + config.d_model * config.moe_experts
+
+
+def mlp_matmul_weights(config: GPTConfig) -> int:
+    """The weights a token multiplies by in one block's MLP (no biases): (2 or 3) d d_ff dense; with experts,
+    (2 or 3) d d_e for each of the top_k (and the shared one) and d E for the router."""
+    per_matrix = 3 if config.gated else 2
+    if not config.moe_experts:
+        return per_matrix * config.d_model * config.hidden_dim
+    experts = config.moe_top_k + config.moe_shared_experts
+    return experts * per_matrix * config.d_model * config.moe_hidden_dim + config.d_model * config.moe_experts
 
 
 def norm_params(config: GPTConfig) -> int:
@@ -97,6 +126,13 @@ def count_params(config: GPTConfig) -> int:
     if config.family in ("rnn", "lstm"):
         return count_recurrent_params(config)
     return sum(param_breakdown(config).values())
+
+
+def count_active_params(config: GPTConfig) -> int:
+    """The parameters one token goes through: `count_params`, less the experts a Mixture of Experts did not pick."""
+    if config.family != "gpt" or not config.moe_experts:
+        return count_params(config)
+    return count_params(config) - config.n_layer * (mlp_layer_params(config) - active_mlp_layer_params(config))
 
 
 def count_recurrent_params(config: GPTConfig) -> int:
@@ -150,7 +186,9 @@ def training_memory(config: GPTConfig, bytes_per_value: int = 4, optimizer: str 
         return memory
     states = OPTIMIZER_STATES[optimizer] * n
     if optimizer == "muon":  # one tensor for the blocks' matrices, AdamW's two for everything else
-        matrices = config.n_layer * (attention_layer_params(config) + mlp_layer_params(config)) * bytes_per_value
+        routers = config.d_model * config.moe_experts  # a Mixture of Experts' router is AdamW's
+        matrices = (config.n_layer * (attention_layer_params(config) + mlp_layer_params(config) - routers)
+                    * bytes_per_value)
         states = matrices + 2 * (n - matrices)
     memory = {"weights": n, "gradients": n, "optimizer": states}
     memory["total"] = sum(memory.values())
@@ -168,13 +206,13 @@ def kv_cache_bytes_per_token(config: GPTConfig, bytes_per_value: int = 4) -> int
 # GPT-2 small's sizes (GPTConfig's defaults), and a usual batch: a refusal names the field that is the
 # furthest above its usual size among those that make the largest part, since that is the one to lower
 USUAL_SIZES = {"n_layer": 12, "d_model": 768, "n_head": 12, "n_kv_head": 12, "d_head": 64, "d_ff": 3072,
-               "vocab_size": 50257, "bigram_hash": 50257, "block_size": 1024, "batch_size": 64, "grad_accum": 8}
+               "vocab_size": 50257, "bigram_hash": 50257, "moe_experts": 8, "block_size": 1024, "batch_size": 64, "grad_accum": 8}
 # which fields make each part (of the weights, or of the memory beside them)
 PART_FIELDS = {
     "token_embedding": ("vocab_size", "d_model"), "lm_head": ("vocab_size", "d_model"),
     "position_embedding": ("block_size", "d_model"),
     "attention": ("n_layer", "d_model", "d_head", "n_head", "n_kv_head"),
-    "mlp": ("n_layer", "d_ff", "d_model"), "norms": ("n_layer", "d_model"),
+    "mlp": ("n_layer", "d_ff", "d_model", "moe_experts"), "norms": ("n_layer", "d_model"),
     "value_embedding": ("vocab_size", "d_head", "n_kv_head", "d_model"),
     "bigram_embedding": ("bigram_hash", "d_model"), "recurrent_layers": ("n_layer", "d_model"),
     "position tables": ("block_size", "d_head", "d_model"),

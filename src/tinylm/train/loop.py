@@ -73,6 +73,7 @@ from tinylm.train.batches import BatchSource, micro_batches
 from tinylm.train.cost import cost_lines, run_cost, write_cost_table
 from tinylm.train.distributed import Distributed, gradient_sync
 from tinylm.train.metrics_sinks import MetricsLog, check_backends, open_metrics_log
+from tinylm.train.moe import MoETraining
 from tinylm.train.ngram import count_ngram
 from tinylm.train.optim import optimizers_of, set_schedule
 from tinylm.train.progress import Progress, closing_lines, eval_line, header_lines, plot_schedule_of, sample_lines
@@ -206,6 +207,7 @@ class _Trainer:
         self.optimizer, self.fsdp, self.autocast = built.optimizer, built.sharded, built.autocast
         self.head_in_slices = built.head_in_slices
         self.lora_base = built.lora_base  # a LoRA run's base: its checkpoints name it
+        self.moe = MoETraining(self.model, mc, ctx)  # a Mixture of Experts' losses, bias updates and loads
 
         # where the run stands: fresh, or as the checkpoint left it (its optimizer, random state and counts)
         state = ckpt.state if ckpt is not None else {}
@@ -276,7 +278,9 @@ class _Trainer:
                         logits, _ = self.step_model(**inputs)  # (B, T, |V|)
                     nll = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=IGNORE_INDEX,
                                           reduction="sum")
-                (nll * (W / n_targets)).backward()  # DDP divides by W when it averages gradients
+                loss = nll * (W / n_targets)  # DDP divides by W when it averages gradients
+                balance = self.moe.penalty(tc.grad_accum)  # MoE: the load-balancing and z losses
+                (loss if balance is None else loss + balance).backward()
             loss_sum += nll.detach()
         params = [p for p in self.model.parameters() if p.grad is not None]
         if tc.grad_clip > 0:
@@ -287,6 +291,7 @@ class _Trainer:
             norm = norm.full_tensor()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self.moe.after_step()  # MoE: the experts' loads over all processes, the selection biases moved
         self.step_inputs = batch.n_inputs  # the tokens the step read, padding left out
         return StepOutcome(loss_sum, n_targets, norm.detach())
 
@@ -370,7 +375,10 @@ class _Trainer:
                 left = rate * (self.total - done)
                 self.metrics.log({"kind": "train", "step": done, "loss": self.last_loss, "lr": lr,
                                   "tokens": self.tokens, "tokens_per_s": tok_s,
-                                  "grad_norm": float(pending[-1].outcome.grad_norm), "elapsed": self._elapsed()})
+                                  "grad_norm": float(pending[-1].outcome.grad_norm), "elapsed": self._elapsed(),
+                                  **self.moe.metrics()})
+                for line in self.moe.warnings():  # a collapsed MoE layer: said even when the progress is hidden
+                    (progress.write if progress.enabled else self.log_main)(line)
                 progress.update(done, len(pending), self.last_loss, lr, tok_s, left)
                 pending, window_start, window_tokens = [], now, 0
             improved = False

@@ -289,6 +289,9 @@ def check_lora(config: Config, init: Checkpoint | None, ckpt: Checkpoint | None,
     if config.model.family != "gpt":
         raise TinyLMError(f"LoRA (lora_rank = {lora}) adapts a Transformer's matrices; a {config.model.family} "
                           "model is fine-tuned whole: set lora_rank = 0")
+    if config.model.moe_experts:
+        raise TinyLMError(f"LoRA (lora_rank = {lora}) does not adapt a Mixture of Experts' experts in this tinylm; "
+                          "fine-tune the MoE model whole: set lora_rank = 0")
     if ckpt is None and init is None:
         raise TinyLMError("LoRA (lora_rank) trains an adapter on a model that is already trained: give it one with "
                           "--init-from RUN (tinylm finetune --from RUN does)")
