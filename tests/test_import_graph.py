@@ -15,8 +15,9 @@ may import from its own floor or any floor below, never from above. The floors, 
     4      tinylm.run, tinylm.checkpoint                 a trained model on disk: save and load
     5      tinylm.evaluate, tinylm.generate.*,           what one does with a trained model: measure it
            tinylm.compare, tinylm.explain.*,             (compare is evaluate over several runs; task_eval
-           tinylm.task_eval, tinylm.scoring              scores replies on built-in tasks, scoring the
-                                                         log-likelihood of continuations), sample
+           tinylm.task_eval, tinylm.scoring,             scores replies on built-in tasks, scoring the
+           tinylm.harness                                log-likelihood of continuations, harness
+                                                         answering lm-evaluation-harness's requests), sample
                                                          from it, account for and plot it (the training
                                                          loop reports with explain, so it sits below train)
     6      tinylm.train.*                                training a model (it evaluates and samples)
@@ -62,6 +63,7 @@ FLOORS: dict[str, int] = {
     "tinylm.evaluate": 5, "tinylm.generate": 5, "tinylm.compare": 5, "tinylm.explain": 5,
     "tinylm.train": 6,
     "tinylm.serve": 7, "tinylm.export": 7, "tinylm.finetune": 7, "tinylm.task_eval": 5, "tinylm.scoring": 5,
+    "tinylm.harness": 5,
     "tinylm.cli": 8, "tinylm.__main__": 8, "tinylm": 8,
 }
 

@@ -44,6 +44,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         raise TinyLMError("give the run once, with --run or as the argument, not both")
     if args.task is not None:
         return _eval_tasks(args, run)
+    if args.harness is not None:
+        return _eval_harness(args, run)
     result = evaluate_run(run, args.split, checkpoint=args.checkpoint, max_tokens=args.tokens or 0,
                           stride=args.stride, batch_size=args.batch_size, data_dir=args.data_dir,
                           corpus=load_corpus_from(args), tokenizer=args.tokenizer, device=_device(args.device),
@@ -77,6 +79,20 @@ def _eval_tasks(args: argparse.Namespace, run: str) -> int:
               f"{100 * s.ended_share:.1f}% of replies ended with the end-of-turn token")
         for prompt, answer, reply in s.examples:
             print(f"  {prompt!r} -> {reply!r} (answer {answer!r})")
+    return 0
+
+
+def _eval_harness(args: argparse.Namespace, run: str) -> int:
+    """`tinylm eval --harness`: lm-evaluation-harness tasks through `tinylm.harness.TinyLMHarness`."""
+    from tinylm.harness import run_harness, results_table
+
+    out = run_harness(run, [t for t in args.harness.split(",") if t], include_path=args.include_path,
+                      shots=args.shots, limit=args.limit, checkpoint=args.checkpoint, device=_device(args.device),
+                      batch_size=args.batch_size, threads=args.threads, log=_to_stderr)
+    if args.json:
+        print(json.dumps({"run": str(run), "tasks": out["results"], "n-shot": out["n-shot"]}, default=float))
+        return 0
+    print(results_table(out))
     return 0
 
 
@@ -124,6 +140,13 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    "tasks (tasks:add, tasks:add+spell, ...) as chats and score the greedy replies by exact match; or a "
                    "JSONL file of conversations, each asked up to its last (assistant's) message, the answer")
     p.add_argument("--items", type=positive_int, default=200, help="with --task: items per task (default: 200)")
+    p.add_argument("--harness", metavar="TASKS", help="instead of the loss: lm-evaluation-harness tasks, "
+                   "comma-separated (pip install -e \".[harness]\"); your own task YAMLs are found with --include-path")
+    p.add_argument("--include-path", metavar="DIR", help="with --harness: a folder of task YAMLs of your own "
+                   "(e.g. examples/harness)")
+    p.add_argument("--shots", type=integer, metavar="K", help="with --harness: examples before each question "
+                   "(default: each task's own)")
+    p.add_argument("--limit", type=positive_int, metavar="N", help="with --harness: the first N items of each task")
     p.add_argument("--json", action="store_true", help="print the numbers as one JSON object (for scripts)")
     add_threads_flag(p)
 
