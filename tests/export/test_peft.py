@@ -2,12 +2,13 @@
 
 For every family tinylm exports, a tiny random `transformers` model is imported as a tinylm run and a LoRA run is
 made on it with random A and B (both nonzero: a fresh adapter's B is zero and would hide any mistake in B or in
-the scale). Its adapter written by `export_peft` must give, in ``PeftModel.from_pretrained`` on the original
+the scale), on every projection and, where the head is untied, on the token embedding and the head too. Its adapter written by `export_peft` must give, in ``PeftModel.from_pretrained`` on the original
 model, the logits tinylm's merged model gives (float32, within 1e-4), and so must the run's merged hf export in
 `transformers` and its gguf export in llama.cpp (the same greedy tokens). The other way, adapters that PEFT
 itself makes (``get_peft_model`` with ``init_lora_weights=False``: random B), with other ranks and alphas per
-module, a subset of modules or layers, GPT-2's and Phi-3's fused matrices and rank-stabilised scaling, import
-as LoRA runs with PEFT's logits. What does not map is refused in one line.
+module, a subset of modules or layers, GPT-2's and Phi-3's fused matrices, rank-stabilised scaling and LoRA on
+embed_tokens and lm_head, import as LoRA runs with PEFT's logits. A chat fine-tuning's ``adapter/`` folder
+is PEFT's model on the Hugging Face export of its grown base. What does not map is refused in one line.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from exportkit import PROMPT, greedy, randomize, save
 
 from tinylm.cli import main
 from tinylm.errors import TinyLMError
-from tinylm.export import export_run, import_hf_into_run
+from tinylm.finetune import finetune
+from tinylm.export import export_hf, export_run, import_hf_into_run
 from tinylm.export.peft import export_peft, import_peft_into_run, matrix_modules, peft_adapter, read_peft
 from tinylm.model import build_model
 from tinylm.model.lora import LoraSettings, adapter_state, add_lora
@@ -34,6 +36,7 @@ from tinylm.run import (LORA_BASE, checkpoint_path, load_checkpoint, load_run, l
 
 import transformers
 from peft import LoraConfig, PeftModel, get_peft_model
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 ATOL = 1e-4
@@ -71,6 +74,7 @@ def hf_model(family: str) -> torch.nn.Module:
 
 
 FAMILIES = ["gpt2", "llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3"]
+TIED = {"gpt2"}  # GPT-2's head is its embedding: LoRA corrects neither
 
 
 @pytest.fixture(scope="module")
@@ -128,11 +132,14 @@ def ids(tokenizer) -> torch.Tensor:
 def test_a_lora_runs_adapter_loads_in_peft_and_its_merged_export_in_transformers_with_our_logits(
         family, bases, ids, tmp_path):
     hf_dir, base = bases(family)
-    run = lora_run(base, tmp_path / "lora", LoraSettings(rank=4, alpha=12.0, targets="all"))
+    targets = "all" if family in TIED else "all,outer"
+    run = lora_run(base, tmp_path / "lora", LoraSettings(rank=4, alpha=12.0, targets=targets))
     ours = logits(load_run(run).model, ids)
     plain = reload(hf_dir)
     assert (ours - logits(plain, ids)).abs().max() > 0.1  # the adapter changes the model a lot
     export_peft(run, tmp_path / "adapter")
+    written = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["target_modules"]
+    assert ("lm_head" in written) == (family not in TIED)
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # e.g. a rank_pattern key that matches no module
         adapted = PeftModel.from_pretrained(plain, tmp_path / "adapter").eval()
@@ -179,6 +186,44 @@ def test_a_lora_run_that_tinylm_trained_exports_for_peft(bases, ids, tmp_path):
     torch.testing.assert_close(logits(adapted, ids), ours, atol=ATOL, rtol=0)
 
 
+QUIET = {"log": lambda line: None, "progress": False}
+TUNE = {"max_steps": 3, "batch_size": 4, "eval_interval": 3, "sample_tokens": 0, "lora_rank": 8}
+
+
+def test_a_chat_fine_tuning_writes_its_adapter_for_peft_on_its_grown_base(bases, tmp_path):
+    """`tinylm finetune --lora-rank 8` on tasks adds the chat tokens (its base is the grown init) and corrects the
+    embedding and the head instead of training their rows: its adapter/ is PEFT's model on that base's export."""
+    hf_dir, base = bases("llama")
+    finetune(base, "tasks:add", tmp_path / "chat", overrides=TUNE, data_dir=tmp_path / "data", **QUIET)
+    tuned = load_run(tmp_path / "chat")
+    assert (tuned.config.train.lora_targets, tuned.config.train.lora_new_tokens) == ("all,outer", 0)
+    grown = tuned.checkpoint.base()
+    assert grown.config.model.vocab_size == load_run(base).config.model.vocab_size + 2  # the chat markers
+    export_hf(grown.build_model(), grown.tokenizer, tmp_path / "grown-hf")
+    config = json.loads((tmp_path / "chat" / "adapter" / "adapter_config.json").read_text())
+    assert {"model.embed_tokens", "lm_head"} <= set(config["target_modules"])
+    ids = torch.tensor([tuned.tokenizer.encode(PROMPT)[:12] + [grown.config.model.vocab_size - 1, 5, 9]])
+    ours = logits(tuned.model, ids)
+    assert (ours - logits(grown.build_model(), ids)).abs().max() > 1e-3  # three steps moved it
+    adapted = PeftModel.from_pretrained(reload(tmp_path / "grown-hf"), tmp_path / "chat" / "adapter").eval()
+    torch.testing.assert_close(logits(adapted, ids), ours, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("family, targets", [("gpt2", None), ("llama", "attention")], ids=["tied", "no-tables"])
+def test_a_fine_tuning_that_trains_the_new_rows_writes_no_peft_copy_and_says_why(family, targets, bases, tmp_path):
+    """A tied head (its recipe leaves the tables out) or targets without them: the chat markers' rows train
+    beside the adapter, which PEFT's layout has no place for, so adapter/ is not written and the log says so."""
+    _, base = bases(family)
+    lines: list[str] = []
+    overrides = {**TUNE, **({"lora_targets": targets} if targets else {})}
+    finetune(base, "tasks:add", tmp_path / "chat", overrides=overrides, data_dir=tmp_path / "data",
+             log=lines.append, progress=False)
+    assert load_run(tmp_path / "chat").config.train.lora_new_tokens == 2
+    assert not (tmp_path / "chat" / "adapter").exists()
+    [said] = [line for line in lines if "PEFT" in line]
+    assert said.startswith("no PEFT copy of the adapter:") and "rows of 2 new tokens" in said
+
+
 def test_the_pattern_keys_match_their_own_module_alone_by_peft_s_rule(bases):
     """PEFT's own matcher on twelve layers (layer 1's key must not match layer 11 or 10)."""
     from peft.utils.other import get_pattern_key
@@ -209,6 +254,16 @@ PEFT_CASES = {
                                 "all"),
     "gemma3-one-layer": ("gemma3", dict(r=2, lora_alpha=4, target_modules=["down_proj", "k_proj"],
                                         layers_to_transform=[1]), "W_k,W_2"),
+    # the tables: PEFT saves its copy of each beside them (base_layer.weight), the base's own numbers
+    "llama-embedding-head-patterns": ("llama", dict(r=4, lora_alpha=8, target_modules=["q_proj", "embed_tokens",
+                                                                                      "lm_head"],
+                                                    rank_pattern={"embed_tokens": 2}, alpha_pattern={"lm_head": 5}),
+                                      "W_q,outer"),
+    "gemma3-scaled-embedding": ("gemma3", dict(r=3, lora_alpha=6, target_modules=["embed_tokens"]), "E"),
+    "qwen2-all-linear-and-head": ("qwen2", dict(r=2, lora_alpha=4, target_modules=["q_proj", "k_proj", "v_proj",
+                                                                                  "o_proj", "gate_proj", "up_proj",
+                                                                                  "down_proj", "lm_head"]),
+                                  "all,lm_head"),
 }
 
 
@@ -316,15 +371,49 @@ def one_line(call, match: str) -> str:
     (dict(target_modules=["q_proj"], use_dora=True), r"sets use_dora: DoRA"),
     (dict(target_modules=["q_proj"], modules_to_save=["lm_head"]), r"sets modules_to_save"),
     (dict(target_modules=["q_proj"], bias="lora_only"), r"trains biases \(bias = 'lora_only'\)"),
-    (dict(target_modules=["q_proj", "embed_tokens"]),
-     r"embed_tokens.*, of the embeddings or the output head: tinylm's LoRA corrects"),
-    (dict(target_modules=["q_proj", "lm_head"]), r"lm_head.*, of the embeddings or the output head"),
-], ids=["dora", "modules-to-save", "bias", "embeddings", "head"])
+    (dict(target_modules=["q_proj"], trainable_token_indices=[3, 5]), r"sets trainable_token_indices"),
+], ids=["dora", "modules-to-save", "bias", "token-rows"])
 def test_what_tinylm_does_not_compute_is_refused_in_one_line(options, match, bases, tmp_path):
     hf_dir, base = bases("llama")
     get_peft_model(reload(hf_dir), LoraConfig(r=2, init_lora_weights=False, **options)).save_pretrained(tmp_path / "a")
     one_line(lambda: import_peft_into_run(tmp_path / "a", base, tmp_path / "run"), match)
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("module, match", [
+    ("wte", r"transformer.wte.lora_embedding_A, a correction of transformer.wte, but this base's output head is its "
+            r"embedding \(tied\)"),
+    ("lm_head", r"lm_head.lora_A.weight, a correction of lm_head, but this base's output head is its embedding"),
+    ("wpe", r"transformer.wpe.lora_embedding_A, which is no LoRA matrix of a module of this base model"),
+])
+def test_a_tied_head_and_the_position_embeddings_are_refused(module, match, bases, tmp_path):
+    hf_dir, base = bases("gpt2")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # PEFT's own warnings about a tied table
+        adapted = get_peft_model(reload(hf_dir), LoraConfig(r=2, target_modules=["c_attn", module],
+                                                            init_lora_weights=False))
+    adapted.save_pretrained(tmp_path / "a")
+    one_line(lambda: import_peft_into_run(tmp_path / "a", base, tmp_path / "run"), match)
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_saved_table_that_is_not_the_bases_is_refused(bases, tmp_path):
+    """PEFT saves its copy of the embedding beside its LoRA: other numbers there (a table trained too) are refused,
+    since the adapter alone would leave them out."""
+    hf_dir, base = bases("llama")
+    get_peft_model(reload(hf_dir), LoraConfig(r=2, target_modules=["embed_tokens"],
+                                              init_lora_weights=False)).save_pretrained(tmp_path / "a")
+    weights = tmp_path / "a" / "adapter_model.safetensors"
+    tensors = load_file(weights)
+    assert import_peft_into_run(tmp_path / "a", base, tmp_path / "run").is_dir()  # the base's own copy: fine
+    tensors["base_model.model.model.embed_tokens.base_layer.weight"][7] += 0.5
+    save_file(tensors, weights)
+    one_line(lambda: import_peft_into_run(tmp_path / "a", base, tmp_path / "again"),
+             r"holds its own model.embed_tokens \(other numbers than the base's: the table was trained too\)")
+    tensors["base_model.model.model.embed_tokens.base_layer.weight"] = torch.zeros(310, 32)
+    save_file(tensors, weights)
+    one_line(lambda: import_peft_into_run(tmp_path / "a", base, tmp_path / "again"),
+             r"holds its own model.embed_tokens \(\(310, 32\) where the base's is \(302, 32\): its vocabulary")
 
 
 def test_a_missing_or_wrong_base_and_folders_that_are_no_adapter_are_refused(bases, ids, tmp_path):

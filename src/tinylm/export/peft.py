@@ -19,6 +19,14 @@ that must match the end of a module name after a dot; a full name from the model
 module alone. Parts that share one A (an adapter that came from a fused module) keep it once, with their
 B one below the other: the module's rank stays r.
 
+The token embedding and an untied output head (lora_targets ``outer``: E and lm_head) map too. The head is
+an ordinary Linear to PEFT (``lm_head.lora_A.weight``, ``lm_head.lora_B.weight``). The embedding is PEFT's
+Embedding layer, which keeps its two matrices the other way round: it looks up column x of
+``lora_embedding_A`` (r x |V|) and multiplies by ``lora_embedding_B`` (d x r), so row x gains
+scale * (B_emb A_emb)^T[x]. tinylm's row x gains scale * B[x] A with B (|V| x r) and A (r x d), hence
+lora_embedding_A = B^T and lora_embedding_B = A^T. A tied head is one table for both, which a
+correction of either would split: tinylm trains no such adapter and refuses one on import.
+
 Reading goes the other way (`read_peft`): a fused module's A is each part's A, and each part's B its
 rows of B (exact: row block i of B A is B_i A). tinylm has one rank and one alpha per adapter, so
 modules of other ranks are padded with zero rows of A and zero columns of B (which add nothing), and
@@ -26,11 +34,15 @@ each module's own scale is folded into its B, so that one alpha / r applies to a
 adapter leaves out, of a kind it corrects elsewhere, gets zero A and B (no correction), so the run's
 adapter is whole for its lora_targets.
 
-What tinylm does not compute is refused in one line: DoRA, adapters on the embeddings or the output
-head, biases, extra trained modules (modules_to_save), aLoRA and the other variants that change the
-computation, and adapters trained on a modified copy of their base (PiSSA, OLoRA, CorDA, LoftQ,
-LoRA-GA initialisations). Rank-stabilised scaling (use_rslora: alpha / sqrt(r)) is folded like any
-other scale.
+PEFT also saves its own copy of a table an adapter corrects (``embed_tokens.base_layer.weight``), or of one
+whose vocabulary was resized; on import that copy must be the base's own (else the adapter was trained on
+another table, which is refused), and it is not written on export.
+
+What tinylm does not compute is refused in one line: DoRA, LoRA on the position embeddings or on a
+tied head, biases, extra trained modules (modules_to_save) or rows (trainable_token_indices), aLoRA and
+the other variants that change the computation, and adapters trained on a modified copy of their base
+(PiSSA, OLoRA, CorDA, LoftQ, LoRA-GA initialisations). Rank-stabilised scaling (use_rslora:
+alpha / sqrt(r)) is folded like any other scale.
 
 Usage::
 
@@ -63,6 +75,7 @@ from tinylm.export.weights import TensorRule, architecture_for, hf_rules
 from tinylm.jsonfile import read_json_object
 from tinylm.lock import folder_lock
 from tinylm.model import build_model
+from tinylm.config.training import LORA_OUTER as OUTER
 from tinylm.model.lora import LORA_A, LORA_B, TARGET_GROUPS, LoraSettings, adapter_pairs
 from tinylm.checkpoint import STATE_FILE
 from tinylm.run import (CHECKPOINT_NAMES, CONFIG_FILE, LORA_BASE, RUN_FILE, Checkpoint, check_new_run_folder,
@@ -73,6 +86,13 @@ ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PREFIX = "base_model.model."  # before each module's name in PEFT's file (a PeftModel's own name for the model)
 PROJECTIONS = TARGET_GROUPS["all"]  # W_q, W_k, W_v, W_o, W_1, W_2, W_3
+EMBEDDING_A, EMBEDDING_B = "lora_embedding_A", "lora_embedding_B"  # PEFT's names on an nn.Embedding
+TABLES = {name: f"{name}.weight" for name in OUTER}  # E, lm_head: the weight each outer target corrects
+# a tensor of PEFT's file: one of a module's LoRA matrices (an adapter's own name may follow it), or a module's
+# weight itself (a copy of a table, ``base_layer`` where the module is wrapped)
+LINEAR_NAME = re.compile(rf"{re.escape(PREFIX)}(.+)\.({LORA_A}|{LORA_B})(?:\.[^.]+)?\.weight")
+EMBEDDING_NAME = re.compile(rf"{re.escape(PREFIX)}(.+)\.({EMBEDDING_A}|{EMBEDDING_B})(?:\.[^.]+)?")
+COPY_NAME = re.compile(rf"{re.escape(PREFIX)}(.+?)(?:\.base_layer)?\.weight")
 
 # adapter_config.json keys of PEFT variants that compute something else than W + alpha / r B A on the base's
 # matrices: refused when set, with what they are
@@ -112,6 +132,24 @@ def matrix_modules(config: GPTConfig) -> dict[str, TensorRule]:
     return modules
 
 
+def table_modules(config: GPTConfig) -> dict[str, str]:
+    """The `transformers` modules of the token embedding and of an untied output head (``model.embed_tokens``,
+    ``lm_head``), each with the tinylm weight it holds (``E.weight``, ``lm_head.weight``)."""
+    tables = {}
+    for rule in hf_rules(config):
+        if rule.ours[0] in TABLES.values() and len(rule.ours) == 1 and rule.theirs.endswith(".weight"):
+            if rule.transform != "copy":
+                raise TinyLMError(f"{rule.theirs} is laid out by {rule.transform!r}, which a LoRA adapter cannot "
+                                  "follow")
+            tables[rule.theirs.removesuffix(".weight")] = rule.ours[0]
+    return tables
+
+
+def embedding_module(config: GPTConfig) -> str:
+    """The `transformers` module of the token embedding (``model.embed_tokens``, GPT-2's ``transformer.wte``)."""
+    return next(module for module, weight in table_modules(config).items() if weight == TABLES["E"])
+
+
 def weight_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
     """Each weight's shape in a model of ``config``, from PyTorch's meta device (nothing allocated)."""
     with torch.device("meta"), torch.random.fork_rng(devices=[]):
@@ -139,6 +177,11 @@ def peft_adapter(adapter: Mapping[str, Tensor], config: GPTConfig, settings: Lor
         k = a.shape[0] // settings.rank
         if k > 1:  # k parts: rank k r, and alpha k alpha for the same alpha / r
             ranks[module], alphas[module] = k * settings.rank, _number(k * settings.alpha)
+    for module, weight in table_modules(config).items():
+        if weight in pairs:
+            a, b = pairs.pop(weight)
+            tensors.update(peft_tensors(module, a, b, embedding=weight == TABLES["E"]))
+            targets.append(module)
     if pairs:
         raise TinyLMError(f"the adapter corrects {next(iter(pairs))}, which no {arch} module holds")
     peft_config = {
@@ -151,6 +194,17 @@ def peft_adapter(adapter: Mapping[str, Tensor], config: GPTConfig, settings: Lor
         "exclude_modules": None, "target_parameters": None, "trainable_token_indices": None,
     }
     return tensors, peft_config
+
+
+def peft_tensors(module: str, a: Tensor, b: Tensor, *, embedding: bool) -> dict[str, Tensor]:
+    """A table's A (r x d) and B (|V| x r) by PEFT's names: the head's as lora_A and lora_B, the embedding's as
+    lora_embedding_A = B^T (r x |V|) and lora_embedding_B = A^T (d x r), PEFT's order for a lookup (module
+    docstring)."""
+    if embedding:
+        return {f"{PREFIX}{module}.{EMBEDDING_A}": b.float().T.contiguous(),
+                f"{PREFIX}{module}.{EMBEDDING_B}": a.float().T.contiguous()}
+    return {f"{PREFIX}{module}.{LORA_A}.weight": a.float().contiguous(),
+            f"{PREFIX}{module}.{LORA_B}.weight": b.float().contiguous()}
 
 
 def fuse(present: list[tuple[int, tuple[Tensor, Tensor]]], rows: list[int]) -> tuple[Tensor, Tensor]:
@@ -327,22 +381,61 @@ def pattern_value(patterns: Mapping[str, Any], module: str, default: Any, source
     return default
 
 
-def peft_modules(tensors: Mapping[str, Tensor], modules: Mapping[str, TensorRule],
-                 source: Path) -> dict[str, tuple[Tensor, Tensor]]:
-    """(A, B) of each module the adapter's tensors name; a name that is no LoRA matrix of a module tinylm
-    corrects (the embeddings, the output head, a bias, DoRA's magnitudes) is refused in one line."""
+def saved_tables(tensors: Mapping[str, Tensor], config: GPTConfig, base: Mapping[str, Tensor] | None,
+                 source: Path) -> dict[str, Tensor]:
+    """``tensors`` less PEFT's copies of the embedding and the head (``model.embed_tokens.base_layer.weight``, or
+    the module's own weight where the vocabulary was resized), each checked, when ``base`` (the base's weights)
+    is given, to be the base's own table: a copy of another shape or other numbers means the adapter was made
+    for another table, which is refused in one line."""
+    tables = table_modules(config)
+    if config.tie_embeddings:
+        tables["lm_head"] = TABLES["E"]  # the head's table is the embedding's
+    rest: dict[str, Tensor] = {}
+    for name, t in tensors.items():
+        m = COPY_NAME.fullmatch(name)
+        weight = tables.get(m[1]) if m is not None else None
+        if weight is None:
+            rest[name] = t
+        elif base is not None and not _same_table(t, base[weight]):
+            why = (f"{tuple(t.shape)} where the base's is {tuple(base[weight].shape)}: its vocabulary was resized"
+                   if t.shape != base[weight].shape else "other numbers than the base's: the table was trained too")
+            raise TinyLMError(f"{source} holds its own {m[1]} ({why}), which a LoRA adapter of this base cannot "
+                              "carry; merge it into the model with PEFT (merge_and_unload) and import that model "
+                              "instead")
+    return rest
+
+
+def _same_table(theirs: Tensor, ours: Tensor) -> bool:
+    """Whether two copies of a table hold the same numbers (to bfloat16's rounding, should one have been cast)."""
+    return theirs.shape == ours.shape and torch.allclose(theirs.float(), ours.float(), rtol=2 ** -8, atol=1e-6)
+
+
+def peft_modules(tensors: Mapping[str, Tensor], modules: Mapping[str, tuple[str, ...]], embedding: str,
+                 tied: set[str], source: Path) -> dict[str, tuple[Tensor, Tensor]]:
+    """(A, B) of each module the adapter's tensors name, in tinylm's orientation (``embedding``'s
+    lora_embedding_A and lora_embedding_B are its B^T and A^T: module docstring). ``modules``: the modules tinylm
+    corrects, with the tinylm weights each holds. A correction of a table in ``tied`` (a head that is the
+    embedding), or a name that is no LoRA matrix of those modules (the position embeddings, a bias, DoRA's
+    magnitudes), is refused in one line."""
     found: dict[str, dict[str, Tensor]] = {}
     for name, t in tensors.items():
-        m = re.fullmatch(rf"{re.escape(PREFIX)}(.+)\.(lora_A|lora_B)(?:\.[^.]+)?\.weight", name)
-        if m is None or m[1] not in modules:
-            if any(w in name for w in ("embed", "lm_head", "wte", "wpe")):
-                raise TinyLMError(f"{source} has {name}, of the embeddings or the output head: tinylm's LoRA corrects "
-                                  "the blocks' matrices only")
+        m = LINEAR_NAME.fullmatch(name) or EMBEDDING_NAME.fullmatch(name)
+        module = m[1] if m is not None else None
+        if module in tied:
+            raise TinyLMError(f"{source} has {name}, a correction of {module}, but this base's output head is its "
+                              "embedding (tied): one table, which tinylm cannot correct for one use and not the "
+                              "other; use an adapter of the blocks' projections")
+        looked_up = m is not None and m[2] in (EMBEDDING_A, EMBEDDING_B)
+        if module not in modules or looked_up != (module == embedding):
             raise TinyLMError(f"{source} has {name}, which is no LoRA matrix of a module of this base model that "
-                              "tinylm's LoRA corrects (a block's projection); is the adapter another model's?")
+                              "tinylm's LoRA corrects (a block's projection, the token embedding, an untied output "
+                              "head); is the adapter another model's?")
         if t.dim() != 2 or not t.is_floating_point():
             raise TinyLMError(f"{source}: {name} is not a matrix of floating-point numbers")
-        found.setdefault(m[1], {})[m[2]] = t
+        if looked_up:  # PEFT's embedding keeps B^T as its A and A^T as its B
+            found.setdefault(module, {})[LORA_B if m[2] == EMBEDDING_A else LORA_A] = t.T
+        else:
+            found.setdefault(module, {})[m[2]] = t
     for module, pair in found.items():
         if set(pair) != {LORA_A, LORA_B}:
             missing = LORA_B if LORA_A in pair else LORA_A
@@ -353,52 +446,66 @@ def peft_modules(tensors: Mapping[str, Tensor], modules: Mapping[str, TensorRule
     return {module: (pair[LORA_A], pair[LORA_B]) for module, pair in found.items()}
 
 
-def read_peft(adapter_dir: str | os.PathLike, config: GPTConfig) -> tuple[dict[str, Tensor], LoraSettings]:
+def read_peft(adapter_dir: str | os.PathLike, config: GPTConfig,
+              base: Mapping[str, Tensor] | None = None) -> tuple[dict[str, Tensor], LoraSettings]:
     """A PEFT LoRA adapter as a tinylm adapter for a model of ``config`` (what it computes the same, in float32),
     and the settings it is merged with (see the module docstring: fused modules split, ranks padded, scales
-    folded into B)."""
+    folded into B). ``base``: the base's weights, to check PEFT's copies of the embedding and the head against
+    (`saved_tables`); without it those copies are not read."""
     adapter_dir = Path(adapter_dir)
     peft_config = read_peft_config(adapter_dir)
     source = adapter_dir / ADAPTER_WEIGHTS
-    modules = matrix_modules(config)
+    modules = {module: rule.ours for module, rule in matrix_modules(config).items()}
+    tables = table_modules(config)
+    tied = set(tables) | {"lm_head"} if config.tie_embeddings else set()
+    if not tied:
+        modules.update({module: (weight,) for module, weight in tables.items()})
     shapes = weight_shapes(config)
     r, alpha = peft_config.get("r", 8), peft_config.get("lora_alpha", 8)
     if not (isinstance(r, int) and r > 0 and isinstance(alpha, (int, float)) and alpha > 0):
         raise TinyLMError(f"{adapter_dir / ADAPTER_CONFIG}: r must be a positive integer and lora_alpha a positive "
                           f"number, got r = {r!r}, lora_alpha = {alpha!r}")
     rslora = bool(peft_config.get("use_rslora"))
+    tensors = saved_tables(read_adapter_tensors(adapter_dir), config, base, source)
     parts: dict[str, tuple[Tensor, Tensor, float]] = {}  # tinylm weight -> (A, B, scale)
-    for module, (a, b) in peft_modules(read_adapter_tensors(adapter_dir), modules, source).items():
+    for module, (a, b) in peft_modules(tensors, modules, embedding_module(config), tied, source).items():
         rank = pattern_value(peft_config.get("rank_pattern") or {}, module, r, source)
         module_alpha = pattern_value(peft_config.get("alpha_pattern") or {}, module, alpha, source)
-        rule = modules[module]
-        rows = [shapes[name][0] for name in rule.ours]
-        d_in = shapes[rule.ours[0]][1]
+        ours = modules[module]
+        rows = [shapes[name][0] for name in ours]
+        d_in = shapes[ours[0]][1]
         if a.shape != (rank, d_in) or b.shape != (sum(rows), rank):
-            raise TinyLMError(f"{source}: {module}'s lora_A is {tuple(a.shape)} and lora_B {tuple(b.shape)}, but the "
-                              f"base model and {ADAPTER_CONFIG} make them {(rank, d_in)} and {(sum(rows), rank)}: the "
-                              "adapter was made for another model (or its config does not go with its weights)")
+            raise TinyLMError(f"{source}: {module}'s A is {tuple(a.shape)} and B {tuple(b.shape)}, but the base model "
+                              f"and {ADAPTER_CONFIG} make them {(rank, d_in)} and {(sum(rows), rank)}: the adapter "
+                              "was made for another model (or its config does not go with its weights)")
         scale = module_alpha / (math.sqrt(rank) if rslora else rank)
-        for name, part in zip(rule.ours, torch.split(b.float(), rows)):
+        for name, part in zip(ours, torch.split(b.float(), rows)):
             parts[name] = (a.float(), part, scale)
     rank = max(a.shape[0] for a, _, _ in parts.values())
     scale = alpha / (math.sqrt(r) if rslora else r)  # the adapter's own, folded out of every module's B
     settings_alpha = alpha if rank == r and not rslora else scale * rank
     adapter = _uniform(parts, rank, scale, shapes)
-    targets = _targets_setting({name.split(".")[3] for name in parts}, shapes)
+    targets = _targets_setting({kind_of(name) for name in parts}, shapes)
     dropout = float(peft_config.get("lora_dropout") or 0.0)
     return adapter, LoraSettings(rank, float(settings_alpha), dropout, targets)
+
+
+def kind_of(weight: str) -> str | None:
+    """The lora_targets name of a weight: its projection's (W_q, ..., in a block), E or lm_head; else None."""
+    p = weight.split(".")
+    if len(p) == 5 and p[0] == "blocks" and p[3] in PROJECTIONS and p[4] == "weight":
+        return p[3]
+    return p[0] if weight in TABLES.values() else None
 
 
 def _uniform(parts: Mapping[str, tuple[Tensor, Tensor, float]], rank: int, scale: float,
              shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Tensor]:
     """Every part at ``rank`` (zero rows of A, zero columns of B) with its scale folded into B for ``scale``, and
     zeros for the matrices of the corrected kinds the adapter leaves out, by tinylm's adapter names."""
-    kinds = {name.split(".")[3] for name in parts}
+    kinds = {kind_of(name) for name in parts}
     adapter: dict[str, Tensor] = {}
     for name, shape in shapes.items():
-        p = name.split(".")
-        if not (len(p) == 5 and p[0] == "blocks" and p[3] in kinds and p[4] == "weight"):
+        if kind_of(name) not in kinds:
             continue
         module = name.removesuffix(".weight")
         a, b = torch.zeros(rank, shape[1]), torch.zeros(shape[0], rank)
@@ -410,10 +517,15 @@ def _uniform(parts: Mapping[str, tuple[Tensor, Tensor, float]], rank: int, scale
     return adapter
 
 
-def _targets_setting(kinds: set[str], shapes: Mapping[str, tuple[int, ...]]) -> str:
-    """lora_targets for the projections ``kinds``: "all" when they are every one the model has."""
-    has = {name.split(".")[3] for name in shapes if name.startswith("blocks.") and name.split(".")[3] in PROJECTIONS}
-    return "all" if kinds == has else ",".join(n for n in PROJECTIONS if n in kinds)
+def _targets_setting(kinds: set[str | None], shapes: Mapping[str, tuple[int, ...]]) -> str:
+    """lora_targets for ``kinds`` (projection names, E, lm_head): "all" for every projection the model has, and
+    "outer" for both tables ("all,outer", "W_q,W_v", "all,E", ...)."""
+    has = {kind_of(name) for name in shapes} & set(PROJECTIONS)
+    projections = kinds & set(PROJECTIONS)
+    words = ["all"] if projections == has else [n for n in PROJECTIONS if n in projections]
+    tables = [n for n in OUTER if n in kinds]
+    words += ["outer"] if len(tables) == len(OUTER) else tables
+    return ",".join(words)
 
 
 # ----- a LoRA run from a PEFT adapter -----------------------------------------------------------------------
@@ -436,7 +548,7 @@ def import_peft_into_run(adapter_dir: str | os.PathLike, base: str | os.PathLike
     with folder_lock(out_dir, "import"):
         check_new_run_folder(out_dir, force, resumable=False, folder_arg="out_dir")
         base_ckpt = base_checkpoint(Path(base), out_dir, force=force, roles=roles)
-        adapter, settings = read_peft(adapter_dir, base_ckpt.config.model)
+        adapter, settings = read_peft(adapter_dir, base_ckpt.config.model, base_ckpt.model_state())
         train = dataclasses.replace(base_ckpt.config.train, lora_rank=settings.rank, lora_alpha=settings.alpha,
                                     lora_dropout=settings.dropout, lora_targets=settings.targets)
         config = dataclasses.replace(base_ckpt.config, train=train)
@@ -475,5 +587,5 @@ def base_checkpoint(base: Path, out_dir: Path, *, force: bool, roles: dict[str, 
     return ckpt
 
 
-__all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "matrix_modules", "peft_adapter", "export_peft", "is_peft_adapter",
-           "read_peft_config", "read_peft", "import_peft_into_run", "base_checkpoint"]
+__all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "matrix_modules", "table_modules", "peft_adapter", "export_peft",
+           "is_peft_adapter", "read_peft_config", "read_peft", "import_peft_into_run", "base_checkpoint"]
