@@ -137,10 +137,11 @@ def make_task(name: str, n: int, seed: int, split: str = "train") -> list[TaskIt
     return items
 
 
-def is_test_item(content: str) -> bool:
-    """Whether the item whose content (without its wording) is ``content`` belongs to the test split."""
+def is_test_item(content: str, fraction: float = TEST_FRACTION) -> bool:
+    """Whether the item whose content (without its wording) is ``content`` belongs to the test split, which holds
+    about ``fraction`` of the items."""
     digest = hashlib.blake2b(content.encode("utf-8"), digest_size=8, person=b"tinylm-task").digest()
-    return int.from_bytes(digest, "big") < TEST_FRACTION * 2**64
+    return int.from_bytes(digest, "big") < fraction * 2**64
 
 
 @functools.cache
@@ -157,11 +158,11 @@ def _add_items() -> list[tuple[str, TaskItem]]:
 
 
 def _spell_items() -> list[tuple[str, TaskItem]]:
-    return [(word, TaskItem(f"Spell '{word}'.", " ".join(word))) for word in _words()]
+    return [(word, TaskItem(f"Spell '{word}'.", " ".join(word))) for word in words()]
 
 
 def _count_items() -> list[tuple[str, TaskItem]]:
-    return [(word, TaskItem(f"How many letters are in '{word}'?", str(len(word)))) for word in _words()]
+    return [(word, TaskItem(f"How many letters are in '{word}'?", str(len(word)))) for word in words()]
 
 
 def _speaker_items() -> list[tuple[str, TaskItem]]:
@@ -181,12 +182,12 @@ _ITEMS: dict[str, Callable[[], list[tuple[str, TaskItem]]]] = {
 
 def _reverse(n: int, rng: random.Random, test: bool) -> list[TaskItem]:
     """Word sequences drawn afresh (too many to list), each kept when it is on the split's side, none twice."""
-    words = _words()
-    if len(words) < 5:
+    vocabulary = words()
+    if len(vocabulary) < 5:
         raise TinyLMError("the Shakespeare corpus has too few words for the reverse task")  # a damaged cache
     items, seen = [], set()
     while len(items) < n:
-        chosen = rng.sample(words, rng.randint(3, 5))
+        chosen = rng.sample(vocabulary, rng.randint(3, 5))
         text = " ".join(chosen)
         if text in seen or is_test_item(text) != test:
             continue
@@ -202,10 +203,10 @@ _WORD_EDGES = ".,;:!?\"()[]{}-_"
 
 
 @functools.cache
-def _words() -> tuple[str, ...]:
+def words() -> tuple[str, ...]:
     """The corpus's lowercase alphabetic words of 3 to 8 letters seen at least twice, sorted."""
     tokens: Counter[str] = Counter()
-    for text in _shakespeare_texts():
+    for text in shakespeare_texts():
         tokens.update(text.split())
     counts: Counter[str] = Counter()
     for token, count in tokens.items():  # each distinct token once: far fewer than the tokens
@@ -215,7 +216,7 @@ def _words() -> tuple[str, ...]:
     return tuple(sorted(word for word, count in counts.items() if count >= 2))
 
 
-def _shakespeare_texts() -> list[str]:
+def shakespeare_texts() -> list[str]:
     from tinylm.data.corpora import load_corpus  # read only by the tasks that need it
 
     return list(load_corpus("shakespeare").texts())
@@ -242,11 +243,11 @@ def _lines() -> tuple[tuple[str, str, str | None], ...]:
     `_MIN_WORDS` words, no stage direction in brackets, no double quote (the prompt quotes it), and
     it occurs once in the whole corpus, so its speaker and its next line are certain.
     """
-    texts = _shakespeare_texts()
-    speeches = [speech for text in texts for speech in _speeches(text)]
+    texts = shakespeare_texts()
+    every_speech = [speech for text in texts for speech in speeches(text)]
     counts = Counter(" ".join(line.split()) for text in texts for line in text.split("\n"))
     out = []
-    for speaker, lines in speeches:
+    for speaker, lines in every_speech:
         if _GROUP_WORDS & set(speaker.lower().replace(".", " ").split()):
             continue
         for i, line in enumerate(lines):
@@ -259,7 +260,7 @@ def _lines() -> tuple[tuple[str, str, str | None], ...]:
     return tuple(out)
 
 
-def _speeches(text: str) -> list[tuple[str, list[str]]]:
+def speeches(text: str) -> list[tuple[str, list[str]]]:
     """(speaker as the text writes it, less a final full stop; the speech's lines) for each speech of one play."""
     found = []
     for paragraph in _PARAGRAPHS.split(text):
