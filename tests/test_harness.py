@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -107,17 +108,14 @@ def samples(results: dict, task: str) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def hflm_results(export):
-    """The harness's own HFLM on the export, from the examples' folder (lm_eval reads data_files from there)."""
-    here = Path.cwd()
-    try:
-        import os
-
-        os.chdir(EXAMPLES)
+    """The harness's own HFLM on the export, offline, from the examples' folder (lm_eval reads data_files there)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(EXAMPLES)
+        patch.setenv("HF_HUB_OFFLINE", "1")
+        patch.setenv("HF_DATASETS_OFFLINE", "1")
         manager = TaskManager(include_path=str(EXAMPLES), include_defaults=False)
         return lm_eval.simple_evaluate(model=HFLM(pretrained=str(export), batch_size=8, device="cpu"),
                                        tasks=TASKS, num_fewshot=1, limit=30, task_manager=manager)
-    finally:
-        os.chdir(here)
 
 
 def test_multiple_choice_and_generation_are_hflm_s_on_the_export(gpt_run, hflm_results):
@@ -236,8 +234,6 @@ def test_tinylm_eval_harness_end_to_end_offline(gpt_run, hflm_results, tmp_path,
     theirs = samples(hflm_results, TASKS[0])[:10]
     assert out["tasks"][TASKS[0]]["acc,none"] == pytest.approx(np.mean([s["acc"] for s in theirs]))
     assert out["n-shot"] == {TASKS[0]: 1, TASKS[1]: 1}
-    import os
-
     assert os.environ["HF_DATASETS_OFFLINE"] == "1"  # local tasks only: datasets never waits on the network
     assert main(["eval", "--run", str(gpt_run), "--harness", "shakespeare_cloze", "--include-path",
                  str(EXAMPLES), "--limit", "3"]) == 0

@@ -28,16 +28,18 @@ same as the export's under ``HFLM``:
 
 From Python (``pip install -e ".[harness]"``)::
 
-    import lm_eval
-    from tinylm.harness import TinyLMHarness
+    from tinylm.harness import TinyLMHarness, run_harness
 
-    lm = TinyLMHarness("runs/tiny-shakespeare", batch_size=16)
-    out = lm_eval.simple_evaluate(model=lm, tasks=["shakespeare_cloze"],
-                                  task_manager=lm_eval.tasks.TaskManager(include_path="examples/harness"))
+    out = run_harness("runs/tiny-shakespeare", ["shakespeare_cloze"], include_path="examples/harness", shots=5)
+    print(out["results"]["shakespeare_cloze"]["acc,none"])
 
-and once this module is imported, ``lm_eval.simple_evaluate(model="tinylm", model_args="run=runs/x")`` and
-``python -m tinylm.harness --model tinylm --model_args run=runs/x --tasks ...`` (the harness's own command
-line) find it by name. ``tinylm eval --run R --harness TASKS`` runs tasks through it (`run_harness`).
+    lm = TinyLMHarness("runs/tiny-shakespeare", batch_size=16)      # the harness's own call takes it too
+    out = lm_eval.simple_evaluate(model=lm, tasks=["hellaswag"])
+
+Once this module is imported the harness also finds it by name: ``lm_eval.simple_evaluate(model="tinylm",
+model_args="run=runs/x")``, and ``python -m tinylm.harness --model tinylm --model_args run=runs/x --device cpu
+--batch_size 16 --tasks ...`` is the harness's own command line with it (whose default device is cuda:0).
+``tinylm eval --run R --harness TASKS`` runs tasks through `run_harness`.
 """
 
 from __future__ import annotations
@@ -321,4 +323,7 @@ def _beside(files: str | list | dict, folder: Path) -> str | list | dict:
 if __name__ == "__main__":  # the harness's own command line, with the tinylm model registered
     from lm_eval.__main__ import cli_evaluate
 
-    cli_evaluate()
+    try:
+        cli_evaluate()
+    except TinyLMError as e:  # a mistake in the run or its settings: one line, as tinylm's commands say it
+        raise SystemExit(f"tinylm: error: {e}") from None
