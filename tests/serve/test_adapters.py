@@ -4,7 +4,9 @@ The oracle: each adapter's own run, loaded as every command loads it (`load_run`
 copy of the base), decoded by the library. The server must give, for each adapter's name, that model's
 greedy tokens, and for the base's name the base's, also when requests for the base and two adapters are
 decoded in one batch. The adapters are written here as a LoRA run is (the adapter's tensors, its base named
-in state.json), with random B, so each adapted model differs from the base.
+in state.json), with random B, so each adapted model differs from the base. On a base with an untied head,
+adapters that also correct the token embedding and the head (lora_targets ``outer``, what `tinylm finetune`
+trains there) are checked the same way, through the model's forward pass and through the decoding layout.
 """
 
 from __future__ import annotations
@@ -24,29 +26,32 @@ from tinylm.checkpoint import LORA_BASE, load_checkpoint, lora_base_record, save
 from tinylm.cli import main
 from tinylm.config import Config, dump_toml
 from tinylm.generate import SamplingParams, generate
+from tinylm.generate.fast import make_decoder
 from tinylm.generate.inspect import next_token_logits
-from tinylm.model.lora import LoRALinear, LoraSettings, adapter_state, add_lora
+from tinylm.model import GPT
+from tinylm.model.lora import LoRAEmbedding, LoRALinear, LoraSettings, adapter_state, add_lora
 from tinylm.model.lora_multi import Adapter, MultiLoRA
 from tinylm.run import checkpoint_path, load_run, write_run_info
-from tinylm.serve.adapters import checkpoint_run, find_adapters
+from tinylm.serve.adapters import ServedAdapters, checkpoint_run, find_adapters
 from tinylm.serve.chat import STOP, chat_prompt, reply_text
 from tinylm.serve.server import check_base_and_adapters
 
 PROMPTS = ["To be, or not", "Naïve café", "東京 and"]
 
 
-def make_lora_run(folder, base_checkpoint, seed, rank=4, alpha=8.0, targets="all", whole_run=True):
+def make_lora_run(folder, base_checkpoint, seed, rank=4, alpha=8.0, targets="all", whole_run=True, new_tokens=0):
     """A LoRA run folder (or, ``whole_run`` False, a bare checkpoint folder) adapting ``base_checkpoint``, its B
-    random (as after training at a high rate), so the adapted model differs from the base."""
+    random (as after training at a high rate), so the adapted model differs from the base; ``new_tokens``: it
+    trains the rows of that many last token ids too."""
     base = load_checkpoint(base_checkpoint)
-    model = add_lora(base.build_model(), LoraSettings(rank, alpha, targets=targets))
+    model = add_lora(base.build_model(), LoraSettings(rank, alpha, targets=targets, new_tokens=new_tokens))
     draw = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for m in model.modules():
-            if isinstance(m, LoRALinear):
+            if isinstance(m, (LoRALinear, LoRAEmbedding)):
                 m.lora_B.copy_(torch.randn(m.lora_B.shape, generator=draw) * 0.2)
     config = Config(base.config.model, dataclasses.replace(base.config.train, lora_rank=rank, lora_alpha=alpha,
-                                                           lora_targets=targets))
+                                                           lora_targets=targets, lora_new_tokens=new_tokens))
     where = checkpoint_path(folder, "best") if whole_run else folder
     save_checkpoint(where, model_state=adapter_state(model), optimizer_state=None, rng_state={},
                     state={"step": 1, LORA_BASE: lora_base_record(base, where)}, config=config,
@@ -107,6 +112,73 @@ def test_mixed_rows_each_read_their_own_adapter(run, adapters, models):
     for b in (1, 2):
         assert torch.allclose(mixed[b], expected[b], atol=1e-4)
         assert not torch.allclose(mixed[b], plain[b], atol=1e-2)  # the adapter changes the model
+
+
+@pytest.fixture(scope="module")
+def untied(run, tmp_path_factory):
+    """(a base run whose head is not its embedding, {name: adapter}): "chat" corrects every projection and both
+    tables at rank 4, "tables" only the embedding and the head at rank 2."""
+    folder = tmp_path_factory.mktemp("untied")
+    config = Config(dataclasses.replace(run.config.model, tie_embeddings=False), run.config.train)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(5)
+        model = GPT(config.model)
+    best = checkpoint_path(folder / "base", "best")
+    save_checkpoint(best, model_state=model.state_dict(), optimizer_state=None, rng_state={}, state={"step": 0},
+                    config=config, tokenizer=run.tokenizer)
+    (folder / "base" / "config.toml").write_text(dump_toml(config.to_dict()), encoding="utf-8")
+    write_run_info(folder / "base", {"status": "complete"})
+    return folder / "base", {"chat": make_lora_run(folder / "chat-lora", best, seed=6, targets="all,outer"),
+                             "tables": make_lora_run(folder / "tables-lora", best, seed=7, rank=2, alpha=3.0,
+                                                     targets="outer")}
+
+
+def test_embedding_and_head_adapters_read_per_row_in_the_model_and_in_the_decoding_layout(untied):
+    """Each row of one batch computes its merged model's logits, through the model's forward pass and through the
+    decoding layout (a prefill, then one step), mixed rows and one adapter for every row alike."""
+    base_dir, adapters = untied
+    merged = [load_run(base_dir).model] + [load_run(folder).model for folder in adapters.values()]
+    model = load_run(base_dir).model
+    make_decoder(model, batch=1, capacity=4)  # its decoding layout made before the adapters are stacked, and kept
+    served = ServedAdapters(model, find_adapters(adapters))
+    idx = torch.randint(0, model.config.vocab_size, (3, 10), generator=torch.Generator().manual_seed(1))
+    nxt = torch.tensor([7, 11, 13])
+    with torch.no_grad():
+        expected = [m(torch.cat([idx[b:b + 1], nxt[b:b + 1, None]], 1))[0][0] for b, m in enumerate(merged)]
+        for choice in ([0, 1, 2], [2, 2, 2], [1, 1, 1]):
+            want = [expected[b] if k == b else
+                    merged[k](torch.cat([idx[b:b + 1], nxt[b:b + 1, None]], 1))[0][0] for b, k in enumerate(choice)]
+            served.stack.choose(choice)
+            forward, _ = model(idx)
+            decoder = make_decoder(model, batch=3, capacity=16)
+            served.choose(decoder, choice)
+            prefill = decoder.start(idx, torch.ones_like(idx, dtype=torch.bool), every=True)
+            step = decoder.step(nxt)
+            for b in range(3):
+                torch.testing.assert_close(forward[b], want[b][:-1], atol=1e-4, rtol=0)
+                torch.testing.assert_close(prefill[b], want[b][:-1], atol=1e-4, rtol=0)
+                torch.testing.assert_close(step[b], want[b][-1], atol=1e-4, rtol=0)
+        served.stack.choose([0, 0, 0])
+        assert torch.equal(model(idx)[0][0], merged[0](idx[:1])[0][0])  # the base's rows: the base, exactly
+    for k in (1, 2):  # the tables' corrections matter: "tables" corrects nothing else
+        assert not torch.allclose(expected[k], expected[0], atol=1e-2)
+
+
+def test_embedding_and_head_adapters_answer_as_their_merged_runs_on_the_server(untied, run):
+    """Requests for the base and both adapters sent together: each answer is its own merged model's greedy one."""
+    base_dir, adapters = untied
+    models = {"base": load_run(base_dir).model, **{n: load_run(f).model for n, f in adapters.items()}}
+    jobs = [(name, prompt) for name in models for prompt in PROMPTS[:2]]
+    with ThreadServer(load_run(base_dir), model_name="base", adapters=adapters, batch_window=0.2) as server:
+        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="-", max_retries=0, timeout=60)
+        with ThreadPoolExecutor(len(jobs)) as pool:
+            answers = list(pool.map(lambda job: client.completions.create(
+                model=job[0], prompt=job[1], max_tokens=16, temperature=0).choices[0].text, jobs))
+        largest = httpx.get(server.base_url + "/health").json()["scheduler"]["largest_batch"]
+    for (name, prompt), answer in zip(jobs, answers):
+        assert answer == library(models[name], run, prompt, max_new_tokens=16, temperature=0).text, (name, prompt)
+    assert len({library(m, run, PROMPTS[0], max_new_tokens=16, temperature=0).text for m in models.values()}) == 3
+    assert largest >= 4  # rows of several models decoded in one batch
 
 
 def test_the_models_are_the_base_and_each_adapter(adapter_client, run_dir):
@@ -204,14 +276,16 @@ def test_without_run_a_base_in_a_run_is_named_after_it(run_dir, adapters):
     (["whole={run}"], "holds a whole model, not a LoRA adapter"),
     (["gone={run}/missing"], "does not exist"),
     (["other={other}"], "not the one served"),
+    (["rows={rows}"], "also trains the rows of 2 new tokens"),
 ])
 def test_what_is_refused_before_the_server_starts(flags, phrase, run_dir, adapters, tmp_path, capsys):
     other = make_run(tmp_path / "other-run", seed=1) if "{other}" in "".join(flags) else None
     if other is not None:
         make_lora_run(tmp_path / "other-lora", checkpoint_path(other, "best"), seed=4)
+    if "{rows}" in "".join(flags):
+        make_lora_run(tmp_path / "rows-lora", checkpoint_path(run_dir, "best"), seed=5, new_tokens=2)
     names = {"poems": f"poems={adapters['poems']}", "poems_dir": adapters["poems"], "code": adapters["code"],
-             "run": run_dir,
-             "other": tmp_path / "other-lora"}
+             "run": run_dir, "other": tmp_path / "other-lora", "rows": tmp_path / "rows-lora"}
     args = ["serve", "--run", str(run_dir), "--port", "0"]
     for flag in flags:
         args += ["--adapter", flag.format(**names)]

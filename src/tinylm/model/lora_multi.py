@@ -13,7 +13,16 @@ correct this matrix is zeros throughout). A row that reads adapter k computes
     y = x W^T + bias + (x down_k) up_k  =  x W^T + bias + scale_k (x A_k^T) B_k^T
 
 which is the adapted model's product (W + scale_k B_k A_k) without ever forming its matrix; adapter 0 is the
-base itself, with nothing added.
+base itself, with nothing added. The output head (lora_targets ``lm_head``) is such a matrix too.
+
+The token embedding (lora_targets ``E``) is looked up, not multiplied: row x of adapter k's table is
+W[x] + scale_k B_k[x] A_k. Its corrections are stacked the same way with the roles turned round:
+
+    rows (|V|, n r)     the adapters' scale * B: adapter k in columns (k - 1) r .. k r, looked up by token
+    up   (n r, d)       their A, adapter k in rows (k - 1) r .. k r
+
+so a token's correction is its row of ``rows`` (r numbers per adapter) times ``up``, chosen per row of the
+batch exactly as a product's ``x down`` is.
 
 **Which adapter each row reads** is chosen before the forward passes (`MultiLoRA.choose`, or
 `MultiLoRA.chosen` for a block of code), and the choice belongs to the thread that made it: the server's
@@ -73,14 +82,36 @@ class _Chosen(threading.local):
 
 def add_low_rank(y: Tensor, x: Tensor, down: Tensor, up: Tensor, rows: Rows, n: int) -> Tensor:
     """``y`` (B, T, d_out) plus the correction that the rows of x (B, T, d_in) get from ``down`` (d_in, n r) and
-    ``up`` (n r, d_out): adapter ``rows`` for every row (an int, 1..n), or each row its own (a mask (B, 1, n, 1)).
-    The sum is the last product's own (``addmm``), which saves a pass over ``y`` (and a kernel on a GPU)."""
+    ``up`` (n r, d_out): adapter ``rows`` for every row (an int, 1..n), or each row its own (a mask (B, 1, n, 1))."""
     if isinstance(rows, int):
-        width = down.size(1) // n
-        start = (rows - 1) * width
-        low, up = x @ down[:, start:start + width], up[start:start + width]  # (B, T, r)
-    else:
-        low = ((x @ down).unflatten(-1, (n, -1)) * rows).flatten(-2)  # (B, T, n r): each row's own block kept
+        block = _block(rows, down.size(1) // n)
+        return _add_product(y, x @ down[:, block], up[block])  # (B, T, r) by (r, d_out)
+    return _add_product(y, _own_blocks(x @ down, rows, n), up)
+
+
+def add_looked_up(y: Tensor, idx: Tensor, table: Tensor, up: Tensor, rows: Rows, n: int) -> Tensor:
+    """``y`` (B, T, d), the embedding of tokens ``idx`` (B, T), plus each row's correction from ``table``
+    (|V|, n r), looked up by token, and ``up`` (n r, d) (module docstring); ``rows`` as for `add_low_rank`."""
+    low = F.embedding(idx, table)  # (B, T, n r): every adapter's r numbers per token, a small gather
+    if isinstance(rows, int):
+        block = _block(rows, table.size(1) // n)
+        return _add_product(y, low[..., block], up[block])
+    return _add_product(y, _own_blocks(low, rows, n), up)
+
+
+def _block(adapter: int, width: int) -> slice:
+    """Adapter ``adapter``'s (1..n) columns of a stacked down, or rows of a stacked up."""
+    return slice((adapter - 1) * width, adapter * width)
+
+
+def _own_blocks(low: Tensor, mask: Tensor, n: int) -> Tensor:
+    """``low`` (B, T, n r) with every block but each row's own adapter's zeroed by ``mask`` (B, 1, n, 1)."""
+    return (low.unflatten(-1, (n, -1)) * mask).flatten(-2)
+
+
+def _add_product(y: Tensor, low: Tensor, up: Tensor) -> Tensor:
+    """``y`` + ``low`` @ ``up``, the sum being the product's own (``addmm``), which saves a pass over ``y`` (and a
+    kernel on a GPU)."""
     return torch.addmm(y.reshape(-1, y.size(-1)), low.reshape(-1, low.size(-1)), up).view(y.shape)
 
 
@@ -107,6 +138,30 @@ class MultiLoRALinear(nn.Linear):
         return f"{super().extra_repr()}, adapters={self.n}, rank={self.lora_down.size(1) // self.n}"
 
 
+class MultiLoRAEmbedding(nn.Embedding):
+    """A base token embedding (its own ``weight``) plus every adapter's correction of its rows, each row of the
+    batch corrected by the adapter chosen for it (module docstring)."""
+
+    def __init__(self, base: nn.Embedding, table: Tensor, up: Tensor, n: int, chosen: _Chosen) -> None:
+        nn.Module.__init__(self)
+        self.num_embeddings, self.embedding_dim = base.num_embeddings, base.embedding_dim
+        self.padding_idx, self.max_norm, self.norm_type = base.padding_idx, None, 2.0
+        self.scale_grad_by_freq, self.sparse = False, False
+        self.weight = base.weight
+        self.register_buffer("lora_table", table, persistent=False)  # (|V|, n r)
+        self.register_buffer("lora_up", up, persistent=False)  # (n r, d)
+        self.n = n
+        self.chosen = chosen
+
+    def forward(self, idx: Tensor) -> Tensor:
+        y = F.embedding(idx, self.weight)
+        rows = self.chosen.rows
+        return y if rows is None else add_looked_up(y, idx, self.lora_table, self.lora_up, rows, self.n)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, adapters={self.n}, rank={self.lora_table.size(1) // self.n}"
+
+
 class MultiLoRA:
     """``adapters`` stacked on ``model`` (in place: each matrix they correct becomes a `MultiLoRALinear`);
     adapter k of the list is index k + 1, 0 is the base. See the module docstring."""
@@ -114,7 +169,7 @@ class MultiLoRA:
     def __init__(self, model: nn.Module, adapters: Sequence[Adapter]) -> None:
         if not adapters:
             raise TinyLMError("MultiLoRA needs at least one adapter")
-        if any(isinstance(m, MultiLoRALinear) for m in model.modules()):
+        if any(isinstance(m, (MultiLoRALinear, MultiLoRAEmbedding)) for m in model.modules()):
             raise TinyLMError("this model carries stacked adapters already: stack them all at once")
         self.model = model
         self.names = [a.name for a in adapters]
@@ -124,13 +179,19 @@ class MultiLoRA:
         pairs = [adapter_pairs(a.tensors) for a in adapters]  # per adapter: matrix name -> (A, B)
         modules = dict(model.named_modules())
         wanted = set().union(*pairs)
-        for name, linear in modules.items():
-            if f"{name}.weight" not in wanted or not (isinstance(linear, nn.Linear) and name.startswith("blocks.")):
+        for name, layer in modules.items():
+            if f"{name}.weight" not in wanted or not _correctable(name, layer):
                 continue
             wanted.discard(f"{name}.weight")
-            down, up = _stacked(linear, name, [(a, p.get(f"{name}.weight")) for a, p in zip(adapters, pairs)])
+            entries = [(a, p.get(f"{name}.weight")) for a, p in zip(adapters, pairs)]
+            if isinstance(layer, nn.Embedding):
+                table, up = _stacked_table(layer, name, entries)
+                stacked: nn.Module = MultiLoRAEmbedding(layer, table, up, self.n, self._chosen)
+            else:
+                down, up = _stacked(layer, name, entries)
+                stacked = MultiLoRALinear(layer, down, up, self.n, self._chosen)
             parent, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent), child, MultiLoRALinear(linear, down, up, self.n, self._chosen))
+            setattr(model.get_submodule(parent) if parent else model, child, stacked)
         if wanted:
             weight = sorted(wanted)[0]
             owner = next(a.name for a, p in zip(adapters, pairs) if weight in p)
@@ -196,6 +257,14 @@ class MultiLoRA:
         return down, up
 
 
+def _correctable(name: str, layer: nn.Module) -> bool:
+    """Whether the module ``name`` is one an adapter may correct: a block's projection, the output head, the token
+    embedding (`tinylm.model.lora.target_modules`)."""
+    if isinstance(layer, nn.Embedding):
+        return name == "E"
+    return isinstance(layer, nn.Linear) and (name.startswith("blocks.") or name == "lm_head")
+
+
 def _stacked(linear: nn.Linear, name: str,
              entries: Sequence[tuple[Adapter, tuple[Tensor, Tensor] | None]]) -> tuple[Tensor, Tensor]:
     """down (d_in, n r) and up (n r, d_out) for the matrix ``name``: adapter k's A^T and scale * B^T in its
@@ -218,4 +287,26 @@ def _stacked(linear: nn.Linear, name: str,
     return down.to(weight.device, weight.dtype), up.to(weight.device, weight.dtype)
 
 
-__all__ = ["Adapter", "MultiLoRA", "MultiLoRALinear", "Rows", "add_low_rank"]
+def _stacked_table(embedding: nn.Embedding, name: str,
+                   entries: Sequence[tuple[Adapter, tuple[Tensor, Tensor] | None]]) -> tuple[Tensor, Tensor]:
+    """rows (|V|, n r) and up (n r, d) for the embedding ``name``: adapter k's scale * B and A in its block, zeros
+    where it leaves the embedding as it is or has a smaller rank (module docstring)."""
+    vocab, d = embedding.num_embeddings, embedding.embedding_dim
+    rank = max(pair[0].size(0) for _, pair in entries if pair is not None)
+    table = torch.zeros(vocab, len(entries) * rank)
+    up = torch.zeros(len(entries) * rank, d)
+    for k, (adapter, pair) in enumerate(entries):
+        if pair is None:
+            continue
+        a, b = pair
+        r = a.size(0)
+        if a.shape != (r, d) or b.shape != (vocab, r):
+            raise TinyLMError(f"the adapter '{adapter.name}' corrects {name}.weight as {b.size(0)} x {a.size(1)} but "
+                              f"the base's table is {vocab} x {d}: it was trained on another model")
+        table[:, k * rank:k * rank + r] = adapter.scale * b.float()
+        up[k * rank:k * rank + r] = a.float()
+    weight = embedding.weight
+    return table.to(weight.device, weight.dtype), up.to(weight.device, weight.dtype)
+
+
+__all__ = ["Adapter", "MultiLoRA", "MultiLoRAEmbedding", "MultiLoRALinear", "Rows", "add_looked_up", "add_low_rank"]

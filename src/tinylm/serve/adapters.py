@@ -24,8 +24,12 @@ before the server starts.
 **The decoding layout.** A GPT decodes through `tinylm.generate.fast.DecodeWeights`, a copy of its
 matrices laid out for one-token steps (q, k and v side by side, a gated MLP's W_1 and W_3 too), not
 through its modules. `adapt_layout` puts the corrections there as well, joined the same way (one
-correction per fused product: `MultiLoRA.joined`), so adapted rows keep the fast path; a batch of base
-rows alone computes exactly what it did without adapters.
+correction per fused product: `MultiLoRA.joined`), the output head's included, and has the layout look
+tokens up in the model's stacked embedding, so adapted rows keep the fast path, adapters of the embedding
+and the head (`tinylm finetune --lora-rank` on a model with an untied head) too; a batch of base rows
+alone computes exactly what it did without adapters. An adapter that trains new tokens' rows of its own
+(``lora_new_tokens``: a tied head, or targets without E and lm_head) is refused: those rows replace the
+base's, which several adapters cannot do at once.
 
 **What it costs** (`benchmarks/serve_adapters.py --direct`, the tiny preset with two rank-8 adapters on
 every matrix, 8 and 32 concurrent clients; tokens/s against a server of the base alone): base requests
@@ -258,11 +262,16 @@ class ServedAdapters:
 
 def adapt_layout(weights: DecodeWeights, stack: MultiLoRA) -> None:
     """Make the decoding layout ``weights`` add each row's correction to the products the adapters correct
-    (once per layout): its product function is wrapped, the correction found by the matrix it multiplies by."""
+    (once per layout): its product function is wrapped, the correction found by the matrix it multiplies by
+    (the output head's too), and its embedding is the model's, which looks up the corrected rows itself."""
     if weights.__dict__.get("adapted_by") is stack:
         return
     gated = weights.config.gated
+    weights.E = stack.model.E  # a layout made before the adapters were stacked holds the plain embedding
     fixes: dict[int, tuple[Tensor, Tensor]] = {}
+    head = stack.joined((stack.model.lm_head,))
+    if head is not None:
+        fixes[id(weights.head)] = head
     for layer, block in zip(weights.layers, stack.model.blocks):
         attn, mlp = block.attn, block.mlp
         groups = {"qkv": (attn.W_q, attn.W_k, attn.W_v), "o": (attn.W_o,),
