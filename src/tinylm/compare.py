@@ -21,6 +21,11 @@ Usage::
     rows = compare_runs(["runs/ngram", "runs/lstm", "runs/tiny"])
     rows = compare_runs(["runs/lstm", "runs/tiny"], stride=64)     # sliding windows
     print(format_table(rows)); plot_comparison(rows, "compare.png")
+
+On a benchmark task instead (`compare_task`: `tinylm.task_eval`), at several numbers of shots::
+
+    curves = compare_task(["runs/ngram", "runs/lstm", "runs/tiny"], "mc:cloze", shots=[0, 1, 2, 4, 8])
+    print(format_task_table(curves)); plot_task_curves(curves, "icl.png")   # accuracy against shots
 """
 
 from __future__ import annotations
@@ -210,3 +215,93 @@ def plot_comparison(rows: Sequence[Compared], path: str | os.PathLike) -> Path:
         text = f"the {text} split" if same_text(rows) else f"each run's own {text} split (they differ)"
     return plot_bits_per_byte(labels, [r.result.bits_per_byte for r in rows], path,
                               title=f"bits per byte on {text} ({windows_label(rows)})")
+
+
+# ----- runs side by side on a benchmark task ---------------------------------------------------------------------
+
+
+@dataclass
+class TaskCurve:
+    """One run's scores on a task, one per number of shots (its in-context learning curve)."""
+
+    name: str
+    family: str
+    results: list  # tinylm.task_eval.TaskResult, one per number of shots
+
+
+def compare_task(
+    runs: Sequence[str | os.PathLike],
+    task: str,
+    *,
+    shots: Sequence[int] = (0,),
+    items: int = 200,
+    seed: int | None = None,
+    train_file: str | None = None,
+    device: str = "cpu",
+    threads: int | None = None,
+    log: Callable[[str], None] | None = None,
+) -> list[TaskCurve]:
+    """Every run (any family) on one benchmark task (`tinylm.task_eval.evaluate_run_task`) at each number of shots,
+    on the same items and the same shots (``seed``: None is `tinylm.task_eval.SHOT_SEED`)."""
+    from tinylm.data.mc_tasks import load_task
+    from tinylm.run import load_run
+    from tinylm.task_eval import SHOT_SEED, evaluate_run_task
+
+    if not runs:
+        raise TinyLMError("give at least one run folder to compare")
+    load_task(task, n=1, train_file=train_file)  # a misspelt task or a bad file: refused before any run loads
+    loaded = [load_run(path, device=device) for path in runs]
+    curves = []
+    for name, run in zip(run_labels(runs), loaded):
+        results = evaluate_run_task(run, task, shots=shots, items=items, seed=SHOT_SEED if seed is None else seed,
+                                    train_file=train_file, device=device, threads=threads, log=log)
+        log = None  # the threads line once
+        curves.append(TaskCurve(name, run.family, results))
+    return curves
+
+
+def format_task_table(curves: Sequence[TaskCurve]) -> str:
+    """Runs as rows, numbers of shots as columns: accuracy, and accuracy_norm in brackets for multiple choice."""
+    first = curves[0].results[0]
+    norm = first.accuracy_norm is not None
+    header = ("run", "family", *(f"{r.shots}-shot" for r in curves[0].results))
+    lines = [header]
+    for curve in curves:
+        cells = [f"{100 * r.accuracy:.1f}%" + (f" ({100 * r.accuracy_norm:.1f}%)" if norm else "")
+                 for r in curve.results]
+        lines.append((curve.name, curve.family, *cells))
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    out = ["  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths)))
+           for line in lines]
+    out.insert(1, "  ".join("-" * w for w in widths))
+    chance = "" if first.chance is None else f", chance {100 * first.chance:.1f}%"
+    what = "accuracy (accuracy_norm: by log-likelihood per byte)" if norm else "exact match of the greedy answer"
+    out.append(f"{first.task}: {first.kind}, {first.n} test items; {what}{chance}")
+    return "\n".join(out)
+
+
+def plot_task_curves(curves: Sequence[TaskCurve], path: str | os.PathLike) -> Path:
+    """Accuracy against the number of shots, one line per run, chance as a dashed line (PNG): the in-context
+    learning curve."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    from tinylm.explain.plots import save_figure
+
+    path = check_plot_path(path)
+    fig = Figure(figsize=(6.4, 4.2), dpi=110)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    for curve in curves:
+        ax.plot([r.shots for r in curve.results], [100 * r.accuracy for r in curve.results], marker="o",
+                label=f"{curve.name} ({curve.family})")
+    first = curves[0].results[0]
+    if first.chance is not None:
+        ax.axhline(100 * first.chance, color="gray", linestyle="--", label=f"chance ({100 * first.chance:.0f}%)")
+    ax.set_xticks(sorted({r.shots for curve in curves for r in curve.results}))
+    ax.set_xlabel("examples in the prompt (shots)")
+    ax.set_ylabel("accuracy (%)" if first.accuracy_norm is not None else "exact match (%)")
+    ax.set_ylim(0, 100)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    return save_figure(fig, ax, path, title=f"{first.task}: {first.n} test items")

@@ -19,6 +19,46 @@ STRIDE_HELP = (
     "context whatever S. With --tokens: evenly spaced windows of S scored targets each")
 
 
+BENCHMARKS = "mc:cloze, mc:next-line, mc:speaker, icl:mapping, icl:copy, or a JSONL file of items"
+TASK_HELP = (
+    "instead of the loss, score a task. Benchmark tasks, as lm-evaluation-harness scores them: multiple choice by "
+    "each choice's log-likelihood (accuracy, and accuracy_norm per byte of the choice), generation by exact match "
+    "of the greedy answer; built in: mc:cloze (a blanked word of a held-out Shakespeare line, 4 choices), "
+    "mc:next-line (the line that follows, of 4), mc:speaker (who says the line, of 4 characters), icl:mapping "
+    "(made-up words to colours, a new mapping per item shown only by the examples: 0-shot is chance), icl:copy "
+    "(repeat made-up words, generation); or a JSONL file, one item a line: {\"context\", \"choices\", \"answer\"} "
+    "or {\"prompt\", \"answer\", \"stop\"}. Chat tasks, asked as chats and scored by exact match of the reply: "
+    "tasks:add, tasks:add+spell, ..., or a JSONL file of conversations, each asked up to its last (assistant's) "
+    "message, the answer")
+SHOTS_HELP = ("with a benchmark --task: solved examples before each question, from the task's train split "
+              "(NAME.train.jsonl beside a task file), each followed by a blank line; several, e.g. 0,1,2,4,8, print "
+              "the in-context learning curve (default: 0). With --harness: one number, the harness's num_fewshot "
+              "(default: each task's own)")
+
+
+def _shots(text: str) -> list[int]:
+    """'0,1,2,4,8' -> [0, 1, 2, 4, 8]: numbers of shots, each 0 or more, in increasing order."""
+    try:
+        values = sorted({int(part) for part in text.split(",") if part.strip()})
+    except ValueError:
+        values = []
+    if not values or values[0] < 0:
+        raise argparse.ArgumentTypeError(f"expected whole numbers of 0 or more separated by commas (0,1,2,4,8), "
+                                         f"got {text!r}")
+    return values
+
+
+def _add_benchmark_flags(p: argparse.ArgumentParser) -> None:
+    """--shots, --seed and --train-file: how a benchmark task's few-shot prompts are made (eval and compare)."""
+    from tinylm.task_eval import SHOT_SEED
+
+    p.add_argument("--shots", type=_shots, metavar="K[,K...]", help=SHOTS_HELP)
+    p.add_argument("--seed", type=integer, default=SHOT_SEED, help="picks each question's shots (default: "
+                   f"{SHOT_SEED})")
+    p.add_argument("--train-file", metavar="FILE", help="a task file's train split, where the shots come from "
+                   "(default: NAME.train.jsonl beside NAME.jsonl)")
+
+
 def _to_stderr(line: str) -> None:
     print(f"tinylm: {line}", file=sys.stderr)
 
@@ -34,7 +74,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
     """Evaluate a trained run (Transformer, LSTM, RNN or n-gram) on a split of the token shards it was trained on,
     or on any corpus: mean loss per token, perplexity, bits per byte of the original text, the tokens and bytes
     counted, and the time it took. A network reads the text in disjoint windows of its block_size unless --stride
-    slides them."""
+    slides them. With --task, score a task instead: a benchmark (mc:cloze, icl:mapping, a JSONL file of multiple-
+    choice or generation items) as lm-evaluation-harness scores it, at each number of --shots; or chat tasks
+    (tasks:add), asked as chats."""
     from tinylm.evaluate import evaluate_run
 
     run = args.run_flag or args.run
@@ -66,7 +108,13 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 def _eval_tasks(args: argparse.Namespace, run: str) -> int:
     """`tinylm eval --task`: exact match on built-in tasks' held-out items, and how many replies ended their turn."""
-    from tinylm.task_eval import evaluate_run_tasks
+    from tinylm.task_eval import evaluate_run_tasks, is_chat_task
+
+    if not is_chat_task(args.task):
+        return _eval_benchmark(args, run)
+    if args.shots is not None or args.train_file is not None or args.plot is not None:
+        raise TinyLMError(f"--shots, --train-file and --plot are for benchmark tasks ({BENCHMARKS}); {args.task} is "
+                          "asked as chats")
 
     scores = evaluate_run_tasks(run, args.task, items=args.items, checkpoint=args.checkpoint,
                                 device=_device(args.device), threads=args.threads, log=_to_stderr)
@@ -86,8 +134,10 @@ def _eval_harness(args: argparse.Namespace, run: str) -> int:
     """`tinylm eval --harness`: lm-evaluation-harness tasks through `tinylm.harness.TinyLMHarness`."""
     from tinylm.harness import run_harness, results_table
 
+    if args.shots is not None and len(args.shots) > 1:
+        raise TinyLMError("--harness takes one number of --shots (the harness's num_fewshot)")
     out = run_harness(run, [t for t in args.harness.split(",") if t], include_path=args.include_path,
-                      shots=args.shots, limit=args.limit, checkpoint=args.checkpoint, device=_device(args.device),
+                      shots=args.shots[0] if args.shots else None, limit=args.limit, checkpoint=args.checkpoint, device=_device(args.device),
                       batch_size=args.batch_size, threads=args.threads, log=_to_stderr)
     if args.json:
         print(json.dumps({"run": str(run), "tasks": out["results"], "n-shot": out["n-shot"]}, default=float))
@@ -96,12 +146,41 @@ def _eval_harness(args: argparse.Namespace, run: str) -> int:
     return 0
 
 
+def _eval_benchmark(args: argparse.Namespace, run: str) -> int:
+    """`tinylm eval --task mc:cloze` (or a task file): accuracy at each number of --shots, and its curve."""
+    from tinylm.compare import TaskCurve, check_plot_path, plot_task_curves
+    from tinylm.run import read_run_info
+    from tinylm.task_eval import evaluate_run_task, format_task_results
+
+    if args.plot is not None:
+        check_plot_path(args.plot)
+    results = evaluate_run_task(run, args.task, shots=args.shots or [0], items=args.items, seed=args.seed,
+                                train_file=args.train_file, checkpoint=args.checkpoint, device=_device(args.device),
+                                threads=args.threads, log=_to_stderr)
+    if args.json:
+        for r in results:
+            print(json.dumps({"run": str(run), **r.as_dict()}))
+    else:
+        print(format_task_results(str(run), results))
+    if args.plot is not None:
+        family = read_run_info(run).get("family", "gpt")
+        chart = plot_task_curves([TaskCurve(Path(run).name, family, results)], args.plot)
+        print(f"chart: {chart}", file=sys.stderr if args.json else sys.stdout)
+    return 0
+
+
 def cmd_compare(args: argparse.Namespace) -> int:
     """Evaluate runs of any family and tokenizer (n-gram, RNN, LSTM, Transformer) on their validation split, or all
     on one --corpus, and print a table sorted by bits per byte, the measure that is fair across tokenizers; draw the
-    bits per byte as a bar chart (PNG)."""
+    bits per byte as a bar chart (PNG). With --task, score every run on a benchmark task instead, at each number
+    of --shots: a table of accuracies, and with --plot the in-context learning curves (accuracy against shots,
+    chance dashed)."""
     from tinylm.compare import check_plot_path, compare_runs, format_table, plot_comparison
 
+    if args.task is not None:
+        return _compare_task(args)
+    if args.shots is not None or args.train_file is not None:
+        raise TinyLMError("--shots and --train-file go with --task")
     # beside the runs (runs/compare.png), where git ignores it as it ignores the runs, not in the working folder
     plot = args.plot if args.plot is not None else str(Path(args.runs[0]).parent / "compare.png")
     check_plot_path(plot)
@@ -115,6 +194,27 @@ def cmd_compare(args: argparse.Namespace) -> int:
         return 0
     print(format_table(rows))
     print(f"chart: {chart}")
+    return 0
+
+
+def _compare_task(args: argparse.Namespace) -> int:
+    """`tinylm compare --task`: the runs' accuracy on a benchmark task at each number of shots; --plot, the curves."""
+    from tinylm.compare import check_plot_path, compare_task, format_task_table, plot_task_curves
+
+    plot = args.plot
+    if plot is not None:
+        check_plot_path(plot)
+    curves = compare_task(args.runs, args.task, shots=args.shots or [0], items=args.items, seed=args.seed,
+                          train_file=args.train_file, device=_device(args.device), threads=args.threads,
+                          log=_to_stderr)
+    chart = plot_task_curves(curves, plot) if plot is not None else None
+    if args.json:
+        print(json.dumps({"chart": None if chart is None else str(chart), "runs": [
+            {"run": c.name, "family": c.family, "results": [r.as_dict() for r in c.results]} for c in curves]}))
+        return 0
+    print(format_task_table(curves))
+    if chart is not None:
+        print(f"chart: {chart}")
     return 0
 
 
@@ -136,16 +236,14 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--data-dir", help="the run's shard folder, if it has moved since training")
     p.add_argument("--device", default="auto", help="auto (cuda when there is a GPU, else cpu), cpu, cuda, cuda:N "
                    "or mps (default: auto, as for train)")
-    p.add_argument("--task", metavar="tasks:NAME", help="instead of the loss: ask the held-out items of built-in "
-                   "tasks (tasks:add, tasks:add+spell, ...) as chats and score the greedy replies by exact match; or a "
-                   "JSONL file of conversations, each asked up to its last (assistant's) message, the answer")
+    p.add_argument("--task", metavar="TASK", help=TASK_HELP)
     p.add_argument("--items", type=positive_int, default=200, help="with --task: items per task (default: 200)")
+    _add_benchmark_flags(p)
+    p.add_argument("--plot", metavar="FILE.png", help="with a benchmark --task: draw accuracy against --shots")
     p.add_argument("--harness", metavar="TASKS", help="instead of the loss: lm-evaluation-harness tasks, "
                    "comma-separated (pip install -e \".[harness]\"); your own task YAMLs are found with --include-path")
     p.add_argument("--include-path", metavar="DIR", help="with --harness: a folder of task YAMLs of your own "
                    "(e.g. examples/harness)")
-    p.add_argument("--shots", type=integer, metavar="K", help="with --harness: examples before each question "
-                   "(default: each task's own)")
     p.add_argument("--limit", type=positive_int, metavar="N", help="with --harness: the first N items of each task")
     p.add_argument("--json", action="store_true", help="print the numbers as one JSON object (for scripts)")
     add_threads_flag(p)
@@ -158,7 +256,11 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    "(default: all; n-gram models always score all)")
     p.add_argument("--stride", type=integer, metavar="S", help=STRIDE_HELP)
     p.add_argument("--plot", metavar="PATH", help="the bar chart (default: compare.png in the first run's parent "
-                   "folder, e.g. runs/compare.png)")
+                   "folder, e.g. runs/compare.png); with --task, accuracy against --shots, one line per run")
+    p.add_argument("--task", metavar="TASK", help=f"instead of bits per byte: every run on a benchmark task "
+                   f"({BENCHMARKS}), at each number of --shots")
+    p.add_argument("--items", type=positive_int, default=200, help="with --task: test items (default: 200)")
+    _add_benchmark_flags(p)
     p.add_argument("--device", default="auto", help="auto (cuda when there is a GPU, else cpu), cpu, cuda, cuda:N "
                    "or mps (default: auto, as for train)")
     p.add_argument("--json", action="store_true", help="print the table as JSON, best first (the chart is still "
