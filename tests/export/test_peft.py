@@ -48,9 +48,9 @@ ROPE = {"rope_type": "default", "rope_theta": 1000.0}
 def hf_model(family: str) -> torch.nn.Module:
     """A tiny random model of ``family`` as `transformers` builds it (every weight random, biases and gains too)."""
     torch.manual_seed(0)
-    if family == "gpt2":
+    if family in ("gpt2", "gpt2-untied"):
         config = transformers.GPT2Config(vocab_size=302, n_embd=32, n_layer=2, n_head=2, n_positions=64,
-                                         bos_token_id=297, eos_token_id=298)
+                                         bos_token_id=297, eos_token_id=298, tie_word_embeddings=family == "gpt2")
         return randomize(transformers.GPT2LMHeadModel(config))
     if family == "gemma2":
         config = transformers.Gemma2Config(**SHAPE, head_dim=8, query_pre_attn_scalar=8, sliding_window=6,
@@ -73,7 +73,7 @@ def hf_model(family: str) -> torch.nn.Module:
     return randomize(getattr(transformers, model_class)(config))
 
 
-FAMILIES = ["gpt2", "llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3"]
+FAMILIES = ["gpt2", "gpt2-untied", "llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3"]
 TIED = {"gpt2"}  # GPT-2's head is its embedding: LoRA corrects neither
 
 
@@ -259,6 +259,8 @@ PEFT_CASES = {
                                                                                       "lm_head"],
                                                     rank_pattern={"embed_tokens": 2}, alpha_pattern={"lm_head": 5}),
                                       "W_q,outer"),
+    "gpt2-untied-wte-head": ("gpt2-untied", dict(r=2, lora_alpha=4, target_modules=["c_attn", "wte", "lm_head"]),
+                             "W_q,W_k,W_v,outer"),
     "gemma3-scaled-embedding": ("gemma3", dict(r=3, lora_alpha=6, target_modules=["embed_tokens"]), "E"),
     "qwen2-all-linear-and-head": ("qwen2", dict(r=2, lora_alpha=4, target_modules=["q_proj", "k_proj", "v_proj",
                                                                                   "o_proj", "gate_proj", "up_proj",
