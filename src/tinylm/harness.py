@@ -66,7 +66,7 @@ from tinylm.generate.engine import Engine
 from tinylm.generate.sampling import SamplingParams
 from tinylm.model import NGramLM
 from tinylm.run import Run, load_run
-from tinylm.scoring import loglikelihoods
+from tinylm.scoring import encode_pair, loglikelihoods
 
 # Requests per forward pass when the caller does not choose (the harness's own default is 1).
 DEFAULT_BATCH_SIZE = 16
@@ -106,15 +106,7 @@ class TinyLMHarness(LM):
 
     def encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
         """(context ids, continuation ids) of a loglikelihood request, split as the harness splits them."""
-        if not context:
-            cont = self.tok_encode(continuation, start=False)
-            return ([self.prefix_id], cont) if cont[:1] != [self.prefix_id] else (cont[:1], cont[1:])
-        spaces = len(context) - len(context.rstrip())
-        if spaces:
-            context, continuation = context[:-spaces], context[-spaces:] + continuation
-        whole = self.tok_encode(context + continuation)
-        context_ids = self.tok_encode(context)
-        return context_ids, whole[len(context_ids):]
+        return encode_pair(self.tokenizer, context, continuation, self.start_ids)
 
     def fit(self, context: list[int], continuation: list[int]) -> tuple[list[int], list[int]]:
         """The pair cut from the left to the model's context: at most max_length + 1 tokens in all."""
