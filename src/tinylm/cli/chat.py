@@ -20,6 +20,7 @@ from tinylm.cli.flags import (
     command_threads,
     positive_int,
 )
+from tinylm.cli.generate import add_quant_flag, quantize_flag
 from tinylm.errors import TinyLMError
 
 if TYPE_CHECKING:
@@ -52,6 +53,7 @@ def cmd_chat(args: Any, stdin: TextIO | None = None, out: TextIO | None = None, 
     from tinylm.run import load_run
 
     run = load_run(args.run, checkpoint=args.checkpoint)
+    quantize_flag(run.model, args)
     params = chat_sampling(args, run.model.config.block_size)
     with command_threads(args):  # after the load: an error there stays one line
         session = ChatSession(run.model, run.tokenizer, run.start_ids, system=args.system, params=params)
@@ -154,3 +156,4 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    "(default: 128, or half the context if that is less)")
     add_sampling_flags(p, seed_help="make the replies reproducible")
     add_threads_flag(p)
+    add_quant_flag(p)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 
 from tinylm.cli.flags import RUN_HELP, add_command, add_run_flags, add_threads_flag, nonneg_float, port, positive_int
+from tinylm.cli.generate import add_quant_flag
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -32,7 +33,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                  max_batch_size=args.max_batch_size, batch_window=args.batch_window_ms / 1000,
                  checkpoint=args.checkpoint, device=args.device, log_level=args.log_level,
                  allow_origins=args.allow_origin or (), draft=args.draft, draft_k=args.draft_k,
-                 body_timeout=args.body_timeout, threads=args.threads, adapters=args.adapter or ())
+                 body_timeout=args.body_timeout, threads=args.threads, adapters=args.adapter or (),
+                 quant=args.quant)
     return 0
 
 
@@ -62,6 +64,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    "its connection closed (default: 30)")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps (default: cpu)")
     add_threads_flag(p)
+    add_quant_flag(p)
     p.add_argument("--draft", metavar="ngram|prompt|DIR",
                    help="speculative decoding of a lone request (as tinylm sample --draft): the same greedy text, "
                    "the same sampling distribution, faster where drafts are often kept (default: off)")

@@ -33,6 +33,10 @@ What the step computes is `GPT.forward` with a KV cache, term for term; the prod
 in another order, so logits agree to float rounding (the tests pin them to the model's), and
 the engine's greedy tokens stay the model's.
 
+A model quantized to int8 (`tinylm.model.quant`) lays out the same way: its fused matrices are
+`Int8Matrix` rows stacked, multiplied by the int8 kernel measured fastest (eager) or by a written-out
+int8 sum (compiled).
+
 Models this layout does not cover (a bigram-hash table, whose pairs cross the cache; other
 families) decode through the model itself (`supports` says which).
 """
@@ -57,6 +61,7 @@ from tinylm.model import GPT
 from tinylm.model.attention import causal_visible, soft_cap
 from tinylm.model.gpt import mlp_activation
 from tinylm.model.positions import apply_rope
+from tinylm.model.quant import Int8Linear, Int8Matrix, stack_rows
 
 
 # slots past the context in a compiled decoder's cache: where a padded speculative round of up to 8 drafts writes
@@ -74,26 +79,37 @@ def supports(model: nn.Module) -> bool:
     return isinstance(model, GPT) and not model.config.bigram_hash and not model.config.moe_experts
 
 
-def _fused(linears: tuple[nn.Linear, ...], in_out: bool) -> tuple[Tensor, Tensor | None]:
-    """The linears' weights as one matrix, (in, sum of outs) or (sum of outs, in), and their biases as one vector."""
-    weight = torch.cat([lin.weight.detach() for lin in linears])  # (outs, in)
-    weight = weight.T.contiguous() if in_out else weight.contiguous()
+def _fused(linears: tuple[nn.Linear, ...], in_out: bool) -> tuple[Tensor | Int8Matrix, Tensor | None]:
+    """The linears' weights as one matrix, (in, sum of outs) or (sum of outs, in), and their biases as one vector.
+
+    Int8 linears (`tinylm.model.quant`) give one `Int8Matrix`, their rows stacked, whatever the layout.
+    """
+    if isinstance(linears[0], Int8Linear):
+        weight = stack_rows([lin.matrix for lin in linears])
+    else:
+        weight = torch.cat([lin.weight.detach() for lin in linears])  # (outs, in)
+        weight = weight.T.contiguous() if in_out else weight.contiguous()
     biases = [lin.bias for lin in linears]
     if all(b is None for b in biases):
         return weight, None
-    bias = torch.cat([b.detach() if b is not None else lin.weight.new_zeros(lin.out_features)
+    like = next(b for b in biases if b is not None)
+    bias = torch.cat([b.detach() if b is not None else like.new_zeros(lin.out_features)
                       for b, lin in zip(biases, linears)])
     return weight, bias
 
 
 def _product_in_out(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     """x (..., in) times W stored (in, out): MKL's fastest one-row product."""
+    if isinstance(weight, Int8Matrix):
+        return weight.matmul(x, bias)
     y = x @ weight
     return y + bias if bias is not None else y
 
 
 def _product_out_in(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     """x (..., in) times W stored (out, in) (nn.Linear's layout)."""
+    if isinstance(weight, Int8Matrix):
+        return weight.matmul(x, bias)
     return F.linear(x, weight, bias)
 
 
@@ -106,6 +122,8 @@ def _product_reduced(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     a 6-token round took about 20 times one token), so those steps call MKL. Whether the compiled
     step wins at all is measured at run time (`StaticDecoder._compiled_is_faster`).
     """
+    if isinstance(weight, Int8Matrix):
+        return weight.written_out(x, bias)
     rows = x.reshape(-1, x.size(-1))  # (M, in)
     y = (weight[:, None, :] * rows[None, :, :]).sum(-1).T  # (M, out)
     y = y.reshape(*x.shape[:-1], weight.size(0))

@@ -125,7 +125,8 @@ def serve(run_dir: str | os.PathLike | None, *, host: str = "127.0.0.1", port: i
           batch_window: float = 0.002, checkpoint: str = "best", device: str = "cpu", log_level: str = "info",
           graceful_timeout: float = GRACEFUL_TIMEOUT, allow_origins: Sequence[str] = (),
           draft: str | None = None, draft_k: int = 4, body_timeout: float | None = None,
-          threads: int | None = None, adapters: Mapping[str, str | os.PathLike] | Sequence[str] = ()) -> None:
+          threads: int | None = None, adapters: Mapping[str, str | os.PathLike] | Sequence[str] = (),
+          quant: str | None = None) -> None:
     """Serve the run in ``run_dir`` until interrupted (Ctrl+C): the OpenAI API under /v1, the playground at /.
 
     ``api_key``: the key clients must send; None reads ``$TINYLM_API_KEY`` (unset or empty: no key).
@@ -141,6 +142,9 @@ def serve(run_dir: str | os.PathLike | None, *, host: str = "127.0.0.1", port: i
     run's model, each served under its own name beside it (`tinylm.serve.adapters`); ``run_dir`` may then be
     the base's checkpoint folder, or None for the adapters' own base. They are read and checked against the
     base before the socket is bound.
+
+    ``quant`` ("int8"): decode with the model's matrices in int8 (`tinylm.model.quant`); not with adapters,
+    which add their corrections to the base's float weights.
     """
     try:
         import uvicorn
@@ -157,10 +161,18 @@ def serve(run_dir: str | os.PathLike | None, *, host: str = "127.0.0.1", port: i
     api_key = api_key_or_env(api_key)
     check_options(model_name=model_name, body_timeout=body_timeout, allow_origins=allow_origins)
     run_dir, model_name, found = check_base_and_adapters(run_dir, checkpoint, model_name, adapters)
+    if quant and found:
+        raise TinyLMError("--quant int8 serves one model; adapters add to the base's float weights: drop --quant "
+                          "or --adapter")
     sock = bind_socket(host, port)  # before loading: a port in use is said at once, not after a long load
     try:
         run = (checkpoint_run(run_dir, device) if is_checkpoint_folder(run_dir)
                else load_run(run_dir, checkpoint=checkpoint, device=device))
+        if quant:
+            from tinylm.model.quant import check_quantizable, quantize_int8
+
+            check_quantizable(run.model, quant)
+            quantize_int8(run.model)
         app = create_app(run, model_name=model_name, api_key=api_key, max_batch_size=max_batch_size,
                          batch_window=batch_window, allow_origins=allow_origins, draft=draft, draft_k=draft_k,
                          body_timeout=BODY_TIMEOUT if body_timeout is None else body_timeout, adapters=found)
