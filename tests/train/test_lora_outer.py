@@ -116,3 +116,14 @@ def test_b_learns_at_its_multiple_of_as_rate(untied_run, corpus, data_dir):
             assert lr_of[id(p)] == pytest.approx(1.6e-2 if name.endswith("lora_B") else 1e-3)
     with pytest.raises(TinyLMError, match="lora_b_lr_ratio must be a positive number"):
         tiny_config(corpus, data_dir, lora_b_lr_ratio=0.0)
+
+
+def test_loras_default_budget_is_twice_the_steps_of_full_fine_tuning(untied_run, tmp_path):
+    from tinylm.finetune import LORA_STEPS, recipe
+
+    base = load_run(untied_run).config
+    full = recipe(base, base.model.vocab_size + 2, 4000.0, tmp_path, None, {}).train
+    lora = recipe(base, base.model.vocab_size + 2, 4000.0, tmp_path, None, {"lora_rank": 4}).train
+    assert lora.max_steps == LORA_STEPS * full.max_steps and lora.lr == LORA_LR
+    given = recipe(base, base.model.vocab_size + 2, 4000.0, tmp_path, None, {"lora_rank": 4, "max_steps": 7}).train
+    assert given.max_steps == 7
