@@ -93,13 +93,16 @@ def loglikelihoods(model: nn.Module, requests: Sequence[Request], *, batch_size:
                               "continuation follows (a run's start token, EOS for tinylm's tokenizers)")
     if batch_size is not None and batch_size < 1:
         raise TinyLMError(f"batch_size must be positive, got {batch_size}")
+    share = isinstance(model, GPT) if share_context is None else share_context
+    if share and not isinstance(model, GPT):
+        raise TinyLMError("share_context reads each context into a Transformer's KV cache; this model is not one")
     out: list[tuple[float, bool]] = [(0.0, True)] * len(pairs)
     todo = [i for i, (_, continuation) in enumerate(pairs) if continuation]
     if not todo:
         return out
     if isinstance(model, NGramLM):
         scored = _ngram_loglikelihoods(model, [pairs[i] for i in todo])
-    elif share_context is None and isinstance(model, GPT) or share_context:
+    elif share:
         scored = _shared_context_loglikelihoods(model, [pairs[i] for i in todo], batch_size)
     else:
         scored = _network_loglikelihoods(model, [pairs[i] for i in todo], batch_size)

@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from tinylm.errors import TinyLMError
-from tinylm.data.tasks import SPLITS, is_test_item, speeches, words
+from tinylm.data.tasks import SPLITS, is_group, is_test_item, speeches, words
 
 CHOICE, GENERATION = "multiple choice", "generation"
 DEFAULT_STOP = ("\n",)
@@ -363,10 +363,10 @@ _PREVIOUS_LINES = 3  # the speech before, cut to its last lines: the context say
 def _speaker_pool(split: str) -> tuple[ChoiceItem, ...]:
     askable, items = _askable_lines(), []
     for play in _held_out_speeches():
-        cast = sorted({speaker for speaker, _ in play})
+        cast = sorted({speaker for speaker, _ in play if not is_group(speaker)})
         for (before, said), (speaker, lines) in zip(play, play[1:]):
             line = lines[0]
-            if line not in askable or not _on_side(line, split):
+            if line not in askable or is_group(speaker) or not _on_side(line, split):
                 continue
             rng = random.Random(f"speaker\0{line}")
             others = [name for name in cast if name not in (speaker, before)]

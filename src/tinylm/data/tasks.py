@@ -235,6 +235,11 @@ _MIN_SPEECHES = 3  # a name heads this many speeches in its play, so that a lone
 _MIN_WORDS = 4  # shorter lines ("My lord?") cannot be placed
 
 
+def is_group(speaker: str) -> bool:
+    """Whether a speech's heading names more than one speaker (ALL., BOTH., "Mar. and Ber.", CITIZENS.)."""
+    return bool(_GROUP_WORDS & set(speaker.lower().replace(".", " ").split()))
+
+
 @functools.cache
 def _lines() -> tuple[tuple[str, str, str | None], ...]:
     """(speaker, line, the next line of the speech or None) for every line that can be asked about, in corpus order.
@@ -248,7 +253,7 @@ def _lines() -> tuple[tuple[str, str, str | None], ...]:
     counts = Counter(" ".join(line.split()) for text in texts for line in text.split("\n"))
     out = []
     for speaker, lines in every_speech:
-        if _GROUP_WORDS & set(speaker.lower().replace(".", " ").split()):
+        if is_group(speaker):
             continue
         for i, line in enumerate(lines):
             if counts[line] != 1 or len(line.split()) < _MIN_WORDS or any(c in line for c in '[]"'):
