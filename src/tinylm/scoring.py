@@ -136,8 +136,8 @@ def _device(model: nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
-def _logits(model: nn.Module, x: Tensor) -> Tensor:
-    out = model(x)
+def _logits(model: nn.Module, x: Tensor, **kwargs) -> Tensor:
+    out = model(x, **kwargs)
     return out[0] if isinstance(out, tuple) else out  # (B, T, |V|)
 
 
@@ -247,7 +247,7 @@ def _score_shared(model: nn.Module, pairs: list[tuple[list[int], list[int]]],
         mask[g, width - len(context):] = True
     x, mask = x.to(device), mask.to(device)
     cache = KVCache.for_model(model, G, width)
-    last = _logits_with(model, x, mask, cache)[:, -1]  # (G, |V|): each context's prediction of what follows
+    last = _logits(model, x, attention_mask=mask, kv_cache=cache)[:, -1]  # (G, |V|): each context's prediction of what follows
     members = [(g, i) for g, (_, group) in enumerate(batch) for i in group]
     picked = [last[torch.tensor([g for g, _ in members], device=device)]]  # (M, |V|)
     targets, owner = [pairs[i][1][0] for _, i in members], [i for _, i in members]
@@ -264,7 +264,8 @@ def _score_shared(model: nn.Module, pairs: list[tuple[list[int], list[int]]],
             rest = pairs[i][1][:-1]
             y[r, :len(rest)] = torch.tensor(rest)
         keys = torch.cat([mask[rows], torch.ones(len(chunk), tail, dtype=torch.bool, device=device)], dim=1)
-        logits = _logits_with(model, y.to(device), keys, KVCache.merged([(cache, rows)], width, width + tail))
+        logits = _logits(model, y.to(device), attention_mask=keys,
+                         kv_cache=KVCache.merged([(cache, rows)], width, width + tail))  # (B', tail, |V|)
         row_ix, pos_ix = [], []
         for r, (_, i) in enumerate(chunk):
             rest = pairs[i][1][1:]
@@ -274,11 +275,6 @@ def _score_shared(model: nn.Module, pairs: list[tuple[list[int], list[int]]],
             owner += [i] * len(rest)
         picked.append(logits[torch.tensor(row_ix, device=device), torch.tensor(pos_ix, device=device)])
     _collect(torch.cat(picked).float(), targets, owner, out)
-
-
-def _logits_with(model: nn.Module, x: Tensor, attention_mask: Tensor, cache: KVCache) -> Tensor:
-    out = model(x, attention_mask=attention_mask, kv_cache=cache)
-    return out[0] if isinstance(out, tuple) else out  # (B, T, |V|)
 
 
 def _collect(picked: Tensor, targets: list[int], owner: list[int], out: list[tuple[float, bool]]) -> None:
