@@ -320,6 +320,160 @@ def bench_run(args: argparse.Namespace) -> None:
               f"| {same}/{total} | {kept} |")
 
 
+# ----- int8 weights (--quant int8) beside llama.cpp f32 and q8_0 ----------------------------------------------
+
+
+def make_gpt2_shaped_run(base_run: str, out: str, steps: int, batch: int, length: int, lr: float) -> None:
+    """A run folder with GPT-2 124M's shape and choices, trained ``steps`` steps on ``base_run``'s training split.
+
+    There are no GPT-2 weights offline, so this stands in for them: the same matrices (12 x 768, the 50257-row
+    tied head; ``base_run``'s tokenizer uses the first ids of it), with a trained, peaked next-token
+    distribution instead of a random model's nearly flat one.
+    """
+    from tinylm.config import Config, TrainConfig, dump_toml
+    from tinylm.data.shards import ShardSet
+    from tinylm.run import checkpoint_path, load_run, save_checkpoint, write_run_info
+
+    run = load_run(base_run)
+    config = dataclasses.replace(SHAPES["gpt2-124m"], positions="learned", norm="layernorm", mlp="gelu", bias=True,
+                                 tie_embeddings=True, norm_position="pre", dropout=0.0, attention="sdpa")
+    torch.manual_seed(0)
+    model = GPT(config)
+    train = torch.from_numpy(ShardSet.open(run.info["data"]["dir"]).tokens("train").astype("int64"))
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    started = time.perf_counter()
+    for step in range(steps):
+        starts = torch.randint(0, len(train) - length - 1, (batch,))
+        rows = torch.stack([train[s:s + length + 1] for s in starts])  # (batch, length + 1)
+        _, loss = model(rows[:, :-1], rows[:, 1:])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        print(f"step {step + 1}/{steps}: loss {loss.item():.3f} ({time.perf_counter() - started:.0f} s)", flush=True)
+    folder = Path(out)
+    full = Config(config, TrainConfig())
+    save_checkpoint(checkpoint_path(folder, "best"), model_state=model.state_dict(), optimizer_state=None,
+                    rng_state={}, state={"step": steps}, config=full, tokenizer=run.tokenizer)
+    (folder / "config.toml").write_text(dump_toml(full.to_dict()), encoding="utf-8")
+    write_run_info(folder, {"status": "complete", "data": run.info["data"]})
+    print(f"wrote {folder}")
+
+
+def int8_quality(run, qmodel, prompts: list[list[int]], new_tokens: int, llama_q8=None, eval_tokens: int = 8192):
+    """How close int8 stays to float32: greedy tokens shared, logits' relative error, perplexity on the val split."""
+    from tinylm.data.shards import ShardSet
+    from tinylm.evaluate import evaluate_model, split_text
+
+    greedy = SamplingParams(max_new_tokens=new_tokens, temperature=0, stop_ids=[])
+    ours = [c.token_ids for c in Engine(run.model, greedy).generate(prompts)]
+    theirs = [c.token_ids for c in Engine(qmodel, greedy).generate(prompts)]
+    shared = sum(a == b for x, y in zip(ours, theirs) for a, b in zip(x, y))
+    print(f"greedy tokens int8 shares with float32: {shared}/{len(prompts) * new_tokens} "
+          f"({100 * shared / (len(prompts) * new_tokens):.1f}%) over {len(prompts)} held-out prompts")
+    # teacher-forced: along float32's greedy path, how often int8's argmax is float32's next token (one early
+    # near-tie flipped makes every later free-running token differ, which the count above cannot tell)
+    picked = 0
+    with torch.inference_mode():
+        for p, out in zip(prompts, ours):
+            path = torch.tensor([p + out])
+            picked += (qmodel(path)[0][0, len(p) - 1:-1].argmax(-1) == path[0, len(p):]).sum().item()
+    print(f"int8's argmax along float32's greedy path (teacher-forced): {picked}/{len(prompts) * new_tokens} "
+          f"({100 * picked / (len(prompts) * new_tokens):.1f}%)")
+    if llama_q8 is not None:
+        q8 = llama_q8(prompts, new_tokens)
+        same = sum(a == b for x, y in zip(ours, q8) for a, b in zip(x, y))
+        print(f"greedy tokens llama.cpp q8_0 shares with tinylm float32: {same}/{len(prompts) * new_tokens} "
+              f"({100 * same / (len(prompts) * new_tokens):.1f}%)")
+    window = torch.tensor([sum(prompts, [])[: run.model.config.block_size]])
+    with torch.inference_mode():
+        a, b = run.model(window)[0], qmodel(window)[0]
+    print(f"logits over {window.size(1)} held-out positions: relative L2 error {((b - a).norm() / a.norm()).item():.4f}, "
+          f"max |diff| {(b - a).abs().max().item():.3f} (logits' std {a.std().item():.2f}), "
+          f"argmax shared {(a.argmax(-1) == b.argmax(-1)).float().mean().item():.1%}")
+    text = split_text(ShardSet.open(run.info["data"]["dir"]), "val")
+    block = run.model.config.block_size
+    ppl = {name: evaluate_model(m, text, run.tokenizer, block_size=block, max_tokens=eval_tokens,
+                                start_id=run.start_ids[-1] if run.start_ids else None).perplexity
+           for name, m in (("float32", run.model), ("int8", qmodel))}
+    print(f"perplexity on the first {eval_tokens} val tokens: float32 {ppl['float32']:.3f}, int8 {ppl['int8']:.3f} "
+          f"({100 * (ppl['int8'] / ppl['float32'] - 1):+.2f}%)")
+
+
+def bench_int8(args: argparse.Namespace) -> None:
+    """``--int8``: time per token (between ``--short`` and ``--long`` new tokens) of tinylm float32, tinylm int8
+    and llama.cpp f32 and q8_0 at batch 1, at each ``--thread-counts``, in one process, taking turns."""
+    import tempfile
+
+    from tinylm.export import export_run
+    from tinylm.model.quant import chosen_kernels, int8_bytes, quantized_copy
+    from tinylm.run import load_run
+
+    run = load_run(args.run)
+    qmodel = quantized_copy(run.model)
+    prompts = held_out_prompts(run, args.prompts, args.prompt_tokens)
+    folder = Path(tempfile.mkdtemp(prefix="tinylm-bench-"))
+    ggufs = {quant: export_run(args.run, folder / f"m-{quant}.gguf", "gguf", dtype=quant) for quant in ("f32", "q8_0")}
+    cfg = run.model.config
+    floats = sum(p.numel() for p in run.model.parameters()) * 4
+    print(f"{args.run}: {cfg.n_layer} layers, d = {cfg.d_model}, |V| = {cfg.vocab_size}; float32 weights "
+          f"{floats / 2**20:.0f} MiB, int8 matrices {int8_bytes(qmodel) / 2**20:.0f} MiB (+ the float embeddings); "
+          f"torch {torch.__version__}, {os.cpu_count()} cores, os.nice {os.nice(0)}")
+
+    def llama(quant: str, threads: int):
+        from llama_cpp import Llama
+
+        return Llama(model_path=str(ggufs[quant]), n_ctx=cfg.block_size, n_batch=cfg.block_size, n_threads=threads,
+                     n_threads_batch=threads, type_k=0, type_v=0, verbose=False)
+
+    def llama_tokens(llm, prompt: list[int], n: int) -> list[int]:
+        out = []
+        for token in llm.generate(prompt, top_k=1, temp=0.0, reset=True):
+            out.append(int(token))
+            if len(out) == n:
+                return out
+        return out
+
+    def engine(model, n: int, compile: bool = False):
+        params = SamplingParams(max_new_tokens=n, temperature=0, stop_ids=[])
+        return lambda: Engine(model, params, compile=compile).generate([prompts[0]])[0].token_ids
+
+    rows = []
+    for threads in args.thread_counts:
+        torch.set_num_threads(threads)
+        llms = {quant: llama(quant, threads) for quant in ("f32", "q8_0")}
+        makers = {
+            "tinylm float32": lambda n: engine(run.model, n),
+            "tinylm --quant int8": lambda n: engine(qmodel, n),
+            "llama.cpp f32": lambda n: (lambda: llama_tokens(llms["f32"], prompts[0], n)),
+            "llama.cpp q8_0": lambda n: (lambda: llama_tokens(llms["q8_0"], prompts[0], n)),
+        }
+        if args.compile:
+            makers["tinylm --quant int8 --compile"] = lambda n: engine(qmodel, n, compile=True)
+        fns = {(name, n): make(n) for name, make in makers.items() for n in (args.short, args.long)}
+        for fn in fns.values():
+            fn()  # warm up: kernels measured and chosen, compiled steps made, caches filled
+        timed = alternating(fns, args.repeats)
+        per_token = {name: (timed[(name, args.long)][0] - timed[(name, args.short)][0]) / (args.long - args.short)
+                     for name in makers}
+        for name, seconds in per_token.items():
+            rows.append((threads, name, seconds, per_token["llama.cpp q8_0"] / seconds,
+                         per_token["tinylm float32"] / seconds))
+        del llms
+    print(f"batch 1, a {args.prompt_tokens}-token held-out prompt, greedy; time per token = (T({args.long}) - "
+          f"T({args.short})) / {args.long - args.short}, T the median of {args.repeats} interleaved runs")
+    print("int8 kernels chosen (shape, one row, threads): "
+          + ", ".join(f"{k[0][1]}->{k[0][0]}{' x1' if k[1] else ' xN'} t{k[2]}: {v}" for k, v in chosen_kernels().items()))
+    print()
+    print("| threads | decoder | ms/token | tokens/s | vs llama.cpp q8_0 | vs tinylm float32 |")
+    print("|---:|---|---:|---:|---:|---:|")
+    for threads, name, seconds, vs_q8, vs_float in rows:
+        print(f"| {threads} | {name} | {1000 * seconds:.2f} | {1 / seconds:.0f} | {vs_q8:.2f}x | {vs_float:.2f}x |")
+    print()
+    q8 = llama("q8_0", args.thread_counts[-1])
+    int8_quality(run, qmodel, prompts, args.quality_tokens,
+                 llama_q8=lambda ps, n: [llama_tokens(q8, p, n) for p in ps], eval_tokens=args.eval_tokens)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", default="gpt2-124m,tiny", help="comma-separated: " + ", ".join(SHAPES))
@@ -332,7 +486,32 @@ def main() -> None:
     parser.add_argument("--run", metavar="DIR", help="a trained run: compare decoders on it instead of random shapes")
     parser.add_argument("--prompts", type=int, default=3, help="with --run: held-out prompts (default 3)")
     parser.add_argument("--k", type=int, default=4, help="with --run: the most drafts per pass (default 4)")
+    parser.add_argument("--int8", action="store_true",
+                        help="with --run: --quant int8 beside tinylm float32 and llama.cpp f32 and q8_0 (time per "
+                        "token, greedy agreement, logits, perplexity)")
+    parser.add_argument("--thread-counts", type=lambda t: [int(x) for x in t.split(",")], default=[1, 2],
+                        help="with --int8: the thread counts to time (default 1,2)")
+    parser.add_argument("--short", type=int, default=8, help="with --int8: the shorter generation (default 8)")
+    parser.add_argument("--long", type=int, default=248, help="with --int8: the longer generation (default 248)")
+    parser.add_argument("--quality-tokens", type=int, default=100,
+                        help="with --int8: greedy tokens per prompt compared with float32 (default 100)")
+    parser.add_argument("--compile", action="store_true", help="with --int8: also the compiled int8 step")
+    parser.add_argument("--eval-tokens", type=int, default=8192,
+                        help="with --int8: val tokens the perplexities are measured on (default 8192)")
+    parser.add_argument("--make-gpt2-run", metavar="DIR",
+                        help="write a run with GPT-2 124M's shape, trained briefly on --run's data, and stop")
+    parser.add_argument("--train-steps", type=int, default=30, help="with --make-gpt2-run (default 30)")
+    parser.add_argument("--train-batch", type=int, default=8, help="with --make-gpt2-run (default 8)")
+    parser.add_argument("--train-length", type=int, default=128, help="with --make-gpt2-run (default 128)")
+    parser.add_argument("--train-lr", type=float, default=1e-3, help="with --make-gpt2-run (default 1e-3)")
     args = parser.parse_args()
+    if args.make_gpt2_run:
+        make_gpt2_shaped_run(args.run, args.make_gpt2_run, args.train_steps, args.train_batch, args.train_length,
+                             args.train_lr)
+        return
+    if args.run and args.int8:
+        bench_int8(args)
+        return
     if args.threads:
         torch.set_num_threads(args.threads)
     import transformers
