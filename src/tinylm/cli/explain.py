@@ -5,7 +5,7 @@
     tinylm explain sampling --run runs/tiny-shakespeare --text "ROMEO:" --top-k 5 --top-p 0.9 --out sampling.png
     tinylm explain cost --n-layer 1 --d-model 512 --n-head 8
     tinylm explain cost --preset gpt2-124m --lora-rank 8 --batch 4 --context 256
-    tinylm explain attention ... / tinylm explain forward ...   (cli/explain_model.py)
+    tinylm explain attention ... / forward ... / moe ...   (cli/explain_model.py)
 
 Each command is a thin call into `tinylm.explain` (tokens, sampling, cost); --json prints the table
 as one JSON object, --out draws the picture as a PNG.
@@ -144,7 +144,7 @@ def _add_lora_flags(p: argparse.ArgumentParser) -> None:
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
     """tinylm explain and its subcommands."""
-    group = sub.add_parser("explain", help="pictures and worked numbers: tokens, sampling, cost, attention, forward",
+    group = sub.add_parser("explain", help="pictures and worked numbers: tokens, sampling, cost, attention, forward, moe",
                            description="Explain a tokenizer, a model or a configuration the way the lectures do: "
                            "tables on the terminal (--json for scripts) and pictures as PNG files (--out).")
     group.set_defaults(func=show_help(group), parser=group)
@@ -186,4 +186,4 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     add_setting_flags(p, sections=("model",))  # the cost of a model; of training's settings --batch and LoRA's
     _add_lora_flags(p)
 
-    add_model_commands(explain)  # tinylm explain attention, tinylm explain forward
+    add_model_commands(explain)  # tinylm explain attention, forward, moe

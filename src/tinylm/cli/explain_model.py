@@ -5,9 +5,10 @@
     tinylm explain attention --example lecture        # the 3 x 3 worked example, no run needed
     tinylm explain forward --run runs/tiny --text "To be" --position 2
     tinylm explain forward --example lecture          # the two-token loss, 1.211 nats
+    tinylm explain moe --run runs/moe --text "To be, or not" --out moe.png --tokens 8192
 
 Added to the `explain` group (built in `tinylm.cli.explain`) by `add_model_commands`; the work is
-done by `tinylm.explain.attention` and `tinylm.explain.forward`.
+done by `tinylm.explain.attention`, `tinylm.explain.forward` and `tinylm.explain.moe`.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tinylm.cli.flags import add_command, add_threads_flag, integer
+from tinylm.cli.flags import add_command, add_threads_flag, integer, positive_int
 from tinylm.config import FAMILY_NAMES
 from tinylm.errors import TinyLMError
 
@@ -98,8 +99,42 @@ def cmd_forward(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_moe(args: argparse.Namespace) -> int:
+    """Show how a Mixture-of-Experts Transformer routes its tokens. For the text (after the run's start token):
+    the experts each token went to in each layer, with their gate weights, largest first, as a table and as a grid
+    of tokens by layers coloured by the top-1 expert. Over --tokens tokens of the run's --split: the share of the
+    token-slots each expert got in each layer, against the even share 1/E, and the coefficient of variation of those
+    loads (std / mean; 0 is even). Both go into one PNG (default: moe.png in the run folder)."""
+    from tinylm.explain.moe import expert_load, format_load, format_routing, moe_layers, plot_moe, routing_of_text, \
+        split_tokens
+    from tinylm.run import load_run
+
+    if not args.run or args.text is None:
+        raise TinyLMError("give a run and a text: tinylm explain moe --run DIR --text TEXT")
+    run = load_run(args.run, checkpoint=args.checkpoint)
+    moe_layers(run.model)  # a dense run, or another family, is refused before any data is read
+    tokens = split_tokens(run, args.split, args.data_dir)
+    from tinylm.cli.flags import command_threads
+
+    with command_threads(args):
+        routing = routing_of_text(run.model, run.tokenizer, args.text, start_ids=run.start_ids)
+        load = expert_load(run.model, tokens, n_tokens=args.tokens)
+    out = Path(args.out) if args.out else Path(run.path) / "moe.png"
+    plot_moe(routing, load, out, title=f"{Path(run.path).name}: the experts of each token, and the loads on the "
+             f"{args.split} split")
+    if args.json:
+        print(json.dumps({"run": str(args.run), "picture": str(out), "routing": routing.report(),
+                          "load": {"split": args.split, **load.report()}}))
+        return 0
+    print(format_routing(routing))
+    print()
+    print(f"on the {args.split} split: " + format_load(load))
+    print(f"picture: {out}")
+    return 0
+
+
 def add_model_commands(subparsers: argparse._SubParsersAction) -> None:
-    """tinylm explain attention and tinylm explain forward."""
+    """tinylm explain attention, tinylm explain forward and tinylm explain moe."""
     p = add_command(subparsers, "attention", cmd_attention,
                     "heatmaps of a Transformer's masked attention weights on a text")
     _run_and_text(p)
@@ -117,6 +152,20 @@ def add_model_commands(subparsers: argparse._SubParsersAction) -> None:
                    "(default: 0)")
     _common(p)
     p.set_defaults(explain_command="forward")
+
+    p = add_command(subparsers, "moe", cmd_moe,
+                    "a Mixture-of-Experts model's routing: each token's experts by layer, and the experts' loads")
+    _run_and_text(p)
+    p.add_argument("--split", choices=["train", "val"], default="val",
+                   help="the split of the run's shards whose load to count (default: val)")
+    p.add_argument("--tokens", type=positive_int, default=8192, metavar="N",
+                   help="tokens of the split to route for the load (default: 8192; all of it when shorter)")
+    p.add_argument("--data-dir", metavar="DIR", help="the run's shard folder, if it has moved")
+    p.add_argument("--out", metavar="PNG", help="where to write the picture (default: moe.png in the run folder)")
+    p.add_argument("--checkpoint", choices=["best", "latest"], default="best", help="which checkpoint (default: best)")
+    p.add_argument("--json", action="store_true", help="print the routing and the loads as one JSON object")
+    add_threads_flag(p)
+    p.set_defaults(explain_command="moe")
 
 
 def _run_and_text(p: argparse.ArgumentParser) -> None:
