@@ -31,7 +31,7 @@ QUIET = {"log": lambda line: None, "progress": False}
 @pytest.fixture(scope="module")
 def untied_run(tmp_path_factory, corpus, data_dir):
     out = tmp_path_factory.mktemp("untied") / "run"
-    train(tiny_config(corpus, data_dir, max_steps=4, tie_embeddings=False), out, **QUIET)
+    train(tiny_config(corpus, data_dir, max_steps=4, tie_embeddings=False, optimizer="muon"), out, **QUIET)
     return out
 
 
@@ -92,7 +92,11 @@ def test_finetune_corrects_both_tables_at_loras_rate_and_needs_no_rows(untied_ru
     chats = tmp_path / "chats.jsonl"
     chats.write_text("".join(json.dumps({"prompt": p, "completion": c}) + "\n" for p, c in pairs * 12))
     flags = {"max_steps": 3, "batch_size": 4, "eval_interval": 3, "sample_tokens": 0, "lora_rank": 2}
-    finetune(untied_run, str(chats), tmp_path / "chat", overrides=flags, data_dir=tmp_path / "d", **QUIET)
+    said: list[str] = []
+    finetune(untied_run, str(chats), tmp_path / "chat", overrides=flags, data_dir=tmp_path / "d", log=said.append,
+             progress=False)
+    header = next(line for line in said if line.startswith("training:"))
+    assert "adamw, lr adapter" in header and "muon" not in header  # the base trained with Muon; nothing here does
     ckpt = load_checkpoint(checkpoint_path(tmp_path / "chat", "latest"))
     tc = ckpt.config.train
     assert (tc.lora_targets, tc.lr, tc.lora_new_tokens) == ("all,outer", LORA_LR, 0)

@@ -110,7 +110,9 @@ def header_lines(config: Config, *, out: Any, resuming_at: int | None, shards: S
     if tc.decay == "wsd":
         decay = f"held, then {tc.decay_shape} decay over the last {tc.decay_fraction:.0%} to {tc.final_lr:.2e}"
     rates = ", ".join(f"{g.get('roles', 'all')} {g['peak_lr']:.2e}" for g in param_groups)
-    optimizer = (f"muon (matrices, momentum {tc.muon_momentum:g}) + adamw, lr {rates}" if tc.optimizer == "muon"
+    muon = tc.optimizer == "muon" and any("matrix" in g.get("roles", "").split(",") for g in param_groups)
+    optimizer = (f"muon (matrices, momentum {tc.muon_momentum:g}) + adamw, lr {rates}" if muon
+                 else f"adamw, lr {rates}" if tc.optimizer == "muon"  # nothing Muon would train (a LoRA run)
                  else f"{tc.optimizer} lr {tc.lr:.2e}")
     lines.append(f"training: {total:,} steps of {tc.batch_size}{accum} x {mc.block_size} tokens = {per_step:,} tokens "
                  f"({total * per_step:,} in all), {optimizer}, {tc.warmup_steps} warmup steps, "
