@@ -3,10 +3,10 @@
 `export_gguf` writes the hyperparameters, the tokenizer (`tinylm.export.gguf_vocab`) and the
 tensors (`gguf_rules`, on the rule engine of `tinylm.export.weights`) of a GPT-2, Llama, Qwen3,
 Qwen2, Mistral-shaped, Phi-3, Gemma 2 or Gemma 3 model as llama.cpp's "gpt2", "llama", "qwen3", "qwen2",
-"phi3", "gemma2" or "gemma3" graph;
-`gguf_problems` refuses what llama.cpp cannot run. Llama's W_q and W_k rows are permuted to
-llama.cpp's neighbour-pair RoPE, Qwen3's are not: docs/export.md tells that story and has the
-tensor-name table.
+"phi3", "gemma2" or "gemma3" graph, and a Mixtral-shaped Mixture of Experts as its "llama" graph with
+``expert_count`` experts stacked into 3-D tensors; `gguf_problems` refuses what llama.cpp cannot
+run (a Qwen2-MoE-only model among them). Llama's W_q and W_k rows are permuted to llama.cpp's
+neighbour-pair RoPE, Qwen3's are not: docs/export.md tells that story and has the tensor-name table.
 
 Usage::
 
@@ -35,6 +35,7 @@ from tinylm.config import GPTConfig
 from tinylm.errors import TinyLMError
 from tinylm.export.hf import declared_start
 from tinylm.export.hf_families import GEMMA_SHAPED
+from tinylm.export.hf_moe import moe_family_problems
 from tinylm.export.weights import Architecture, TensorRule, architecture_for, convert_to_theirs
 from tinylm.model.gpt import GPT
 from tinylm.model.positions import RopeScaling, rope_inverse_frequencies
@@ -45,8 +46,8 @@ from tinylm.export.gguf_vocab import LLAMA_CPP_PRE, _require_gguf, check_tokeniz
 GGUFDtype = Literal["f32", "f16", "q8_0"]
 GGUF_DTYPES: tuple[str, ...] = ("f32", "f16", "q8_0")
 
-# llama.cpp's graph for each architecture, where the name differs (its converter writes Mistral as Llama)
-LLAMA_CPP_ARCH: dict[str, str] = {"mistral": "llama"}
+# llama.cpp's graph for each architecture, where the name differs (its converter writes Mistral and Mixtral as Llama)
+LLAMA_CPP_ARCH: dict[str, str] = {"mistral": "llama", "mixtral": "llama", "qwen2_moe": "qwen2moe"}
 
 # llama.cpp fixes which Gemma layers are windowed: every N-th one sees the whole context
 LLAMA_CPP_GEMMA_PATTERN = {"gemma2": 2, "gemma3": 6}
@@ -71,6 +72,8 @@ def gguf_problems(config: GPTConfig) -> list[str]:
     problems = []
     if arch in GEMMA_SHAPED:
         return _gemma_problems(config, arch)
+    if arch == "qwen2moe":
+        return [_qwen2moe_problem(config)]
     if config.sliding_window is not None and config.sliding_window < config.block_size:
         problems.append(f"sliding_window = {config.sliding_window} is shorter than block_size = {config.block_size}, "
                         f"and llama.cpp's {arch} graph attends to the whole context")
@@ -82,6 +85,19 @@ def gguf_problems(config: GPTConfig) -> list[str]:
         problems.append(f"rope_scaling = 'llama3' needs llama.cpp's rope_freqs tensor, which its {arch} graph "
                         "does not read")
     return problems
+
+
+def _qwen2moe_problem(config: GPTConfig) -> str:
+    """Why a Mixture of Experts that only Qwen2-MoE computes does not run in llama.cpp, naming the settings that make it so.
+
+    llama.cpp runs Mixtral's layout as its llama graph; its qwen2moe graph computes the shared expert's gate
+    sigmoid(x w) as silu(x w) / (x w), which is 0 / 0 at the w = 0 that stands for tinylm's ungated shared
+    expert (`tinylm.export.hf_moe`), and a model without one is written as one gated by w = 0 too.
+    """
+    settings = ", ".join(moe_family_problems(config)["mixtral"])
+    return (f"llama.cpp runs a Mixture of Experts as Mixtral (its llama graph), which cannot express {settings}; its "
+            "qwen2moe graph computes the shared expert's gate sigmoid(x w) as silu(x w) / (x w), not a number at the "
+            "w = 0 that tinylm's ungated (or absent) shared expert is exported as")
 
 
 def _gemma_problems(config: GPTConfig, arch: str) -> list[str]:
@@ -200,7 +216,7 @@ def _gemma_block_rules(arch: str, i: int) -> list[TensorRule]:
 
 
 def _llama_block_rules(config: GPTConfig, arch: str, i: int) -> list[TensorRule]:
-    """The block of llama.cpp's llama, qwen3 and qwen2 graphs: q, k, v apart, a gated MLP."""
+    """The block of llama.cpp's llama, qwen3, qwen2 and qwen2moe graphs: q, k, v apart, a gated MLP or experts."""
     R, b = TensorRule, f"blocks.{i}."
     kinds = ("weight", "bias") if config.bias else ("weight",)  # only llama has them (architecture_for)
     qkv_kinds = ("weight", "bias") if config.bias or config.qkv_bias else ("weight",)  # qwen2: q, k, v
@@ -217,10 +233,24 @@ def _llama_block_rules(config: GPTConfig, arch: str, i: int) -> list[TensorRule]
         rules += [R(_name("ATTN_Q_NORM", i), (f"{b}attn.q_norm.weight",)),
                   R(_name("ATTN_K_NORM", i), (f"{b}attn.k_norm.weight",))]
     rules.append(R(_name("FFN_NORM", i), (f"{b}norm_2.weight",)))
+    if config.moe_experts:
+        return rules + _moe_rules(config, i)
     for k in kinds:
         rules += [R(_name("FFN_GATE", i, k), (f"{b}mlp.W_1.{k}",)),
                   R(_name("FFN_UP", i, k), (f"{b}mlp.W_3.{k}",)),
                   R(_name("FFN_DOWN", i, k), (f"{b}mlp.W_2.{k}",))]
+    return rules
+
+
+def _moe_rules(config: GPTConfig, i: int) -> list[TensorRule]:
+    """A Mixture-of-Experts MLP as llama.cpp's llama graph holds Mixtral's: the router (``ffn_gate_inp``, E x d), then
+    each of the experts' three matrices stacked into one (E, out, in) tensor (``ffn_gate_exps``, ``ffn_up_exps``,
+    ``ffn_down_exps``)."""
+    R, b = TensorRule, f"blocks.{i}."
+    experts = range(config.moe_experts)
+    rules = [R(_name("FFN_GATE_INP", i), (f"{b}mlp.router.weight",))]
+    for tensor, ours in (("FFN_GATE_EXP", "W_1"), ("FFN_UP_EXP", "W_3"), ("FFN_DOWN_EXP", "W_2")):
+        rules.append(R(_name(tensor, i), tuple(f"{b}mlp.experts.{e}.{ours}.weight" for e in experts), "stack"))
     return rules
 
 
@@ -305,7 +335,11 @@ def _add_hyperparameters(writer: Any, config: GPTConfig, arch: str) -> None:
     writer.add_context_length(config.block_size)
     writer.add_embedding_length(config.d_model)
     writer.add_block_count(config.n_layer)
-    writer.add_feed_forward_length(config.hidden_dim)
+    # llama's graph sizes a Mixture of Experts' experts by feed_forward_length, as Mixtral's files do
+    writer.add_feed_forward_length(config.moe_hidden_dim if config.moe_experts else config.hidden_dim)
+    if config.moe_experts:
+        writer.add_expert_count(config.moe_experts)
+        writer.add_expert_used_count(config.moe_top_k)
     writer.add_head_count(config.n_head)
     writer.add_head_count_kv(config.kv_heads)
     if arch == "gpt2":
@@ -344,14 +378,20 @@ def _add_tensors(writer: Any, config: GPTConfig, tensors: dict[str, torch.Tensor
         writer.add_tensor(tensor_name, data, raw_dtype=qtype)
 
 
+def _router_suffix() -> str:
+    """The end of every layer's router tensor name: ".ffn_gate_inp.weight"."""
+    return "." + _name("FFN_GATE_INP", 0).split(".", 2)[2]
+
+
 def _encode(tensor_name: str, t: torch.Tensor, dtype: GGUFDtype):
     """The bytes of one tensor in the file type ``dtype`` and the GGML type they are in, as llama.cpp's converter picks it."""
     g = _require_gguf()
     types = g.GGMLQuantizationType
     x = t.detach().to(torch.float32).cpu().numpy()
     qtype = {"f32": types.F32, "f16": types.F16, "q8_0": types.Q8_0}[dtype]
-    # vectors (norms, biases) and learned positions stay float32 in every file type, as the converter keeps them
-    if x.ndim < 2 or tensor_name == _name("POS_EMBD"):
+    # vectors (norms, biases), learned positions and MoE routers stay float32 in every file type, as the converter
+    # keeps them (a router in half precision could send a token to other experts)
+    if x.ndim < 2 or tensor_name == _name("POS_EMBD") or tensor_name.endswith(_router_suffix()):
         qtype = types.F32
     try:
         return g.quants.quantize(x, qtype), qtype

@@ -1,4 +1,5 @@
-"""Export a tinylm model as a Hugging Face `transformers` checkpoint folder: GPT-2, Llama, Qwen3, Qwen2 or Mistral.
+"""Export a tinylm model as a Hugging Face `transformers` checkpoint folder: GPT-2, Llama, Qwen3, Qwen2, Mistral, Phi-3,
+Gemma 2 or 3, or, for a Mixture of Experts, Mixtral or Qwen2-MoE (`tinylm.export.hf_moe`).
 
 `export_hf` writes config.json (`hf_config`), model.safetensors (the tensors `hf_rules` names, from
 `tinylm.export.weights`) and, with a tokenizer, tokenizer.json, tokenizer_config.json,
@@ -26,7 +27,8 @@ import torch
 from tinylm.atomic import atomic_write_text, disk_writes
 from tinylm.config import GPTConfig
 from tinylm.errors import TinyLMError
-from tinylm.export.hf_families import HF_CLASSES, llama_family_fields
+from tinylm.export.hf_families import HF_CLASSES, MOE_SHAPED, llama_family_fields
+from tinylm.export.hf_moe import constant_tensors, moe_family_fields
 from tinylm.export.weights import architecture_for, convert_to_theirs, hf_rules
 from tinylm.model.gpt import GPT
 from tinylm.run import save_safetensors, text_start_ids
@@ -74,6 +76,8 @@ def hf_config(config: GPTConfig, tokenizer: Tokenizer | None = None, dtype: torc
                 "resid_pdrop": config.dropout, "embd_pdrop": config.dropout, "attn_pdrop": config.dropout,
                 "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
                 "reorder_and_upcast_attn": False}
+    if arch in MOE_SHAPED:
+        return {**common, **moe_family_fields(config, arch)}
     return {**common, **llama_family_fields(config, arch)}
 
 
@@ -203,6 +207,8 @@ def export_hf(model: GPT, tokenizer: Tokenizer | None, out_dir: str | os.PathLik
 
     state = model.state_dict()
     tensors = convert_to_theirs(state, hf_rules(config, arch))
+    if arch in MOE_SHAPED:  # Qwen2-MoE's shared-expert gates, which tinylm has no parameter for
+        tensors |= {name: t.to(state["E.weight"].dtype) for name, t in constant_tensors(config, arch).items()}
     # The files are written whole into a hidden folder inside out_dir and only then renamed into place
     # (renames in one file system need no space), so a full or read-only disk leaves no mix of new and
     # old files there, nor a weights file without its config.json: one line says so.

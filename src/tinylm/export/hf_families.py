@@ -20,22 +20,27 @@ from typing import Any, Literal
 from tinylm.config import GPTConfig
 from tinylm.errors import TinyLMError
 
-Architecture = Literal["gpt2", "llama", "qwen3", "qwen2", "mistral", "phi3", "gemma2", "gemma3"]
+Architecture = Literal["gpt2", "llama", "qwen3", "qwen2", "mistral", "phi3", "gemma2", "gemma3", "mixtral",
+                       "qwen2_moe"]
 LlamaShaped = Literal["llama", "qwen3", "qwen2", "mistral", "phi3"]
 GemmaShaped = Literal["gemma2", "gemma3"]
+MoEShaped = Literal["mixtral", "qwen2_moe"]  # Llama-shaped blocks whose MLP is a Mixture of Experts (`tinylm.export.hf_moe`)
 
 # `transformers` class name and model_type of each architecture; a configuration that fits several
 # is exported as the first (see `tinylm.export.weights.architecture_for`)
 HF_CLASSES: dict[Architecture, str] = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM",
                                        "qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM",
                                        "mistral": "MistralForCausalLM", "phi3": "Phi3ForCausalLM",
-                                       "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+                                       "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
+                                       "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
 # config.json's model_type, where it is not the architecture's key
 MODEL_TYPES: dict[Architecture, str] = {"gemma3": "gemma3_text"}
 NAMES: dict[Architecture, str] = {"gpt2": "GPT-2", "llama": "Llama", "qwen3": "Qwen3", "qwen2": "Qwen2",
-                                  "mistral": "Mistral", "phi3": "Phi-3", "gemma2": "Gemma 2", "gemma3": "Gemma 3"}
+                                  "mistral": "Mistral", "phi3": "Phi-3", "gemma2": "Gemma 2", "gemma3": "Gemma 3",
+                                  "mixtral": "Mixtral", "qwen2_moe": "Qwen2-MoE"}
 LLAMA_SHAPED: tuple[LlamaShaped, ...] = ("llama", "qwen3", "qwen2", "mistral", "phi3")
 GEMMA_SHAPED: tuple[GemmaShaped, ...] = ("gemma2", "gemma3")
+MOE_SHAPED: tuple[MoEShaped, ...] = ("mixtral", "qwen2_moe")
 
 # config.json defaults of `transformers` that change what a missing key means
 MISTRAL_DEFAULT_WINDOW = 4096
@@ -218,7 +223,7 @@ def llama_family_config(hf: Mapping[str, Any], arch: LlamaShaped | GemmaShaped, 
     # a head size of its own (Qwen3's 128, Mistral NeMo's) is d_head; the usual d_model / n_head is left unset
     d_head = None if head_dim * n_head == d_model else int(head_dim)
     n_kv = int(hf.get("num_key_value_heads") or n_head)
-    theta, scaling = _rope_from_hf(hf, arch, source)
+    theta, scaling = rope_from_hf(hf, arch, source)
     try:
         return GPTConfig(
             vocab_size=int(required(hf, source, arch, "vocab_size")),
@@ -256,7 +261,7 @@ def _qwen2_window(hf: Mapping[str, Any], source: str) -> int | None:
     return window
 
 
-def _rope_from_hf(hf: Mapping[str, Any], arch: Architecture, source: str,
+def rope_from_hf(hf: Mapping[str, Any], arch: Architecture, source: str,
                   rope: Mapping[str, Any] | None = None, key: str | None = None) -> tuple[float, dict[str, Any]]:
     """RoPE's base and the GPTConfig scaling fields of a config.json (``rope_scaling`` first, as `transformers` reads it),
     or of ``rope``, one layer type's entry of ``key`` (Gemma 3's)."""
@@ -346,12 +351,12 @@ def _gemma_rope(hf: Mapping[str, Any], arch: GemmaShaped, source: str) -> tuple[
     """(rope_theta, the scaling fields, rope_local_theta): Gemma 3's windowed layers have a base of their own."""
     params = hf.get("rope_parameters") or {}
     if arch == "gemma2" or not isinstance(params.get("full_attention"), Mapping):
-        theta, scaling = _rope_from_hf(hf, arch, source)
+        theta, scaling = rope_from_hf(hf, arch, source)
         if arch == "gemma2":
             return theta, scaling, None
         # an older Gemma 3 file: rope_theta and rope_scaling are the whole-context layers', the windowed ones' plain
         return theta, scaling, float(hf.get("rope_local_base_freq", GEMMA3_DEFAULT_LOCAL_THETA))
-    theta, scaling = _rope_from_hf(hf, arch, source, params["full_attention"], "rope_parameters.full_attention")
+    theta, scaling = rope_from_hf(hf, arch, source, params["full_attention"], "rope_parameters.full_attention")
     local = params.get("sliding_attention") or {}
     if dict(local) == dict(params["full_attention"]):
         return theta, scaling, None
@@ -435,8 +440,10 @@ def gemma_family_fields(config: GPTConfig, arch: GemmaShaped) -> dict[str, Any]:
 
 
 __all__ = [
-    "Architecture", "LlamaShaped", "GemmaShaped", "HF_CLASSES", "MODEL_TYPES", "NAMES", "LLAMA_SHAPED", "GEMMA_SHAPED",
+    "Architecture", "LlamaShaped", "GemmaShaped", "MoEShaped", "HF_CLASSES", "MODEL_TYPES", "NAMES", "LLAMA_SHAPED",
+    "GEMMA_SHAPED", "MOE_SHAPED",
     "llama_shaped", "llama_family_problems", "gemma_family_problems", "gemma_only_problems", "gemma_family_config",
     "gemma_family_fields",
-    "llama_family_config", "llama_family_fields", "rope_parameters", "refusal", "required", "default_rule",
+    "llama_family_config", "llama_family_fields", "rope_parameters", "rope_from_hf", "refusal", "required",
+    "default_rule", "shape_problems", "LLAMA_SHAPE",
 ]

@@ -1,5 +1,5 @@
 """Import a local Hugging Face `transformers` checkpoint (GPT-2, Llama, Qwen3, Qwen2, Mistral, Phi-3, Gemma 2 or
-Gemma 3 text) into tinylm.
+Gemma 3 text, or the Mixture-of-Experts Mixtral and Qwen2-MoE) into tinylm.
 
 `import_hf` reads config.json (`config_from_hf`), model.safetensors or its shards (`read_hf_weights`;
 never pickle files) and the tokenizer files into a `GPT`, a tokenizer and a `GPTConfig`, with the
@@ -28,8 +28,9 @@ from tinylm.atomic import atomic_write_text
 from tinylm.config import Config, GPTConfig, dump_toml
 from tinylm.errors import TinyLMError
 from tinylm.export.hf import CONFIG_FILE, TOKENIZER_FILE, WEIGHTS_FILE, WEIGHTS_INDEX_FILE
-from tinylm.export.hf_families import (HF_CLASSES, MODEL_TYPES, Architecture, default_rule, llama_family_config,
-                                      refusal, required)
+from tinylm.export.hf_families import (HF_CLASSES, MODEL_TYPES, MOE_SHAPED, Architecture, default_rule,
+                                      llama_family_config, refusal, required)
+from tinylm.export.hf_moe import moe_family_config, split_fused_experts, take_constant_tensors
 from tinylm.export.weights import architecture_for, convert_to_ours, hf_rules
 from tinylm.jsonfile import read_json_object
 from tinylm.lock import folder_lock
@@ -69,9 +70,9 @@ def _arch_of(hf: Mapping[str, Any], source: str) -> Architecture:
 
 
 def config_from_hf(hf: Mapping[str, Any], source: str = CONFIG_FILE) -> tuple[GPTConfig, Architecture]:
-    """The `GPTConfig` of a GPT-2, Llama, Qwen3, Qwen2, Mistral, Phi-3 or Gemma 2 / 3 config.json, and which it is; variants
-    tinylm does not compute are errors (one line naming the key), and so are values that are not numbers
-    where a size or rate is read (a string, a list, infinity)."""
+    """The `GPTConfig` of a GPT-2, Llama, Qwen3, Qwen2, Mistral, Phi-3, Gemma 2 / 3, Mixtral or Qwen2-MoE config.json,
+    and which it is; variants tinylm does not compute are errors (one line naming the key), and so are values that
+    are not numbers where a size or rate is read (a string, a list, infinity)."""
     try:
         return _config_from_hf(hf, source)
     except (TypeError, ValueError, OverflowError) as e:  # int("twelve"), int(float("inf")), float([1])
@@ -81,6 +82,8 @@ def config_from_hf(hf: Mapping[str, Any], source: str = CONFIG_FILE) -> tuple[GP
 
 def _config_from_hf(hf: Mapping[str, Any], source: str) -> tuple[GPTConfig, Architecture]:
     arch = _arch_of(hf, source)
+    if arch in MOE_SHAPED:
+        return moe_family_config(hf, arch, source), arch
     if arch != "gpt2":
         return llama_family_config(hf, arch, source), arch
 
@@ -152,12 +155,15 @@ def _normalize_names(tensors: dict[str, Tensor], arch: Architecture, config: GPT
         out[name] = t
     if config.tie_embeddings:
         out.pop("lm_head.weight", None)  # some files store the tied head anyway; it is E
+    if arch in MOE_SHAPED:
+        out = split_fused_experts(out, arch)
     return out
 
 
 def import_hf(src_dir: str | os.PathLike, *,
               roles: dict[str, str] | None = None) -> tuple[GPT, Tokenizer, GPTConfig]:
-    """A local `transformers` GPT-2, Llama or Qwen3 checkpoint as a tinylm model (eval mode, float32), tokenizer and config.
+    """A local `transformers` checkpoint of one of the architectures `config_from_hf` reads as a tinylm model (eval mode,
+    float32), tokenizer and config.
 
     ``src_dir`` holds config.json, model.safetensors (or sharded safetensors with their index) and
     tokenizer.json. Unsupported architectures and variants, missing files, and tokenizers that are
@@ -171,6 +177,8 @@ def import_hf(src_dir: str | os.PathLike, *,
         raise TinyLMError(f"{src_dir} has no {TOKENIZER_FILE} (nor vocab.json + merges.txt): tinylm needs the "
                           "tokenizer the model was trained with")
     tensors = _normalize_names(read_hf_weights(src_dir), arch, config)
+    if arch in MOE_SHAPED:
+        tensors = take_constant_tensors(tensors, config, arch, str(src_dir))
     try:
         tokenizer = read_hf_tokenizer(src_dir, roles=roles)
     except TinyLMError as e:
@@ -185,6 +193,8 @@ def import_hf(src_dir: str | os.PathLike, *,
     ours = convert_to_ours(tensors, hf_rules(config, arch), expected, str(src_dir))
     if config.tie_embeddings:
         ours["lm_head.weight"] = ours["E.weight"]
+    # an MoE layer's selection bias (moe_balance "bias" only, which neither architecture has): zeros, as made
+    ours |= {name: t for name, t in expected.items() if name not in ours and name.endswith(".mlp.bias")}
     model.load_state_dict(ours, strict=True)
     return model.eval(), tokenizer, config
 

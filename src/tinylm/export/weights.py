@@ -24,9 +24,10 @@ from torch import Tensor
 
 from tinylm.config import FAMILY_NAMES, GPTConfig
 from tinylm.errors import TinyLMError
-from tinylm.export.hf_families import (GEMMA_SHAPED, GPT2_SHAPE, HF_CLASSES, NAMES, Architecture,
+from tinylm.export.hf_families import (GEMMA_SHAPED, GPT2_SHAPE, HF_CLASSES, MOE_SHAPED, NAMES, Architecture,
                                       gemma_family_problems, gemma_only_problems, llama_family_problems,
                                       llama_shaped, shape_problems)
+from tinylm.export.hf_moe import dense_problem, moe_family_problems
 
 # ----- which architecture ---------------------------------------------------------------------------
 
@@ -48,8 +49,12 @@ def architecture_problems(config: GPTConfig) -> dict[Architecture, list[str]]:
         gpt2.append(f"rope_scaling = {config.rope_scaling!r} (GPT-2 has no RoPE)")
     gpt2 += gemma_only_problems(config, "GPT-2")
     # Llama, Qwen3 (QK-norm, no MLP biases), Qwen2 (q, k, v biases only), Mistral (a sliding window),
-    # Phi-3 (Llama's network), Gemma 2 and 3: `tinylm.export.hf_families`
+    # Phi-3 (Llama's network), Gemma 2 and 3: `tinylm.export.hf_families`; all have a dense MLP
     others = {**llama_family_problems(config), **gemma_family_problems(config)}
+    gpt2 += dense_problem(config, "GPT-2")
+    others = {arch: issues + dense_problem(config, NAMES[arch]) for arch, issues in others.items()}
+    # Mixtral and Qwen2-MoE, the Mixture-of-Experts ones: `tinylm.export.hf_moe`
+    others |= moe_family_problems(config)
     # the recipe's options that no architecture has (zero-init projections and an untied head's init
     # change only the starting weights, so they export)
     unsupported = []
@@ -62,8 +67,8 @@ def architecture_problems(config: GPTConfig) -> dict[Architecture, list[str]]:
 
 def architecture_for(config: GPTConfig) -> Architecture:
     """The `transformers` (and llama.cpp) architecture that computes this model exactly: "gpt2", "llama",
-    "qwen3", "qwen2", "mistral", "phi3", "gemma2" or "gemma3" (the first that fits, in that order, or the
-    one ``export_as`` names).
+    "qwen3", "qwen2", "mistral", "phi3", "gemma2", "gemma3" or, for a Mixture of Experts, "mixtral" or
+    "qwen2_moe" (the first that fits, in that order, or the one ``export_as`` names).
 
     Anything else is a `TinyLMError` that lists, for the closer architecture first, what does not map.
     The refusal weighs GPT-2 against the Llama-shaped architecture the model's switches point to:
@@ -84,6 +89,14 @@ def architecture_for(config: GPTConfig) -> Architecture:
     for arch, issues in problems.items():
         if not issues:
             return arch
+    if config.moe_experts:
+        detail = "; ".join(f"as {HF_CLASSES[arch]}: {', '.join(problems[arch])}" for arch in MOE_SHAPED)
+        raise TinyLMError(
+            f"this Mixture-of-Experts model cannot be exported: neither Mixtral nor Qwen2-MoE computes it ({detail}). "
+            "Export needs SwiGLU experts behind a softmax router in a Llama-style block (RoPE, RMSNorm, pre-norm, no "
+            "biases): Mixtral (the chosen experts' scores renormalised, no shared expert) or Qwen2-MoE (either, a "
+            "shared expert, qkv_bias)"
+        )
     candidates: tuple[Architecture, ...] = ("gpt2", llama_shaped(config))
     ranked = sorted(candidates, key=lambda arch: len(problems[arch]))
     detail = "; ".join(f"as {HF_CLASSES[arch]}: {', '.join(problems[arch])}" for arch in ranked)
@@ -102,7 +115,7 @@ def architecture_for(config: GPTConfig) -> Architecture:
 # How one tensor of theirs is made from ours. Each takes our tensors (stacked along dim 0 first, which
 # is the output dimension of an nn.Linear weight, so q, k, v stack into one fused projection) and has
 # an inverse, `to_ours`, that `convert_to_ours` applies on import.
-Transform = Literal["copy", "conv1d", "rope_interleave", "gain_offset"]
+Transform = Literal["copy", "conv1d", "rope_interleave", "gain_offset", "stack", "double"]
 
 
 @dataclass(frozen=True)
@@ -113,7 +126,9 @@ class TensorRule:
     - ``ours``: the tinylm state-dict names, stacked along dim 0 in this order (one name for most).
     - ``transform``: "copy" (as is), "conv1d" (GPT-2's (in, out) layout: a 2-D matrix is transposed,
       a bias is not), "rope_interleave" (llama.cpp's rotary layout: see `tinylm.export.gguf`),
-      "gain_offset" (Gemma's norms scale by 1 + w, ours by g: w = g - 1).
+      "gain_offset" (Gemma's norms scale by 1 + w, ours by g: w = g - 1), "stack" (our tensors along a
+      new first dimension, llama.cpp's (E, out, in) experts), "double" (times 2: a Qwen2-MoE shared
+      expert's W_2, behind a gate of 1/2; see `tinylm.export.hf_moe`).
     - ``heads``: for "rope_interleave", the number of heads the rows fall into.
     """
 
@@ -140,6 +155,8 @@ def rope_deinterleave(w: Tensor, heads: int) -> Tensor:
 
 def to_theirs(rule: TensorRule, tensors: Sequence[Tensor]) -> Tensor:
     """Our tensor(s) for ``rule`` -> their tensor."""
+    if rule.transform == "stack":
+        return torch.stack(list(tensors)).contiguous()
     t = tensors[0] if len(tensors) == 1 else torch.cat(list(tensors), dim=0)
     if rule.transform == "conv1d" and t.dim() == 2:
         t = t.T  # (out, in) -> GPT-2's (in, out)
@@ -147,17 +164,23 @@ def to_theirs(rule: TensorRule, tensors: Sequence[Tensor]) -> Tensor:
         t = rope_interleave(t, rule.heads)
     elif rule.transform == "gain_offset":
         t = t - 1.0
+    elif rule.transform == "double":
+        t = t * 2.0  # exact: a power of two
     return t.contiguous()
 
 
 def to_ours(rule: TensorRule, t: Tensor, sizes: Sequence[int]) -> list[Tensor]:
     """Their tensor for ``rule`` -> our tensor(s), split along dim 0 into ``sizes`` rows (the inverse of `to_theirs`)."""
+    if rule.transform == "stack":
+        return [part.contiguous() for part in t.unbind(0)]
     if rule.transform == "conv1d" and t.dim() == 2:
         t = t.T
     elif rule.transform == "rope_interleave":
         t = rope_deinterleave(t, rule.heads)
     elif rule.transform == "gain_offset":
         t = t + 1.0  # what Gemma's norm multiplies by, computed once here instead of at every step
+    elif rule.transform == "double":
+        t = t / 2.0
     return [part.contiguous() for part in torch.split(t, list(sizes), dim=0)]
 
 
@@ -167,7 +190,8 @@ def hf_rules(config: GPTConfig, arch: Architecture | None = None) -> list[Tensor
     GPT-2 rules always include the biases (GPT-2 has them everywhere; `export_hf` writes zeros for
     a ``bias = false`` model). The Llama-shaped ones share Llama's names, with biases where our model
     has them (all projections with ``bias``, q, k and v with Qwen2's ``qkv_bias``), plus each layer's
-    q_norm and k_norm for Qwen3. An untied output head is one more rule; a tied one is E itself.
+    q_norm and k_norm for Qwen3, and Mixtral's and Qwen2-MoE's experts in place of the MLP (`_moe_rules`).
+    An untied output head is one more rule; a tied one is E itself.
     """
     arch = arch or architecture_for(config)
     rules: list[TensorRule] = []
@@ -234,12 +258,32 @@ def hf_rules(config: GPTConfig, arch: Architecture | None = None) -> list[Tensor
             if arch == "qwen3":  # one gain of d_h per layer for q and one for k, shared by all heads
                 rules += [TensorRule(f"{h}self_attn.{n}.weight", (f"{b}attn.{n}.weight",)) for n in ("q_norm", "k_norm")]
             rules.append(TensorRule(f"{h}post_attention_layernorm.weight", (f"{b}norm_2.weight",)))
+            if arch in MOE_SHAPED:
+                rules += _moe_rules(config, arch, h, b)
+                continue
             # SwiGLU: (SiLU(x W_1) * x W_3) W_2, and Llama's down(silu(gate(x)) * up(x))
             for theirs, ours in (("gate_proj", "W_1"), ("up_proj", "W_3"), ("down_proj", "W_2")):
                 rules += [TensorRule(f"{h}mlp.{theirs}.{k}", (f"{b}mlp.{ours}.{k}",)) for k in kinds]
         rules.append(TensorRule("model.norm.weight", ("norm_f.weight",)))
     if not config.tie_embeddings:
         rules.append(TensorRule("lm_head.weight", ("lm_head.weight",)))
+    return rules
+
+
+def _moe_rules(config: GPTConfig, arch: Architecture, h: str, b: str) -> list[TensorRule]:
+    """A Mixture-of-Experts MLP as Mixtral's ``block_sparse_moe`` or Qwen2-MoE's ``mlp``: the router (their ``gate``,
+    E x d), each expert's SwiGLU matrices and Qwen2-MoE's shared expert (its W_2 doubled: `tinylm.export.hf_moe`)."""
+    if arch == "mixtral":
+        m, names = f"{h}block_sparse_moe.", (("w1", "W_1"), ("w3", "W_3"), ("w2", "W_2"))
+    else:
+        m, names = f"{h}mlp.", (("gate_proj", "W_1"), ("up_proj", "W_3"), ("down_proj", "W_2"))
+    rules = [TensorRule(f"{m}gate.weight", (f"{b}mlp.router.weight",))]
+    for e in range(config.moe_experts):
+        rules += [TensorRule(f"{m}experts.{e}.{theirs}.weight", (f"{b}mlp.experts.{e}.{ours}.weight",))
+                  for theirs, ours in names]
+    if config.moe_shared_experts:  # Qwen2-MoE only (architecture_for)
+        rules += [TensorRule(f"{m}shared_expert.{theirs}.weight", (f"{b}mlp.shared.{ours}.weight",),
+                             "double" if ours == "W_2" else "copy") for theirs, ours in names]
     return rules
 
 
