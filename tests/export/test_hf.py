@@ -405,7 +405,8 @@ def test_a_shard_missing_from_a_sharded_checkpoint_is_named(tmp_path, tokenizer)
                                                                      "GPT2LMHeadModel, LlamaForCausalLM, "
                                                                      "Qwen3ForCausalLM, Qwen2ForCausalLM, "
                                                                      "MistralForCausalLM, Phi3ForCausalLM, "
-                                                                     "Gemma2ForCausalLM and Gemma3ForCausalLM "
+                                                                     "Gemma2ForCausalLM, Gemma3ForCausalLM, "
+                                                                     "MixtralForCausalLM and Qwen2MoeForCausalLM "
                                                                      "checkpoints only"),
         (dict(activation_function="gelu"), "activation_function is 'gelu'"),
         (dict(scale_attn_by_inverse_layer_idx=True), "scale_attn_by_inverse_layer_idx"),
