@@ -11,14 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from tinylm.config import Config, GPTConfig, TrainConfig, dump_toml
 from tinylm.errors import TinyLMError
 from tinylm.explain.attention import attention_figure, attention_of_text, plot_attention, worked_example
 from tinylm.explain.forward import trace_forward, two_token_loss
 from tinylm.generate.inspect import attention_maps
 from tinylm.model.attention import sdpa_attention
-from tinylm.run import checkpoint_path, load_run, save_checkpoint, write_run_info
-from tinylm.tokenizers import BPETokenizer
+from tinylm.run import load_run
 
 
 @pytest.fixture(scope="module")
@@ -154,17 +152,8 @@ def test_the_commands_draw_and_trace_a_run(run_dir, tmp_path):
 
 
 @pytest.mark.slow
-def test_a_run_without_attention_is_one_line(tmp_path):
-    tok = BPETokenizer([], pattern="gpt2")
-    from tinylm.model import RecurrentLM
-
-    model_config = GPTConfig(family="lstm", vocab_size=tok.vocab_size, block_size=16, n_layer=1, d_model=16)
-    config = Config(model_config, TrainConfig())
-    save_checkpoint(checkpoint_path(tmp_path, "best"), model_state=RecurrentLM(model_config).state_dict(),
-                    optimizer_state=None, rng_state={}, state={"step": 0}, config=config, tokenizer=tok)
-    (tmp_path / "config.toml").write_text(dump_toml(config.to_dict()), encoding="utf-8")
-    write_run_info(tmp_path, {"status": "complete"})
+def test_a_run_without_attention_is_one_line(lstm_run_dir):
     for command in ("attention", "forward"):
-        out = tinylm(command, "--run", str(tmp_path), "--text", "ab", "--threads", "1")
+        out = tinylm(command, "--run", str(lstm_run_dir), "--text", "ab", "--threads", "1")
         assert out.returncode != 0 and out.stderr.count("\n") == 1, out.stderr
         assert "LSTM" in out.stderr or "lstm" in out.stderr, out.stderr

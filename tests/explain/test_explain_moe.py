@@ -14,13 +14,13 @@ import pytest
 import torch
 
 from tinylm.cli import main
-from tinylm.config import Config, GPTConfig, TrainConfig, dump_toml
+from tinylm.config import GPTConfig
 from tinylm.errors import TinyLMError
 from tinylm.explain.moe import (ExpertLoad, expert_load, format_routing, moe_figure, moe_layers, plot_moe,
                                 routing_of_text)
 from tinylm.model import GPT, RecurrentLM
 from tinylm.model.moe import Routing, expert_counts, route
-from tinylm.run import checkpoint_path, load_run, save_checkpoint, write_run_info
+from tinylm.run import load_run
 from tinylm.tokenizers import BPETokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "train"))
@@ -214,14 +214,7 @@ def test_a_dense_run_is_refused_in_one_line(small_run_dir):
     assert "this run has no experts: train with --moe-experts N" in proc.stderr
 
 
-def test_an_lstm_run_is_refused_in_one_line(tmp_path, capsys):
-    tok = BPETokenizer([], pattern="gpt2")
-    model_config = GPTConfig(family="lstm", vocab_size=tok.vocab_size, block_size=16, n_layer=1, d_model=16)
-    config = Config(model_config, TrainConfig())
-    save_checkpoint(checkpoint_path(tmp_path, "best"), model_state=RecurrentLM(model_config).state_dict(),
-                    optimizer_state=None, rng_state={}, state={"step": 0}, config=config, tokenizer=tok)
-    (tmp_path / "config.toml").write_text(dump_toml(config.to_dict()), encoding="utf-8")
-    write_run_info(tmp_path, {"status": "complete"})
-    status, stdout, stderr = explain_moe(capsys, "--run", str(tmp_path), "--text", "ab")
+def test_an_lstm_run_is_refused_in_one_line(lstm_run_dir, capsys):
+    status, stdout, stderr = explain_moe(capsys, "--run", str(lstm_run_dir), "--text", "ab")
     assert status != 0 and stdout == "" and stderr.count("\n") == 1, stderr
     assert "an LSTM model, which has no experts" in stderr

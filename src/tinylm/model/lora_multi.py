@@ -48,7 +48,7 @@ Usage::
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Union
@@ -269,44 +269,41 @@ def _stacked(linear: nn.Linear, name: str,
              entries: Sequence[tuple[Adapter, tuple[Tensor, Tensor] | None]]) -> tuple[Tensor, Tensor]:
     """down (d_in, n r) and up (n r, d_out) for the matrix ``name``: adapter k's A^T and scale * B^T in its
     block, zeros where it has no correction of this matrix or a smaller rank (module docstring)."""
-    d_in, d_out = linear.in_features, linear.out_features
-    rank = max(pair[0].size(0) for _, pair in entries if pair is not None)
-    down = torch.zeros(d_in, len(entries) * rank)
-    up = torch.zeros(len(entries) * rank, d_out)
-    for k, (adapter, pair) in enumerate(entries):
-        if pair is None:
-            continue
-        a, b = pair
-        r = a.size(0)
-        if a.shape != (r, d_in) or b.shape != (d_out, r):
-            raise TinyLMError(f"the adapter '{adapter.name}' corrects {name}.weight as {b.size(0)} x {a.size(1)} but "
-                              f"the base's matrix is {d_out} x {d_in}: it was trained on another model")
-        down[:, k * rank:k * rank + r] = a.float().T
-        up[k * rank:k * rank + r] = adapter.scale * b.float().T
-    weight = linear.weight
-    return down.to(weight.device, weight.dtype), up.to(weight.device, weight.dtype)
+    return _blocks(linear.weight, "matrix", name, entries, lambda a, b, scale: (a.T, scale * b.T))
 
 
 def _stacked_table(embedding: nn.Embedding, name: str,
                    entries: Sequence[tuple[Adapter, tuple[Tensor, Tensor] | None]]) -> tuple[Tensor, Tensor]:
     """rows (|V|, n r) and up (n r, d) for the embedding ``name``: adapter k's scale * B and A in its block, zeros
     where it leaves the embedding as it is or has a smaller rank (module docstring)."""
-    vocab, d = embedding.num_embeddings, embedding.embedding_dim
+    return _blocks(embedding.weight, "table", name, entries, lambda a, b, scale: (scale * b, a))
+
+
+def _blocks(weight: Tensor, what: str, name: str, entries: Sequence[tuple[Adapter, tuple[Tensor, Tensor] | None]],
+            factors: Callable[[Tensor, Tensor, float], tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
+    """The two stacked factors, left (., n r) and right (n r, .): adapter k's ``factors(A, B, scale)`` in its
+    block of columns and of rows, zeros where it has no correction of ``weight`` or a smaller rank. Each
+    adapter's B A must have the base's shape (a matrix's or a table's, W = B A either way)."""
     rank = max(pair[0].size(0) for _, pair in entries if pair is not None)
-    table = torch.zeros(vocab, len(entries) * rank)
-    up = torch.zeros(len(entries) * rank, d)
-    for k, (adapter, pair) in enumerate(entries):
+    blocks = []
+    for adapter, pair in entries:
         if pair is None:
+            blocks.append(None)
             continue
         a, b = pair
-        r = a.size(0)
-        if a.shape != (r, d) or b.shape != (vocab, r):
+        if (b.size(0), a.size(1)) != tuple(weight.shape) or a.size(0) != b.size(1):
             raise TinyLMError(f"the adapter '{adapter.name}' corrects {name}.weight as {b.size(0)} x {a.size(1)} but "
-                              f"the base's table is {vocab} x {d}: it was trained on another model")
-        table[:, k * rank:k * rank + r] = adapter.scale * b.float()
-        up[k * rank:k * rank + r] = a.float()
-    weight = embedding.weight
-    return table.to(weight.device, weight.dtype), up.to(weight.device, weight.dtype)
+                              f"the base's {what} is {' x '.join(map(str, weight.shape))}: it was trained on another "
+                              "model")
+        blocks.append(factors(a.float(), b.float(), adapter.scale))
+    size_left, size_right = next(block for block in blocks if block is not None)
+    left = torch.zeros(size_left.size(0), len(entries) * rank)
+    right = torch.zeros(len(entries) * rank, size_right.size(1))
+    for k, block in enumerate(blocks):
+        if block is not None:
+            r = block[0].size(1)
+            left[:, k * rank:k * rank + r], right[k * rank:k * rank + r] = block
+    return left.to(weight.device, weight.dtype), right.to(weight.device, weight.dtype)
 
 
 __all__ = ["Adapter", "MultiLoRA", "MultiLoRAEmbedding", "MultiLoRALinear", "Rows", "add_looked_up", "add_low_rank"]
