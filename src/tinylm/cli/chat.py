@@ -48,7 +48,9 @@ def cmd_chat(args: Any, stdin: TextIO | None = None, out: TextIO | None = None, 
     renders the same messages. When the conversation outgrows the model's context, the oldest turns are dropped
     (never the --system message), and a line on stderr says so. Lines piped on stdin are read as the user's
     messages, one a line. An empty line is ignored; /reset starts the conversation over; /exit or Ctrl-D ends
-    it; Ctrl-C stops a reply and returns to the prompt."""
+    it; Ctrl-C stops a reply and returns to the prompt. Each turn reuses the previous turn's keys and values for the
+    part of the conversation they share, and runs the model on the rest only (--no-prefix-cache: every turn reads
+    the whole conversation)."""
     from tinylm.generate.chat import ChatSession
     from tinylm.run import load_run
 
@@ -56,7 +58,8 @@ def cmd_chat(args: Any, stdin: TextIO | None = None, out: TextIO | None = None, 
     quantize_flag(run.model, args)
     params = chat_sampling(args, run.model.config.block_size)
     with command_threads(args):  # after the load: an error there stays one line
-        session = ChatSession(run.model, run.tokenizer, run.start_ids, system=args.system, params=params)
+        session = ChatSession(run.model, run.tokenizer, run.start_ids, system=args.system, params=params,
+                              prefix_cache=not args.no_prefix_cache)
         return converse(session, sys.stdin if stdin is None else stdin, sys.stdout if out is None else out,
                         sys.stderr if err is None else err)
 
@@ -154,6 +157,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-new-tokens", type=positive_int, metavar="N",
                    help="most tokens of a reply, kept free in the context beside the conversation "
                    "(default: 128, or half the context if that is less)")
+    p.add_argument("--no-prefix-cache", action="store_true",
+                   help="read the whole conversation afresh every turn instead of reusing the previous turn's keys "
+                   "and values for the part they share (the replies are the same up to float rounding)")
     add_sampling_flags(p, seed_help="make the replies reproducible")
     add_threads_flag(p)
     add_quant_flag(p)

@@ -34,7 +34,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                  checkpoint=args.checkpoint, device=args.device, log_level=args.log_level,
                  allow_origins=args.allow_origin or (), draft=args.draft, draft_k=args.draft_k,
                  body_timeout=args.body_timeout, threads=args.threads, adapters=args.adapter or (),
-                 quant=args.quant)
+                 quant=args.quant, prefix_cache_mb=args.prefix_cache_mb)
     return 0
 
 
@@ -70,5 +70,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    "the same sampling distribution, faster where drafts are often kept (default: off)")
     p.add_argument("--draft-k", type=positive_int, default=4, metavar="N",
                    help="the most tokens drafted per model pass (default: 4)")
+    p.add_argument("--prefix-cache-mb", type=nonneg_float, default=256, metavar="MB",
+                   help="memory for the keys and values of earlier requests: a request whose prompt starts with "
+                   "the tokens of an earlier prompt and reply (a chat's next turn) runs the model on the rest only; "
+                   "0 turns it off (default: 256)"),
     p.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"], default="info",
                    help="the server's log level; info logs every request (default: info)")

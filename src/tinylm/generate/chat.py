@@ -22,6 +22,12 @@ every piece is whole characters. The turn joins the history once its first piece
 with every piece, so a reply stopped early (Ctrl-C, or a caller that stops reading) stays in the conversation
 as far as it was shown; one stopped before it showed anything leaves no turn behind.
 
+**The previous turn's cache.** Each prompt begins with the last one's tokens and the reply, so the session keeps
+the keys and values of the last sequence it read (`tinylm.generate.prefix_cache.PrefixCache`, one entry) and
+the next turn runs the model on the tokens after the longest prefix they share: the new message, and whatever
+of the reply reads differently once rendered into the transcript. ``prefix_cache=False`` recomputes every turn;
+`ChatSession.prompt_tokens_run` says how many prompt tokens the latest reply ran.
+
     session = ChatSession(run.model, run.tokenizer, run.start_ids, system="Answer briefly.")
     for piece in session.reply("What is a token?"):
         print(piece, end="", flush=True)
@@ -38,6 +44,7 @@ from torch import nn
 
 from tinylm.errors import TinyLMError
 from tinylm.generate.engine import Engine
+from tinylm.generate.prefix_cache import PrefixCache
 from tinylm.generate.sampling import SamplingParams
 from tinylm.tokenizers.base import Tokenizer
 from tinylm.tokenizers.chat_format import ChatFormat, reply_text
@@ -61,10 +68,11 @@ class ChatSession:
     ``start_ids`` go before a transcript (a run's `start_ids`); ``system`` is the system message, kept
     whatever is dropped; ``params`` the sampling (default: `SamplingParams` with `reply_room` new tokens), to
     which the transcript's stop strings are added. A reply is one sample: no beams, one sample per prompt.
+    ``prefix_cache`` keeps the previous turn's keys and values for the next (module docstring).
     """
 
     def __init__(self, model: nn.Module, tokenizer: Tokenizer, start_ids: Sequence[int] = (), *,
-                 system: str | None = None, params: SamplingParams | None = None) -> None:
+                 system: str | None = None, params: SamplingParams | None = None, prefix_cache: bool = True) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.format = ChatFormat(tokenizer, tuple(start_ids))
@@ -80,6 +88,8 @@ class ChatSession:
         self.history: list[dict[str, Any]] = []  # user, assistant, user, assistant, ...
         self.dropped = 0  # the oldest turns dropped to fit the latest message
         self.last_prompt: list[int] = []  # the prompt ids of the latest reply
+        self.cache = PrefixCache(None, max_entries=1) if prefix_cache else None
+        self.prompt_tokens_run = 0  # the prompt tokens the latest reply ran through the model (not from the cache)
         if self.system:  # a system message too long, or a template refusing system messages, says so now
             ids = self.format.prompt_ids([*self.system, {"role": "user", "content": ""}])
             if len(ids) > self.budget:
@@ -126,11 +136,12 @@ class ChatSession:
                              f"{self.params.max_new_tokens} kept for the reply; shorten it")
 
     def _pieces(self, kept: list[dict[str, Any]], user: dict[str, Any], ids: list[int]) -> Iterator[str]:
-        engine = Engine(self.model, self.params, self.tokenizer, long_prompts="refuse")
+        engine = Engine(self.model, self.params, self.tokenizer, long_prompts="refuse", prefix_cache=self.cache)
         assistant = {"role": "assistant", "content": ""}
         joined = False
         with contextlib.closing(engine.events([ids])) as events:  # a reply stopped early ends its decoding too
             for event in events:
+                self.prompt_tokens_run = engine.prompt_tokens_run
                 piece = event.text if assistant["content"] else reply_text(event.text)  # piece by piece
                 if not piece:
                     continue

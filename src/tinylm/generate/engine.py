@@ -56,6 +56,7 @@ from torch import Tensor, nn
 from tinylm.errors import TinyLMError
 from tinylm.generate.beam import beam_search_completions
 from tinylm.generate.fast import StaticDecoder, make_decoder
+from tinylm.generate.prefix_cache import PrefixCache
 from tinylm.generate.request import LongPrompts, RequestRules
 from tinylm.generate.sampling import SamplingParams, prompt_generators, sample, token_logprobs
 from tinylm.generate.steps import (
@@ -126,10 +127,15 @@ class Engine:
     ``long_prompts`` is what happens to a prompt longer than the context (`tinylm.generate.request`):
     read whole, the window sliding as usual ("slide"), or cut to its last block_size tokens with a
     warning ("cut", what `generate` and `stream` ask for).
+    ``prefix_cache`` (`tinylm.generate.prefix_cache.PrefixCache`): a lone prompt reuses the keys and values of
+    the longest prefix it shares with a sequence read before, and what this engine reads is kept there for the
+    next (batches of several rows read everything, and store nothing). ``prompt_tokens_run`` counts the prompt
+    tokens the first window ran through the model.
     """
 
     def __init__(self, model: nn.Module, params: SamplingParams, tokenizer: Tokenizer | None = None,
-                 vocab_size: int | None = None, compile: bool = False, long_prompts: LongPrompts = "slide") -> None:
+                 vocab_size: int | None = None, compile: bool = False, long_prompts: LongPrompts = "slide",
+                 prefix_cache: PrefixCache | None = None) -> None:
         if params.num_beams != 1:
             raise TinyLMError("the sampling engine decodes one path per sample; "
                               "use tinylm.generate.beam for num_beams > 1")
@@ -148,6 +154,8 @@ class Engine:
         self.compile = compile
         self.decoder: StaticDecoder | CachedDecoder | None = None
         self.warned = False
+        self.prefix_cache = prefix_cache
+        self.prompt_tokens_run = 0
 
     # -- public --------------------------------------------------------------------------------
 
@@ -188,27 +196,43 @@ class Engine:
         was_training = self.model.training
         self.model.eval()
         try:
-            logits = self._start_window(rows, first=True)  # (B, V)
-            for step in range(params.max_new_tokens):
-                if self.excluded is not None:
-                    logits.masked_fill_(self.excluded, float("-inf"))
-                tokens = sample(logits, params, generators)  # (B,)
-                logprobs = token_logprobs(logits, tokens)  # (B,)
-                last_step = step == params.max_new_tokens - 1
-                new_tokens = tokens.tolist()
-                for r, (token, logprob) in enumerate(zip(new_tokens, logprobs.tolist())):
-                    if not rows[r].done:
-                        yield self._accept(r, rows[r], token, logprob, last_step)
-                if all(row.done for row in rows) or last_step:
-                    return
-                for row, token in zip(rows, new_tokens):
-                    row.seq.append(token)
-                if self.decoder.length + 1 > self.decoder.max_len:
-                    logits = self._start_window(rows)  # the window overflowed: cut and recompute
-                else:
-                    logits = self._step(tokens)
+            yield from self._decode(rows, generators)
+            self._remember(rows)
+        except GeneratorExit:  # a reader stopped early: what was read so far is still valid
+            self._remember(rows)
+            raise
         finally:
             self.model.train(was_training)
+
+    def _decode(self, rows: list[_Row], generators: list[torch.Generator] | None) -> Iterator[TokenEvent]:
+        """The decoding loop: the first window, then a sample and a step per new token until every row is done."""
+        params = self.params
+        logits = self._start_window(rows, first=True)  # (B, V)
+        for step in range(params.max_new_tokens):
+            if self.excluded is not None:
+                logits.masked_fill_(self.excluded, float("-inf"))
+            tokens = sample(logits, params, generators)  # (B,)
+            logprobs = token_logprobs(logits, tokens)  # (B,)
+            last_step = step == params.max_new_tokens - 1
+            new_tokens = tokens.tolist()
+            for r, (token, logprob) in enumerate(zip(new_tokens, logprobs.tolist())):
+                if not rows[r].done:
+                    yield self._accept(r, rows[r], token, logprob, last_step)
+            if all(row.done for row in rows) or last_step:
+                return
+            for row, token in zip(rows, new_tokens):
+                row.seq.append(token)
+            if self.decoder.length + 1 > self.decoder.max_len:
+                logits = self._start_window(rows)  # the window overflowed: cut and recompute
+            else:
+                logits = self._step(tokens)
+
+    def _remember(self, rows: list[_Row]) -> None:
+        """Keep a lone row's window (the tokens the cache holds: all but the newest) in the prefix cache."""
+        if self.prefix_cache is not None and len(rows) == 1 and self.decoder is not None:
+            window = rows[0].seq[rows[0].start:]
+            if self.decoder.length == len(window):
+                self.prefix_cache.remember(self.decoder, 0, window)
 
     def _accept(self, r: int, row: _Row, token: int, logprob: float, last_step: bool) -> TokenEvent:
         """Record a row's new token; decide whether the row is done; the text it releases."""
@@ -238,6 +262,11 @@ class Engine:
             # the longest window plus every new token, but never more than the model's context
             capacity = min(self.block_size, T + self.params.max_new_tokens)
             self.decoder = make_decoder(self.model, B, capacity, self.compile)
+            if self.prefix_cache is not None and B == 1:
+                logits, reused = self.prefix_cache.resume(self.decoder, windows[0])
+                self.prompt_tokens_run += T - reused
+                return logits
+            self.prompt_tokens_run += int(mask.sum())
         return self.decoder.start(idx, mask)
 
     def _step(self, tokens: Tensor) -> Tensor:

@@ -91,6 +91,7 @@ from fastapi import FastAPI
 from starlette.concurrency import run_in_threadpool
 
 from tinylm.errors import TinyLMError
+from tinylm.generate.prefix_cache import SERVE_BUDGET_MB
 from tinylm.generate.speculative import load_draft
 from tinylm.serve import inside, routes_openai, routes_site, routes_tokens
 from tinylm.serve.adapters import LoraAdapter, ServedAdapters, check_adapters, find_adapters
@@ -108,7 +109,8 @@ def create_app(run: Any, *, model_name: str | None = None, api_key: str | None =
                batch_window: float = 0.002, max_body_bytes: int = MAX_BODY_BYTES,
                body_timeout: float = BODY_TIMEOUT, allow_origins: Sequence[str] = (), draft: str | None = None,
                draft_k: int = 4,
-               adapters: Mapping[str, str | os.PathLike] | Sequence[LoraAdapter] = ()) -> FastAPI:
+               adapters: Mapping[str, str | os.PathLike] | Sequence[LoraAdapter] = (),
+               prefix_cache_mb: float = SERVE_BUDGET_MB) -> FastAPI:
     """The app serving ``run`` (a `tinylm.run.Run`, or any object with model, tokenizer, start_ids).
 
     ``model_name`` is the id clients ask for (default: the run folder's name); ``api_key`` makes
@@ -121,6 +123,8 @@ def create_app(run: Any, *, model_name: str | None = None, api_key: str | None =
     key or name, an origin with a path) is refused as `tinylm serve` refuses it (`tinylm.serve.options`).
     ``adapters``: LoRA adapters of the run's model to serve beside it, each under its own name ({name: folder},
     or `tinylm.serve.adapters.find_adapters`' list); they are stacked on ``run.model`` in place.
+    ``prefix_cache_mb``: the memory kept for the keys and values of earlier requests, which a request that starts
+    with the same tokens (a chat's next turn) reuses instead of recomputing (`tinylm.generate.prefix_cache`; 0: off).
     """
     check_options(api_key=api_key, model_name=model_name, body_timeout=body_timeout, allow_origins=allow_origins)
     path = getattr(run, "path", None)
@@ -130,7 +134,7 @@ def create_app(run: Any, *, model_name: str | None = None, api_key: str | None =
                          block_size=served_context(run), adapters=stacked)
     drafter = load_draft(draft, run, log=lambda line: print(f"tinylm: {line}", file=sys.stderr)) if draft else None
     scheduler = Scheduler(run.model, run.tokenizer, max_batch_size=max_batch_size, batch_window=batch_window,
-                          draft=drafter, draft_k=draft_k, adapters=stacked)
+                          draft=drafter, draft_k=draft_k, adapters=stacked, prefix_cache_mb=prefix_cache_mb)
     heavy = HeavyLane()
 
     @asynccontextmanager

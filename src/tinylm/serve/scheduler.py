@@ -44,6 +44,12 @@ text released so far, so logprobs cover exactly the returned text.
 ``max_new_tokens`` exceeds the model's ``block_size`` (the request's rules, `tinylm.generate.request`;
 the API answers 400 before that), so every row fits the context from start to end.
 
+**Prefix cache** (`tinylm.generate.prefix_cache`): a chat's next request sends the whole conversation again. When
+a row finishes, the keys and values of its tokens (prompt and reply) are kept in a small LRU, bounded by
+``prefix_cache_mb``, keyed by token ids (and adapter); a new row whose prompt begins with a kept sequence is
+prefilled alone, the shared prefix copied in and the model run on the rest only. Rows that want their prompt's
+logprobs (echo) read the whole prompt. ``stats()`` counts the prompt tokens run and reused.
+
 **Other model families.** An RNN's state or an n-gram's token history has no columns to re-align, so
 for those the scheduler batches statically (`tinylm.serve.batch`): the rows admitted together are
 prefilled together and decoded until each finishes, and waiting rows start with the next batch.
@@ -89,6 +95,7 @@ from torch import Tensor, nn
 
 from tinylm.errors import TinyLMError
 from tinylm.generate.fast import make_decoder
+from tinylm.generate.prefix_cache import SERVE_BUDGET_MB, PrefixCache
 from tinylm.generate.request import RequestRules
 from tinylm.generate.sampling import prompt_generators, sample, token_logprobs
 from tinylm.generate.speculative import Draft
@@ -108,6 +115,7 @@ class Scheduler:
     ``max_batch_size`` is the most rows decoded together (1 serves one sample at a time);
     ``batch_window`` is how long an idle scheduler waits for more requests before prefilling;
     ``adapters`` (a `tinylm.serve.adapters.ServedAdapters`) are the LoRA adapters a job may name.
+    ``prefix_cache_mb`` bounds the prefix cache (module docstring; 0 turns it off).
 
         scheduler = Scheduler(run.model, run.tokenizer).start()
         scheduler.submit(Job([ids], SamplingParams(max_new_tokens=20), on_event=print))
@@ -115,7 +123,7 @@ class Scheduler:
 
     def __init__(self, model: nn.Module, tokenizer: Tokenizer, *, max_batch_size: int = 32,
                  batch_window: float = 0.002, draft: Draft | None = None, draft_k: int = 4,
-                 adapters: Any = None) -> None:
+                 adapters: Any = None, prefix_cache_mb: float = SERVE_BUDGET_MB) -> None:
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise TinyLMError(f"max_batch_size must be an integer >= 1, got {max_batch_size!r}")
         if batch_window < 0:
@@ -138,6 +146,8 @@ class Scheduler:
             raise TinyLMError(f"the draft length must be an integer >= 1, got {draft_k!r}")
         self.drafting = Drafting(draft, draft_k) if draft is not None else None
         self.adapters = adapters
+        # keys and values can be copied row by row only where the batch is continuous (a KV cache)
+        self.prefix_cache = PrefixCache.megabytes(prefix_cache_mb) if self.continuous else None
         self._cond = threading.Condition()
         self._waiting: deque[Job] = deque()  # jobs with rows not yet admitted, in arrival order
         self._batch: Batch | None = None
@@ -150,6 +160,8 @@ class Scheduler:
         self.jobs = 0
         self.largest_batch = 0
         self.cancelled_rows = 0
+        self.prompt_tokens_run = 0  # prompt tokens prefilled through the model
+        self.prompt_tokens_reused = 0  # prompt tokens whose keys and values came from the prefix cache
 
     # -- the public side (any thread) -------------------------------------------------------------
 
@@ -214,7 +226,10 @@ class Scheduler:
         return {"active_rows": len(batch.rows) if batch else 0, "waiting_rows": waiting,
                 "max_batch_size": self.max_batch_size, "largest_batch": self.largest_batch, "steps": self.steps,
                 "jobs": self.jobs, "cancelled_rows": self.cancelled_rows,
-                "drafted": drafting.drafted if drafting else 0, "kept": drafting.kept if drafting else 0}
+                "drafted": drafting.drafted if drafting else 0, "kept": drafting.kept if drafting else 0,
+                "prompt_tokens_run": self.prompt_tokens_run, "prompt_tokens_reused": self.prompt_tokens_reused,
+                "prefix_cache_entries": len(self.prefix_cache) if self.prefix_cache else 0,
+                "prefix_cache_bytes": self.prefix_cache.nbytes if self.prefix_cache else 0}
 
     # -- the loop (scheduler thread) ---------------------------------------------------------------
 
@@ -242,7 +257,7 @@ class Scheduler:
         self._drop_cancelled()
         if new_rows and self.continuous:
             # the prefilled rows' caches have no room to grow: merging gives the batch its columns
-            groups = prefill_groups(new_rows, self.model.config.vocab_size)
+            groups = self._prefill_plan(new_rows)
             fresh = [self._prefill(group, outbox) for group in groups]
             self._batch = self._merge(fresh if self._batch is None else [self._batch, *fresh])
         elif new_rows:
@@ -305,6 +320,40 @@ class Scheduler:
         self.cancelled_rows += cancelled
         return [i for i, g in enumerate(gone) if not g]
 
+    def _prefill_plan(self, rows: list[Row]) -> list[list[Row]]:
+        """The new rows in prefill groups: each row with a cached prefix alone (it reads only the rest), the
+        others together (`prefill_groups`)."""
+        if self.prefix_cache is None:
+            return prefill_groups(rows, self.model.config.vocab_size)
+        alone = [r for r in rows if not r.job.prompt_logprobs
+                 and self.prefix_cache.lookup(r.seq, namespace=r.job.adapter)[0] is not None]
+        rest = [r for r in rows if r not in alone]
+        return [[r] for r in alone] + (prefill_groups(rest, self.model.config.vocab_size) if rest else [])
+
+    def _read_prompts(self, decoder: Decoder, rows: list[Row], idx: Tensor, mask: Tensor, every: bool) -> Tensor:
+        """``decoder.start`` on the new rows' prompts, or for a lone row without echo, the prefix cache's `resume`
+        (the longest cached prefix copied in, the rest run); counts the tokens run and reused."""
+        if self.prefix_cache is not None and len(rows) == 1 and not every:
+            logits, reused = self.prefix_cache.resume(decoder, rows[0].seq, namespace=rows[0].job.adapter)
+        else:
+            logits, reused = decoder.start(idx, mask, every=every), 0
+        self.prompt_tokens_run += int(mask.sum()) - reused
+        self.prompt_tokens_reused += reused
+        return logits
+
+    def _remember(self, batch: Batch) -> None:
+        """Keep each finished row's tokens (prompt and reply, the last ``fed`` columns of its row) in the prefix
+        cache: one sample per prompt, so that a request of many samples does not fill it alone.
+
+        Not a lone row that decoded by speculative rounds: the round that finished it may have fed drafts past
+        its last token. Nor a row that drew nothing (max_tokens 0), whose cache holds its whole prompt."""
+        if self.prefix_cache is None or (self.drafting is not None and len(batch.rows) == 1):
+            return
+        for b, row in enumerate(batch.rows):
+            if (row.finish_reason is not None and not row.job.failed and row.n_new > 0
+                    and row.index % row.job.n == 0):
+                self.prefix_cache.remember(batch.decoder, b, row.seq[:row.fed], namespace=row.job.adapter)
+
     def _prefill(self, rows: list[Row], outbox: dict[Job, list]) -> Batch:
         """Run the new rows' prompts through the model into a cache of their own; draw each row's first token.
 
@@ -319,7 +368,7 @@ class Scheduler:
         # every position's logits (Bn, P, V) only when a request wants its prompt's logprobs; each row counts its
         # own tokens
         echo = [b for b, r in enumerate(rows) if r.job.prompt_logprobs and r.index % r.job.n == 0]  # once per prompt
-        logits = decoder.start(idx, mask, every=bool(echo))
+        logits = self._read_prompts(decoder, rows, idx, mask, every=bool(echo))
         for b in echo:
             outbox[rows[b].job].append(prompt_logprobs(rows[b], logits[b, P - rows[b].prompt_len:], self.tokenizer))
         last = logits[:, -1] if echo else logits  # (Bn, V)
@@ -399,6 +448,8 @@ class Scheduler:
         Since every row fits the context (prompt + max_new_tokens <= block_size), so does L plus
         the room: the longest row alone needs that much.
         """
+        for batch in batches:
+            self._remember(batch)
         # one look at which rows leave (`_staying`): a cancel arriving from now on waits for the next step
         keeps = [self._staying(b.rows) for b in batches]
         rows = [b.rows[i] for b, keep in zip(batches, keeps) for i in keep]

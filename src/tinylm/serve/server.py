@@ -126,7 +126,7 @@ def serve(run_dir: str | os.PathLike | None, *, host: str = "127.0.0.1", port: i
           graceful_timeout: float = GRACEFUL_TIMEOUT, allow_origins: Sequence[str] = (),
           draft: str | None = None, draft_k: int = 4, body_timeout: float | None = None,
           threads: int | None = None, adapters: Mapping[str, str | os.PathLike] | Sequence[str] = (),
-          quant: str | None = None) -> None:
+          quant: str | None = None, prefix_cache_mb: float = 256) -> None:
     """Serve the run in ``run_dir`` until interrupted (Ctrl+C): the OpenAI API under /v1, the playground at /.
 
     ``api_key``: the key clients must send; None reads ``$TINYLM_API_KEY`` (unset or empty: no key).
@@ -145,6 +145,9 @@ def serve(run_dir: str | os.PathLike | None, *, host: str = "127.0.0.1", port: i
 
     ``quant`` ("int8"): decode with the model's matrices in int8 (`tinylm.model.quant`); not with adapters,
     which add their corrections to the base's float weights.
+
+    ``prefix_cache_mb``: memory for the keys and values of earlier requests, reused by a request that starts with
+    the same tokens (`tinylm.generate.prefix_cache`); 0 turns it off.
     """
     try:
         import uvicorn
@@ -175,7 +178,8 @@ def serve(run_dir: str | os.PathLike | None, *, host: str = "127.0.0.1", port: i
             quantize_int8(run.model)
         app = create_app(run, model_name=model_name, api_key=api_key, max_batch_size=max_batch_size,
                          batch_window=batch_window, allow_origins=allow_origins, draft=draft, draft_k=draft_k,
-                         body_timeout=BODY_TIMEOUT if body_timeout is None else body_timeout, adapters=found)
+                         body_timeout=BODY_TIMEOUT if body_timeout is None else body_timeout, adapters=found,
+                         prefix_cache_mb=prefix_cache_mb)
     except BaseException:
         sock.close()
         raise
