@@ -61,7 +61,7 @@ INIT_FOLDER = "init"  # in the data folder: the starting weights with the chat t
 DEFAULT_EPOCHS = 2.0
 MIN_STEPS = 250
 LORA_LR = 3e-3  # a LoRA fine-tuning's rate unless --lr is given (`lora_recipe`)
-LORA_STEPS = 2  # a LoRA step costs about half a full one: the default budget is this many times the steps
+LORA_STEPS = 2  # LoRA learns a new skill in more steps than full fine-tuning: this many times the budget
 
 
 def finetune(source: str | os.PathLike | None, data: str | None, out: str | os.PathLike, *,
@@ -218,7 +218,9 @@ def lora_recipe(tc: TrainConfig, model: GPTConfig, given: set[str]) -> TrainConf
     fine-tuning reached 100%, since numbers and letters are tokens a Shakespeare model's tables never learnt;
     with them, rank 64 reached 99.5%. The base's own rate (3e-2 for the default run) and 1e-2 sent the head's
     correction off (no reply ended); 1e-3 learnt more slowly. At rank 32 the default 250 steps reached 43%,
-    500 (the time full fine-tuning's 250 take, a LoRA step costing about half of one) 94%."""
+    500 94%. A LoRA step of the default model costs about what a full one does on a CPU (its embedding and
+    head, a third of it, still run backward), so there this budget takes about twice full fine-tuning's
+    time; at GPT-2's shape a LoRA step costs 0.55-0.69x of a full one (benchmarks/lora_memory.py)."""
     if not tc.lora_rank:
         return tc
     if "lr" not in given:

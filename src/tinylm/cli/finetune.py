@@ -26,7 +26,7 @@ def cmd_finetune(args: argparse.Namespace) -> int:
     --corpus instead of --data continues pretraining on text (250 steps unless a budget is given). --lora-rank R
     trains a LoRA adapter instead of every weight (--lora-alpha, --lora-dropout, --lora-targets): the run folder
     keeps the adapter, in PEFT's layout too, and points at the base it adapts. LoRA's defaults are its own: lr
-    3e-3, twice the steps (a LoRA step costs about half a full one), and the embedding and an untied head
+    3e-3, twice the steps (it learns a new skill in more steps), and the embedding and an untied head
     corrected too (--lora-targets all,outer)."""
     settings = settings_from(args)
     data_dir = settings.pop("train.data_dir", None)
