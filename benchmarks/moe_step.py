@@ -15,9 +15,9 @@ of ``--repeats`` rounds (so a busy neighbour slows them alike):
 2. **MoE reference**: E experts of width d_ff / k (the same active parameters and FLOPs per
    token, plus the router's d E), the loop over the experts (``moe_dispatch = "reference"``);
 3. **MoE fast, grouped_mm**: the tokens sorted by expert, each matrix one ``F.grouped_mm`` call
-   (``moe_dispatch = "fast"``, what `tinylm train` runs);
-4. **MoE fast, split**: the same sort, a product per expert's run of rows (the fast path's
-   fallback where grouped_mm does not take the shapes).
+   (``moe_dispatch = "fast"`` with ``grouped = "grouped_mm"``);
+4. **MoE fast, split**: the same sort, a product per expert's run of rows (what `tinylm train`
+   runs: it measured faster than grouped_mm over a whole step).
 
 Each MoE step includes the balancing losses and, after the optimizer, the counting the training
 loop does. Medians are printed with each one's ratio to the dense step; the machine may be shared,
