@@ -1,4 +1,5 @@
-"""The head and the loss a slice at a time: the same loss and gradients as lm_head + F.cross_entropy."""
+"""The head and the loss a slice at a time: the same loss and gradients as lm_head + F.cross_entropy; the
+per-position loss from logits, a slice of positions at a time, the same numbers as from all of them."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch.nn.functional as F
 
 from tinylm.config import GPTConfig
 from tinylm.model.gpt import GPT
+from tinylm.model import head_loss as head_loss_module
 from tinylm.model.head_loss import IGNORE_INDEX, head_loss, next_token_loss
 
 
@@ -48,6 +50,19 @@ def test_the_plain_next_token_loss_from_logits_is_the_same_loss():
     assert each.shape == (15,) and (each[:2] == 0).all()
     torch.testing.assert_close(next_token_loss(h @ W.T, y, reduction="sum"), total, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(next_token_loss(h @ W.T, y), total / 13, rtol=1e-12, atol=1e-12)  # 13 targets count
+
+
+@pytest.mark.parametrize("slice_elements", [1, 11 * 4, 11 * 6, 1 << 23])
+def test_per_position_losses_in_slices_are_those_of_the_whole_logits_bit_for_bit(monkeypatch, slice_elements):
+    monkeypatch.setattr(head_loss_module, "SLICE_ELEMENTS", slice_elements)  # 1, 4 or 6 positions a slice, or all
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(3, 7, 11, generator=g, requires_grad=True)  # (B, T, |V|), float32 as evaluation's
+    y = torch.randint(0, 11, (3, 7), generator=g)
+    y[1, 3:] = IGNORE_INDEX
+    each = next_token_loss(logits, y, reduction="none")
+    whole = F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=IGNORE_INDEX, reduction="none")
+    assert torch.equal(each, whole)
+    assert torch.equal(torch.autograd.grad(each.sum(), logits)[0], torch.autograd.grad(whole.sum(), logits)[0])
 
 
 def test_a_hand_worked_case():

@@ -5,7 +5,11 @@ products); before the first step the adapted model is the base bit for bit (B st
 moves A and B only, the base checkpoint's files stay byte for byte what they were, and the run's
 checkpoints hold the adapter and optimizer state for it alone; the loaded run is the base with
 W + (alpha / r) B A in place of each target; a run stopped part way and resumed ends with the adapter an
-uninterrupted one has; a missing or changed base and impossible settings are one clear line.
+uninterrupted one has; a missing or changed base and impossible settings are one clear line. How a LoRA run
+saves memory changes no number: under bfloat16 autocast the frozen matrices stored in bfloat16 and the blocks
+recomputed give the step's loss and gradients bit for bit, a float32 pass after it reads the float32
+matrices back (and notices a base changed under it), and a whole run trains the same adapter and evaluates
+to the same losses as one without the savings.
 """
 
 from __future__ import annotations
@@ -23,7 +27,16 @@ from tinylm.checkpoint import LORA_BASE, MODEL_FILE, OPTIMIZER_FILE, load_checkp
 from tinylm.errors import TinyLMError
 from tinylm.finetune import finetune
 from tinylm.model import GPT
-from tinylm.model.lora import LoRALinear, LoraSettings, adapter_size, adapter_state, add_lora, merge_adapter
+from tinylm.model.lora import (
+    LoRALinear,
+    LoraMemory,
+    LoraSettings,
+    adapter_size,
+    adapter_state,
+    add_lora,
+    merge_adapter,
+    prepare_training,
+)
 from tinylm.run import checkpoint_path, load_run
 from tinylm.train import train
 
@@ -106,8 +119,9 @@ def test_training_moves_the_adapter_only_and_the_run_keeps_just_the_adapter(base
             assert torch.equal(merged[name], w), name
 
 
-def test_a_stopped_and_resumed_run_ends_with_the_same_adapter(base_run, corpus, data_dir, tmp_path):
-    config = lora_config(corpus, data_dir, lora_dropout=0.1)  # dropout draws must be restored too
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_stopped_and_resumed_run_ends_with_the_same_adapter(base_run, corpus, data_dir, tmp_path, dtype):
+    config = lora_config(corpus, data_dir, lora_dropout=0.1, dtype=dtype)  # dropout draws must be restored too
     train(config, tmp_path / "whole", init_from=base_run, **QUIET)
     train(config, tmp_path / "parts", init_from=base_run, stop_after=3, **QUIET)
     assert load_checkpoint(checkpoint_path(tmp_path / "parts", "latest")).step == 3
@@ -191,3 +205,84 @@ def test_finetune_takes_lora_on_chats_and_on_text(base_run, corpus, tmp_path, ca
     capsys.readouterr()
     refused(capsys, ["finetune", "--from", str(base_run), "--corpus", str(corpus), "--epochs", "1"],
             "--epochs counts passes over conversations")
+
+
+def adapted_pair(base_run, settings: LoraSettings) -> tuple[GPT, GPT, dict[str, torch.Tensor]]:
+    """Two copies of the base adapted alike (B moved off zero, so the correction counts), and the base's weights."""
+    base = load_run(base_run).model.state_dict()
+    models = []
+    for _ in range(2):
+        torch.manual_seed(1)
+        model = add_lora(load_run(base_run).model, settings)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("lora_B"):
+                    p.copy_(torch.randn_like(p) * 0.1)
+        models.append(model.train())
+    return *models, base
+
+
+def step_of(model: GPT, idx: torch.Tensor, dtype: torch.dtype | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One training step's loss (the head in slices) and the adapter's gradients, under autocast to ``dtype``."""
+    torch.manual_seed(2)  # the same dropout draws
+    with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+        _, loss = model(idx[:, :-1], targets=idx[:, 1:], reduction="sum", return_logits=False)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    model.zero_grad(set_to_none=True)
+    return loss.detach(), grads
+
+
+def assert_same_step(plain: GPT, saving: GPT, idx: torch.Tensor, dtype: torch.dtype | None) -> None:
+    (loss, grads), (loss_saving, grads_saving) = step_of(plain.train(), idx, dtype), step_of(saving.train(), idx, dtype)
+    assert torch.equal(loss, loss_saving)
+    assert grads.keys() == grads_saving.keys() and all(torch.equal(grads[n], grads_saving[n]) for n in grads)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, None])
+def test_the_memory_savings_change_no_number_a_step_computes(base_run, dtype):
+    plain, saving, base = adapted_pair(base_run, LoraSettings(rank=4, alpha=8.0, dropout=0.1))
+    read = []
+    prepare_training(saving, LoraMemory(recompute_every=1), dtype, lambda name: read.append(name) or base[name])
+    layer = saving.blocks[0].attn.W_q
+    assert layer.weight.dtype == (dtype or torch.float32) and layer.lora_A.dtype == torch.float32
+    idx = torch.randint(0, plain.config.vocab_size, (3, 17))
+    for _ in range(2):  # and again, after the first backward pass
+        assert_same_step(plain, saving, idx, dtype)
+    assert not read  # training never needs the full-precision matrices
+    # a float32 pass (evaluation, sampling) computes with the base's float32 matrices, read back for that pass
+    plain.eval(), saving.eval()
+    with torch.no_grad():
+        assert torch.equal(plain(idx)[0], saving(idx)[0])
+    if dtype is not None:
+        assert sorted(read) == sorted(n for n in base if n.startswith("blocks.") and "W_" in n)
+        assert layer.weight.dtype == dtype  # and not kept: the next step trains with the bfloat16 ones
+        assert_same_step(plain, saving, idx, dtype)
+
+
+def test_a_base_changed_under_a_training_adapter_is_refused_when_read_back(base_run):
+    _, saving, base = adapted_pair(base_run, LoraSettings(rank=4, alpha=8.0))
+    changed = {name: t + 1.0 for name, t in base.items()}
+    prepare_training(saving, LoraMemory(), torch.bfloat16, changed.__getitem__)
+    with pytest.raises(TinyLMError, match="weights changed while its adapter was training"):
+        saving(torch.zeros(1, 4, dtype=torch.long))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_a_run_that_saves_memory_trains_the_adapter_one_without_would(base_run, corpus, data_dir, tmp_path,
+                                                                      monkeypatch, dtype):
+    config = lora_config(corpus, data_dir, lora_dropout=0.1, dtype=dtype, eval_interval=3, sample_tokens=4)
+    train(config, tmp_path / "saving", init_from=base_run, **QUIET)
+    monkeypatch.setattr(LoraMemory, "default", classmethod(lambda cls, compute_dtype: cls(False, False, 0)))
+    train(config, tmp_path / "plain", init_from=base_run, **QUIET)
+    saving, plain = (load_checkpoint(checkpoint_path(tmp_path / name, "latest")).adapter_state()
+                     for name in ("saving", "plain"))
+    evals = [[line["val_loss"] for line in map(json.loads, (tmp_path / name / "metrics.jsonl").read_text().splitlines())
+              if line["kind"] == "eval"] for name in ("saving", "plain")]
+    samples = [json.loads((tmp_path / name / "run.json").read_text())["sample"] for name in ("saving", "plain")]
+    assert saving.keys() == plain.keys() and len(evals[0]) >= 2 and samples[0] == samples[1]
+    if dtype == "bfloat16":  # the frozen matrices in bfloat16 and the blocks recomputed: bit for bit
+        assert all(torch.equal(saving[n], plain[n]) for n in saving) and evals[0] == evals[1]
+    else:  # float32: the head and loss in slices round differently from the whole head's
+        assert all(torch.allclose(saving[n], plain[n], rtol=1e-3, atol=1e-6) for n in saving)
+        assert evals[0] == pytest.approx(evals[1], rel=1e-5)

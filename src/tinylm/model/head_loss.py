@@ -39,11 +39,22 @@ from torch import Tensor
 IGNORE_INDEX = -100  # a target with this id contributes nothing to the loss (PyTorch's convention)
 
 
+# "none" computes the loss this many logits at a time (whole positions): the log-probabilities, as large as the
+# logits, then exist a slice at a time (evaluation's peak), and each position's loss is the same number
+SLICE_ELEMENTS = 1 << 23
+
+
 def next_token_loss(logits: Tensor, targets: Tensor, reduction: str = "mean") -> Tensor:
     """-log softmax(u_t)[x_t] for logits u (B, T, |V|) and targets x (B, T), a target of `IGNORE_INDEX` left out:
     the mean over the targets that count ("mean"), their "sum", or "none": one per position (B*T,), 0 where
     left out."""
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction=reduction)
+    logits, targets = logits.flatten(0, 1), targets.flatten()  # (N, |V|), (N,)
+    if reduction != "none":
+        return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction=reduction)
+    rows = max(1, SLICE_ELEMENTS // max(1, logits.size(-1)))
+    return torch.cat([F.cross_entropy(logits[start:start + rows], targets[start:start + rows],
+                                      ignore_index=IGNORE_INDEX, reduction="none")
+                      for start in range(0, max(logits.size(0), 1), rows)])  # no positions: one empty slice
 
 
 class _HeadLoss(torch.autograd.Function):

@@ -23,21 +23,42 @@ The adapter is just the A and B of each target, named after the matrix it correc
 tinylm samples, evaluates, serves and exports an adapted model (one model, no extra work per token).
 `tinylm.export.peft` writes and reads the same adapter in PEFT's layout.
 
+**Training in less memory** (`prepare_training`, which `tinylm.train.start.build_training_model` calls with
+`LoraMemory.default`). Freezing drops the gradients and moments of the frozen weights; what a LoRA step still
+holds is the frozen weights, the activations (each corrected matrix's input is kept for A's gradient, and every
+other input the backward pass needs) and the head's logits. Three changes cut them; the first and the last
+change no number the step computes, the second only how the loss's sums round:
+
+- ``frozen_in_compute_dtype``: under bfloat16 autocast the blocks' frozen matrices and biases are kept in bfloat16.
+  Autocast would cast them to bfloat16 at every step anyway (and keep each cast for the backward pass), so
+  the products are the same bit for bit, and no float32 copy is kept beside them. A forward pass outside
+  autocast (evaluation and sampling on a CPU run in float32) reads each float32 matrix back from where it
+  was loaded (the base checkpoint, memory-mapped) as it multiplies by it, and computes as before.
+- ``head_in_slices``: the head and the loss a slice of positions at a time in float32 too
+  (`tinylm.model.head_loss`; bfloat16 autocast on a CPU already does), so no (B, T, |V|) logits are kept.
+  Equal to the plain head and loss up to rounding.
+- ``recompute_every``: every k-th block keeps only its input and runs its forward pass again in the backward
+  pass (`torch.utils.checkpoint`, random state restored: the same dropout draws), instead of keeping its
+  activations. It costs a second forward pass through those blocks.
+
 Usage::
 
     add_lora(model, LoraSettings(rank=8, alpha=16, dropout=0.0, targets="all"))  # freezes the rest
     adapter = adapter_state(model)                        # {name: tensor}, only A and B
     merged = merge_adapter(base_state, adapter, settings.scale)
+    prepare_training(model, LoraMemory.default(torch.bfloat16), torch.bfloat16, read_base)  # before training
 """
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import Tensor, nn
 
 from tinylm.config.training import LORA_ATTENTION as ATTENTION
@@ -110,9 +131,37 @@ class LoRALinear(nn.Linear):
         self.lora_A = nn.Parameter(torch.empty(settings.rank, self.in_features, device=dev, dtype=dtype))
         self.lora_B = nn.Parameter(torch.zeros(self.out_features, settings.rank, device=dev, dtype=dtype))
         nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))  # as nn.Linear's (and PEFT's) default
+        # with the frozen matrix kept in the compute dtype (`store_frozen_in`): that dtype, and how to read the
+        # full-precision weight and bias back
+        self._compute_dtype: torch.dtype | None = None
+        self._read_full: Callable[[], tuple[Tensor, Tensor | None]] | None = None
+
+    def store_frozen_in(self, dtype: torch.dtype, read_full: Callable[[], tuple[Tensor, Tensor | None]]) -> None:
+        """Keep the frozen weight and bias in ``dtype`` only (autocast's compute dtype: the numbers it multiplies
+        anyway); ``read_full()`` gives the full-precision ones back for a forward pass outside autocast."""
+        self._full_dtype = self.weight.dtype  # the model's own (a base stored in another dtype was loaded as this)
+        for param in (self.weight, self.bias):
+            if param is not None:
+                param.data = param.data.to(dtype)
+        self._compute_dtype, self._read_full = dtype, read_full
+
+    def _frozen(self, x: Tensor) -> tuple[Tensor, Tensor | None]:
+        """The frozen weight and bias to multiply ``x`` by: the stored ones, or, where they are kept in the compute
+        dtype and this pass does not compute in it, the full-precision ones, read back for this pass alone (a
+        float32 evaluation holds no second copy of the base)."""
+        device = x.device.type
+        if self._compute_dtype is None or x.dtype == self._compute_dtype or (
+                torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) == self._compute_dtype):
+            return self.weight, self.bias
+        weight, bias = (None if t is None else t.to(self.weight.device, self._full_dtype) for t in self._read_full())
+        if not torch.equal(weight.to(self._compute_dtype), self.weight):
+            raise TinyLMError("the base checkpoint's weights changed while its adapter was training; put the base "
+                              "back as it was and resume the run")
+        return weight, bias
 
     def forward(self, x: Tensor) -> Tensor:
-        out = F.linear(x, self.weight, self.bias)  # (..., out)
+        weight, bias = self._frozen(x)
+        out = F.linear(x, weight, bias)  # (..., out)
         low = F.linear(self.lora_dropout(x), self.lora_A)  # (..., r)
         # out + scale * low B^T, added in place: no (..., out) temporary beside the output, which on a CPU left the
         # heap holding freed blocks (a higher peak than the arithmetic needs: benchmarks/lora_memory.py)
@@ -151,6 +200,58 @@ def head_weight(head: nn.Linear) -> Tensor:
     if isinstance(head, LoRALinear):
         return head.weight + head.scale * (head.lora_B @ head.lora_A)
     return head.weight
+
+
+@dataclass(frozen=True)
+class LoraMemory:
+    """How a LoRA run trains in less memory (`prepare_training`; the module docstring says what each does)."""
+
+    frozen_in_compute_dtype: bool = True  # under autocast, the frozen matrices stored in its dtype only
+    head_in_slices: bool = True  # the head and loss a slice of positions at a time in float32 too (on a CPU)
+    recompute_every: int = 0  # every k-th block's activations recomputed in the backward pass; 0: none
+
+    @classmethod
+    def default(cls, compute_dtype: torch.dtype | None) -> LoraMemory:
+        """What training does: everything, except recomputing blocks in float32 (``compute_dtype`` None). There a
+        block's forward pass costs so much of a LoRA step that recomputing every block made a step about as slow
+        as full fine-tuning's, and recomputing fewer barely lowered the run's peak, which the evaluation's whole
+        logits then set (`benchmarks/lora_memory.py` measures each choice)."""
+        return cls(recompute_every=1 if compute_dtype is not None else 0)
+
+
+def prepare_training(model: nn.Module, memory: LoraMemory, compute_dtype: torch.dtype | None,
+                     read_base: Callable[[str], Tensor]) -> None:
+    """Set up a model `add_lora` adapted to train as ``memory`` says, computing in ``compute_dtype`` (autocast's;
+    None: float32). ``read_base(name)`` reads the base's tensor of that state-dict name in full precision (for
+    the frozen matrices stored in the compute dtype)."""
+    if memory.frozen_in_compute_dtype and compute_dtype is not None:
+        for name, module in model.named_modules():
+            # the blocks' matrices: a corrected head is read as W + scale B A in float32 before autocast (`head_weight`)
+            if isinstance(module, LoRALinear) and name.startswith("blocks."):
+                module.store_frozen_in(compute_dtype, functools.partial(_read_linear, read_base, name,
+                                                                        module.bias is not None))
+    if memory.recompute_every:
+        recompute_blocks(model, memory.recompute_every)
+
+
+def _read_linear(read_base: Callable[[str], Tensor], name: str, has_bias: bool) -> tuple[Tensor, Tensor | None]:
+    return read_base(f"{name}.weight"), read_base(f"{name}.bias") if has_bias else None
+
+
+def recompute_blocks(model: nn.Module, every: int) -> None:
+    """Activation recomputation for every ``every``-th of ``model.blocks`` while gradients are taken: the block
+    keeps its input and runs again in the backward pass, instead of keeping what its backward pass needs."""
+    for block in list(model.blocks)[::every]:
+        # the instance's own forward: the module, its names and its weights stay as they are
+        block.forward = functools.partial(_recomputed, block.forward)
+
+
+def _recomputed(forward: Callable, *args, **kwargs):
+    if not torch.is_grad_enabled():
+        return forward(*args, **kwargs)
+    # non-reentrant: the block's input need not require a gradient (the frozen embedding's output does not);
+    # the random state is restored for the second pass, so dropout draws the same masks
+    return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
 
 class NewRows(nn.Module):
@@ -272,5 +373,6 @@ def count_adapter(model: nn.Module) -> tuple[int, int]:
     return sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params)
 
 
-__all__ = ["LoraSettings", "LoRALinear", "TARGET_GROUPS", "add_lora", "adapter_state", "load_adapter",
-           "adapter_pairs", "merge_adapter", "target_names", "target_modules", "count_adapter", "is_adapter_name", "adapter_size", "lora_line"]
+__all__ = ["LoraSettings", "LoRALinear", "LoraMemory", "TARGET_GROUPS", "add_lora", "adapter_state", "load_adapter",
+           "adapter_pairs", "merge_adapter", "target_names", "target_modules", "count_adapter", "is_adapter_name",
+           "adapter_size", "lora_line", "prepare_training", "recompute_blocks"]

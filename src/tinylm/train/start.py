@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import os
 from collections.abc import Callable
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 
 from tinylm.config import Config, TrainConfig
 from tinylm.data.chat_shards import is_chats
@@ -34,10 +36,11 @@ from tinylm.device import autocast_for
 from tinylm.errors import TinyLMError
 from tinylm.model import build_model
 from tinylm.model.gpt import GPT
-from tinylm.model.lora import LoraSettings, add_lora, load_adapter
+from tinylm.model.lora import LoraMemory, LoraSettings, add_lora, load_adapter, prepare_training
 from tinylm.model.memory import check_fits
 from tinylm.run import (
     CONFIG_FILE,
+    MODEL_FILE,
     RUN_FILE,
     Checkpoint,
     RunResult,
@@ -313,6 +316,13 @@ def already_trained(out: Path, ckpt: Checkpoint | None, total: int, log: Callabl
                                float(info.get("elapsed", 0.0)))
 
 
+def read_tensor(path: Path, name: str) -> torch.Tensor:
+    """The tensor ``name`` of the safetensors file ``path``, alone: a LoRA run reads its base's frozen matrices
+    back in full precision this way when it evaluates in float32 (`tinylm.model.lora.LoraMemory`)."""
+    with safe_open(path, framework="pt") as f:
+        return f.get_tensor(name)
+
+
 @dataclass
 class TrainingModel:
     """The network as training calls it (`build_training_model`)."""
@@ -329,11 +339,14 @@ class TrainingModel:
 
 
 def build_training_model(config: Config, ctx: Distributed, init: Checkpoint | None,
-                         ckpt: Checkpoint | None) -> TrainingModel:
+                         ckpt: Checkpoint | None, lora_memory: LoraMemory | None = None) -> TrainingModel:
     """The model of ``config`` seeded by the run's seed, with ``init``'s or ``ckpt``'s weights, on this process's
-    device, wrapped for the processes of ``ctx``, and its optimizer."""
+    device, wrapped for the processes of ``ctx``, and its optimizer. A LoRA run trains in less memory as
+    ``lora_memory`` says (default: `LoraMemory.default`)."""
     mc, tc, device = config.model, config.train, ctx.device
     sharded = ctx.active and tc.parallel == "fsdp"
+    autocast = autocast_for(device, tc.dtype)
+    compute_dtype = torch.bfloat16 if autocast is not contextlib.nullcontext else None  # autocast_for's
     torch.manual_seed(tc.seed)  # the same initial weights in every process
     model = build_model(mc)
     lora, base = LoraSettings.of(tc), None
@@ -343,6 +356,9 @@ def build_training_model(config: Config, ctx: Distributed, init: Checkpoint | No
         add_lora(model, lora)
         if ckpt is not None:
             load_adapter(model, ckpt.adapter_state(), str(ckpt.path))
+        lora_memory = lora_memory or LoraMemory.default(compute_dtype)
+        read_base = functools.partial(read_tensor, base.path / MODEL_FILE)
+        prepare_training(model, lora_memory, compute_dtype, read_base)
     else:
         if init is not None:
             load_weights(model, init.model_state(), init.path)
@@ -361,10 +377,11 @@ def build_training_model(config: Config, ctx: Distributed, init: Checkpoint | No
     step_model = torch.compile(wrapped) if tc.compile else wrapped
     # evaluation and sampling skip DDP's gradient hooks; a sharded model must be called as itself
     eval_model = step_model if sharded else (torch.compile(model) if tc.compile else model)
-    autocast = autocast_for(device, tc.dtype)
     # Under bfloat16 autocast on a CPU a Transformer's head and loss run a slice of positions at a
     # time (model/head_loss.py: a faster step, benchmarks/train_step.py; none of the (B, T, |V|)
-    # logits kept). Float32 training keeps the plain head and loss, so its figures stay bit for bit.
-    head_in_slices = isinstance(model, GPT) and device.type == "cpu" and autocast is not contextlib.nullcontext
+    # logits kept). Float32 training keeps the plain head and loss, so its figures stay bit for bit,
+    # except in a LoRA run, whose peak the logits would otherwise set (`LoraMemory.head_in_slices`).
+    head_in_slices = isinstance(model, GPT) and device.type == "cpu" and (
+        compute_dtype is not None or (lora is not None and lora_memory.head_in_slices))
     return TrainingModel(model, step_model, eval_model, wrapped if ctx.active and not sharded else None, optimizer,
                          sharded, autocast, head_in_slices, base)
