@@ -24,14 +24,15 @@ from lm_eval.api.instance import Instance
 from lm_eval.models.huggingface import HFLM
 from lm_eval.tasks import TaskManager
 
+from runkit import write_model_run
 from tinylm.cli import main
-from tinylm.config import Config, GPTConfig, TrainConfig, dump_toml
+from tinylm.config import Config, GPTConfig, TrainConfig
 from tinylm.errors import TinyLMError
 from tinylm.evaluate import EvalText, evaluate_model
 from tinylm.export.hf import export_hf
 from tinylm.harness import TinyLMHarness, run_harness
 from tinylm.model import GPT, NGramLM, NGramModel, RecurrentLM
-from tinylm.run import NGRAM_FILE, checkpoint_path, load_run, save_checkpoint, write_run_files, write_run_info
+from tinylm.run import NGRAM_FILE, load_run, write_run_files
 from tinylm.tokenizers import train_bpe
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "harness"
@@ -50,23 +51,13 @@ def tokenizer():
     return train_bpe([verse()], vocab_size=400, pattern="gpt4", workers=1)
 
 
-def write_network_run(folder: Path, model: torch.nn.Module, tokenizer) -> Path:
-    """A run folder as `tinylm train` leaves it (config.toml, run.json, checkpoints/best) holding ``model``."""
-    config = Config(model.config, TrainConfig())
-    save_checkpoint(checkpoint_path(folder, "best"), model_state=model.state_dict(), optimizer_state=None,
-                    rng_state={}, state={"step": 0}, config=config, tokenizer=tokenizer)
-    (folder / "config.toml").write_text(dump_toml(config.to_dict()), encoding="utf-8")
-    write_run_info(folder, {"status": "complete"})
-    return folder
-
-
 @pytest.fixture(scope="module")
 def gpt_run(tmp_path_factory, tokenizer) -> Path:
     """A 2-layer GPT with random weights spread wide enough (init_std 0.3) that greedy choices are clear."""
     torch.manual_seed(0)
     config = GPTConfig(vocab_size=tokenizer.vocab_size, block_size=BLOCK, n_layer=2, d_model=32, n_head=4,
                        init_std=0.3)
-    return write_network_run(tmp_path_factory.mktemp("gpt"), GPT(config).eval(), tokenizer)
+    return write_model_run(tmp_path_factory.mktemp("gpt"), GPT(config).eval(), tokenizer)
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +65,7 @@ def lstm_run(tmp_path_factory, tokenizer) -> Path:
     torch.manual_seed(1)
     config = GPTConfig(family="lstm", vocab_size=tokenizer.vocab_size, block_size=BLOCK, n_layer=1, d_model=32,
                        n_head=1)
-    return write_network_run(tmp_path_factory.mktemp("lstm"), RecurrentLM(config).eval(), tokenizer)
+    return write_model_run(tmp_path_factory.mktemp("lstm"), RecurrentLM(config).eval(), tokenizer)
 
 
 @pytest.fixture(scope="module")

@@ -15,8 +15,8 @@ import torch
 from toys import tiny_config, tiny_gpt
 
 import tinylm.generate.fast as fast
+from runkit import write_model_run
 from tinylm.cli import main
-from tinylm.config import Config, TrainConfig, dump_toml
 from tinylm.errors import TinyLMError
 from tinylm.generate.chat import ChatSession
 from tinylm.generate.engine import Engine
@@ -25,7 +25,6 @@ from tinylm.generate.prefix_cache import PrefixCache, common_prefix, load_prefix
 from tinylm.generate.sampling import SamplingParams
 from tinylm.generate.steps import CachedDecoder
 from tinylm.model import GPT
-from tinylm.run import checkpoint_path, save_checkpoint, write_run_info
 from tinylm.tokenizers import BPETokenizer
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=12, stop_ids=[])
@@ -214,19 +213,10 @@ def test_a_chat_turn_runs_only_what_follows_the_previous_one(layout):
         previous = with_cache.last_prompt
 
 
-def write_run(folder, model, tok):
-    config = Config(model.config, TrainConfig())
-    save_checkpoint(checkpoint_path(folder, "best"), model_state=model.state_dict(), optimizer_state=None,
-                    rng_state={}, state={"step": 0}, config=config, tokenizer=tok)
-    (folder / "config.toml").write_text(dump_toml(config.to_dict()), encoding="utf-8")
-    write_run_info(folder, {"status": "complete"})
-    return folder
-
-
 def test_the_chat_commands_second_turn_reuses_the_first(tmp_path, monkeypatch, capsys):
     tok = BPETokenizer([], pattern="gpt2")
     torch.manual_seed(1)
-    run_dir = write_run(tmp_path / "run", GPT(tiny_config(vocab_size=tok.vocab_size, block_size=256)).eval(), tok)
+    run_dir = write_model_run(tmp_path / "run", GPT(tiny_config(vocab_size=tok.vocab_size, block_size=256)).eval(), tok)
     reused: list[int] = []
     resume = PrefixCache.resume
 
