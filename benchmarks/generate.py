@@ -448,6 +448,7 @@ def bench_int8(args: argparse.Namespace) -> None:
             "llama.cpp q8_0": lambda n: (lambda: llama_tokens(llms["q8_0"], prompts[0], n)),
         }
         if args.compile:
+            makers["tinylm float32 --compile"] = lambda n: engine(run.model, n, compile=True)
             makers["tinylm --quant int8 --compile"] = lambda n: engine(qmodel, n, compile=True)
         fns = {(name, n): make(n) for name, make in makers.items() for n in (args.short, args.long)}
         for fn in fns.values():
@@ -495,7 +496,7 @@ def main() -> None:
     parser.add_argument("--long", type=int, default=248, help="with --int8: the longer generation (default 248)")
     parser.add_argument("--quality-tokens", type=int, default=100,
                         help="with --int8: greedy tokens per prompt compared with float32 (default 100)")
-    parser.add_argument("--compile", action="store_true", help="with --int8: also the compiled int8 step")
+    parser.add_argument("--compile", action="store_true", help="with --int8: also the compiled steps (float32 and int8)")
     parser.add_argument("--eval-tokens", type=int, default=8192,
                         help="with --int8: val tokens the perplexities are measured on (default 8192)")
     parser.add_argument("--make-gpt2-run", metavar="DIR",

@@ -130,6 +130,17 @@ def _product_reduced(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     return y + bias if bias is not None else y
 
 
+def _write_slots(cache: Tensor, layer: int, slots: Tensor, values: Tensor) -> None:
+    """cache[layer, :, :, slots] = values (B, n_kv, T, hs), as one scatter into the whole cache.
+
+    For a compiled step: written as ``cache[layer].index_copy_`` (a write through a view of the input),
+    inductor copied the whole cache, every layer's, once per layer and per write, and that copying took
+    most of the step. One index_put on the input itself is done in place.
+    """
+    layers = torch.full_like(slots, layer)
+    torch.ops.aten.index_put_(cache, [layers, None, None, slots], values.permute(2, 0, 1, 3))  # values (T, B, n_kv, hs)
+
+
 class DecodeWeights(nn.Module):
     """A GPT's weights for decoding (module docstring) and the step over a static cache."""
 
@@ -234,8 +245,12 @@ class DecodeWeights(nn.Module):
                 k = F.rms_norm(k, (hs,), layer["k_norm"], self.eps)
             if rope is not None:
                 q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-            k_cache[i].index_copy_(2, slots, k)
-            v_cache[i].index_copy_(2, slots, v)
+            if written_out:
+                _write_slots(k_cache, i, slots, k)
+                _write_slots(v_cache, i, slots, v)
+            else:
+                k_cache[i].index_copy_(2, slots, k)
+                v_cache[i].index_copy_(2, slots, v)
             # compiled: plain products and a softmax, which inductor fuses; capped scores (Gemma 2) too,
             # since the fused kernel has no place for the cap
             if written_out or self.attn_softcap is not None:
