@@ -108,9 +108,10 @@ def test_run_then_truncate_forgets_the_slots_past_the_cut():
 
 
 @pytest.mark.slow
-def test_the_compiled_steps_give_the_eager_steps_tokens_in_the_engine_and_in_speculative_rounds(monkeypatch):
-    """Compiles three graphs (tens of seconds): one token (the engine's), and the padded round and one token
-    of speculative decoding; each computes what the eager step does (used even where it is slower)."""
+def test_the_compiled_steps_give_the_eager_steps_tokens_in_the_engine_and_in_speculative_rounds(monkeypatch, tmp_path):
+    """Compiles three graphs (tens of seconds): one token (the engine's, ahead of time), and the padded round and
+    one token of speculative decoding; each computes what the eager step does (used even where it is slower)."""
+    monkeypatch.setenv("TINYLM_CACHE", str(tmp_path))
     monkeypatch.setattr(fast, "MEASURE_COMPILED", False)
     model = tiny_gpt(n_kv_head=2, qk_norm=True)
     prompt = [5, 6, 7, 8, 5, 6, 7, 8]
@@ -125,13 +126,111 @@ def test_the_compiled_steps_give_the_eager_steps_tokens_in_the_engine_and_in_spe
     assert all(fast.decode_weights(model, compiled=True).faster.values())  # the compiled graphs did run
 
 
+def _one_token_args(decoder: StaticDecoder, token: int) -> tuple:
+    """The inputs `StaticDecoder.run` gives a one-token step after the cached tokens (the slot marked real)."""
+    decoder.mask[:, decoder.length] = True
+    slots = torch.tensor([decoder.length])
+    return torch.tensor([[token]]), slots, decoder.next_position.clone(), decoder.mask, decoder.k, decoder.v
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["rope, rmsnorm, swiglu", "learned, layernorm, gelu, biases (GPT-2)", "int8"])
+def test_the_ahead_of_time_step_computes_the_eager_step_and_is_kept_on_disk_by_its_weights(monkeypatch, tmp_path,
+                                                                                             name):
+    """The package's logits and cache writes are the eager step's (written to an empty slot); a second decoder of
+    the same weights loads the package without building; changed weights build another."""
+    from tinylm.generate import aot
+    from tinylm.model.quant import quantize_int8
+
+    monkeypatch.setenv("TINYLM_CACHE", str(tmp_path))
+    model = tiny_gpt(n_kv_head=2, qk_norm=True) if name == "int8" else tiny_gpt(**VARIANTS[name])
+    if name == "int8":
+        quantize_int8(model)
+
+    def step_and_eager(model):
+        decoder = StaticDecoder(model, 1, 16, compile=True)
+        with torch.inference_mode():
+            decoder.start(torch.tensor([[3, 1, 4, 1, 5]]), torch.ones(1, 5, dtype=torch.bool))
+            args = _one_token_args(decoder, 9)
+            step = decoder.compiled_weights.compiled_step(decoder._shape(args[0]), args)
+            eager_k = decoder.k.clone()
+            # (int8: the eager kernels quantize activations too; the oracle is then the same weight-only sum, eager)
+            oracle = decoder.compiled_weights if name == "int8" else decoder.weights
+            eager = oracle.step(*args[:4], eager_k, decoder.v.clone(), written_out=name == "int8")
+            got = step(*args)
+        return step, got, eager, decoder.k, eager_k
+
+    step, got, eager, k, eager_k = step_and_eager(model)
+    assert isinstance(step, aot.AOTStep)
+    torch.testing.assert_close(got, eager, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(k, eager_k)  # the new token's keys written in place, at its slot
+    assert k[:, :, :, 5].abs().sum() > 0
+    packages = list((tmp_path / "decode").glob("*.pt2"))
+    assert packages == [step.path]
+
+    built = []
+    monkeypatch.setattr(aot, "_build", lambda *a: built.append(a))
+    fast._LAYOUTS.clear()  # a fresh layout of the same weights: the package on disk serves it
+    again, got_again, _, _, _ = step_and_eager(model)
+    assert not built and again.path == step.path
+    torch.testing.assert_close(got_again, got)
+    with torch.no_grad():
+        model.E.weight[9] += 1.0  # changed weights: another digest, another package
+    with pytest.warns(UserWarning):  # (the stub builds nothing, so it cannot be loaded: torch.compile instead)
+        step_and_eager(model)
+    assert len(built) == 1
+
+
+@pytest.mark.slow
+def test_where_the_ahead_of_time_step_cannot_be_built_torch_compile_decodes_with_one_warning(monkeypatch, tmp_path):
+    from tinylm.generate import aot
+
+    monkeypatch.setenv("TINYLM_CACHE", str(tmp_path))
+    monkeypatch.setattr(fast, "MEASURE_COMPILED", False)
+
+    def no_compiler(*args):
+        raise RuntimeError("no C++ compiler found")
+
+    monkeypatch.setattr(aot, "_build", no_compiler)
+    model = tiny_gpt()
+    params = SamplingParams(max_new_tokens=10, temperature=0, stop_ids=[])
+    with pytest.warns(UserWarning, match="ahead-of-time decoding step could not be built .*no C.. compiler"):
+        got = Engine(model, params, compile=True).generate([[4, 5, 6]])[0].token_ids
+    assert got == Engine(model, params).generate([[4, 5, 6]])[0].token_ids
+    assert not any(isinstance(s, aot.AOTStep) for s in decode_weights(model, compiled=True)._compiled.values())
+
+
+def test_the_package_digest_changes_with_the_weights_shapes_and_threads():
+    from tinylm.generate.aot import package_key
+
+    model = tiny_gpt()
+    decoder = StaticDecoder(model, 1, 16)
+    with torch.inference_mode():
+        args = _one_token_args(decoder, 3)
+    weights = decode_weights(model, compiled=True)
+    key = package_key(weights, args)
+    assert package_key(weights, args) == key
+    longer = StaticDecoder(model, 1, 20)
+    with torch.inference_mode():
+        assert package_key(weights, _one_token_args(longer, 3)) != key  # another cache size
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)
+        assert package_key(weights, args) != key
+    finally:
+        torch.set_num_threads(threads)
+    with torch.no_grad():
+        model.lm_head.weight[0, 0] += 1e-3
+    assert package_key(decode_weights(model, compiled=True), args) != key
+
+
 def test_with_compile_the_faster_of_the_compiled_and_the_eager_step_is_used_after_timing_both(monkeypatch):
     model = tiny_gpt()
     weights = fast.decode_weights(model, compiled=True)
     calls = []
     # a compiled step that is slow (and marks its calls): the eager one must be chosen, and used
     slow = lambda *args: (calls.append(1), time.sleep(0.01), weights.step(*args))[2]  # noqa: E731
-    monkeypatch.setattr(weights, "compiled_step", lambda shape: slow)
+    monkeypatch.setattr(weights, "compiled_step", lambda shape, args=None: slow)
     params = SamplingParams(max_new_tokens=12, temperature=0, stop_ids=[])
     got = Engine(model, params, compile=True).generate([[4, 5, 6]])[0].token_ids
     assert got == Engine(model, params).generate([[4, 5, 6]])[0].token_ids

@@ -55,6 +55,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tinylm.errors import TinyLMError
+from tinylm.generate.aot import AOTStep
 from tinylm.generate.cache import merge_rows
 from tinylm.generate.steps import CachedDecoder, real_positions
 from tinylm.model import GPT
@@ -72,6 +73,8 @@ MEASURE_COMPILED = True
 COMPARE_ROUNDS = 7
 
 ONE_TOKEN_INDUCTOR_OPTIONS = {"realize_reads_threshold": 1, "realize_cpu_opcount_threshold": 1}
+# the compiled one-token step as an ahead-of-time package (`tinylm.generate.aot`); False: torch.compile's
+AHEAD_OF_TIME = True
 
 
 def supports(model: nn.Module) -> bool:
@@ -285,8 +288,16 @@ class DecodeWeights(nn.Module):
         """`hidden` then `logits`: (B, T, V)."""
         return self.logits(self.hidden(tokens, slots, positions, key_mask, k_cache, v_cache, written_out), written_out)
 
-    def compiled_step(self, shape: tuple[int, ...]) -> Callable:
-        """`step` compiled by `torch.compile` for one (B, T, S) (one graph per shape, made on first use)."""
+    def compiled_step(self, shape: tuple[int, ...], args: tuple[Tensor, ...] | None = None) -> Callable:
+        """`step` compiled for one (B, T, S) (one graph per shape, made on first use): for one token, an
+        ahead-of-time package (`tinylm.generate.aot`, built from ``args``' shapes) where it can be built, else
+        and for several tokens `torch.compile`."""
+        if shape not in self._compiled and shape[0] * shape[1] == 1 and args is not None and AHEAD_OF_TIME:
+            from tinylm.generate.aot import one_token_step
+
+            step = one_token_step(self, args, ONE_TOKEN_INDUCTOR_OPTIONS)
+            if step is not None:
+                self._compiled[shape] = step
         if shape not in self._compiled:
             # one token: keep every intermediate vector in memory rather than recompute it inside the
             # products that read it (inductor's default for cheap producers), which doubled their time
@@ -360,7 +371,7 @@ class StaticDecoder:
         shape = self._shape(args[0])
         chosen = self.compiled_weights.faster
         if shape not in chosen:
-            step = self.compiled_weights.compiled_step(shape)
+            step = self.compiled_weights.compiled_step(shape, args)
             step(*args)  # compiles (guards evaluated)
             if not MEASURE_COMPILED:
                 chosen[shape] = True
@@ -450,7 +461,7 @@ class StaticDecoder:
         slots = torch.arange(start, end, device=self.device)
         args = (tokens, slots, positions, self.mask, self.k, self.v)
         if compiled and self.compiled_weights is not None and self._compiled_is_faster(args):
-            logits = _call_warm(self.compiled_weights.compiled_step(self._shape(tokens)), args)
+            logits = _call_warm(self.compiled_weights.compiled_step(self._shape(tokens), args), args)
         elif last:
             logits = self.weights.logits(self.weights.hidden(*args)[:, -1:])
         else:
@@ -461,9 +472,11 @@ class StaticDecoder:
 
 
 def _call_warm(step: Callable, args: tuple) -> Tensor:
-    """Call a compiled step that has run once. Each compiled function serves one shape, and every call passes
+    """Call a compiled step that has run once (an ahead-of-time package has no guards: called as it is). Each compiled function serves one shape, and every call passes
     a decoder's own buffers with fixed dtypes and sizes, so dynamo's guards cannot fail: they are skipped
     (on the default run, about a tenth of a compiled step when this was written)."""
+    if isinstance(step, AOTStep):
+        return step(*args)
     with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
         return step(*args)
 
