@@ -457,6 +457,7 @@ def evaluate_run(
     progress: bool = False,
     threads: int | None = None,
     log: Callable[[str], None] | None = None,
+    quant: str | None = None,
 ) -> EvalResult:
     """Evaluate a trained run of any family (`tinylm.run.load_run`), or an n-gram model file (.npz).
 
@@ -467,6 +468,7 @@ def evaluate_run(
     own: give ``data_dir`` (its shards carry one) or ``tokenizer`` (a tokenizer JSON file). ``stride``:
     sliding windows, 1..the run's block_size (`evaluate_tokens`); None is disjoint windows.
     ``threads``: CPU threads; None follows `tinylm.device.use_threads` (busy cores left out, said to ``log``).
+    ``quant`` ("int8"): evaluate a GPT with its matrices in int8 (`tinylm.model.quant`), as decoding with it reads them.
     """
     check_split_or_corpus(split, corpus)
     path = Path(run_dir)
@@ -474,6 +476,8 @@ def evaluate_run(
         raise TinyLMError(f"{path} is neither a run folder nor an n-gram model file (.npz); give the folder "
                           "`tinylm train` wrote")
     if path.suffix == ".npz":
+        if quant is not None:
+            raise TinyLMError(f"--quant int8 quantizes a GPT's matrices; {path} is an n-gram model: drop --quant")
         model, tok = _ngram_file(path, data_dir, tokenizer)
         block_size, recorded = model.config.block_size, None  # an n-gram scores without windows
         start_id = None
@@ -483,6 +487,11 @@ def evaluate_run(
                               "tokenizer")
         run = load_run(path, checkpoint=checkpoint, device=device)
         model, tok = run.model, run.tokenizer
+        if quant is not None:
+            from tinylm.model.quant import check_quantizable, quantize_int8
+
+            check_quantizable(model, quant)
+            quantize_int8(model)
         start_id = run.start_ids[-1] if run.start_ids else None
         block_size = run.config.model.block_size
         recorded = run.info.get("data", {}).get("dir")

@@ -255,3 +255,30 @@ def test_misuse_is_refused_in_one_line(tmp_path, trained, byte_tokenizer, capsys
         from tinylm.model.quant import check_quantizable
 
         check_quantizable(trained, "int4")
+
+
+def test_eval_quant_int8_scores_the_int8_model_and_says_so(tmp_path, trained, byte_tokenizer, capsys):
+    """`tinylm eval --quant int8` is the loss of the int8 model (as `quantized_copy` computes it), near float32's;
+    refused in one line with --task and for an n-gram model."""
+    import json
+
+    from tinylm.evaluate import corpus_text, evaluate_model
+
+    run = write_run(tmp_path / "run", trained, byte_tokenizer)
+    text = inspect.getsource(textwrap)[:3000]
+    (tmp_path / "text.txt").write_text(text, encoding="utf-8")
+    flags = ["eval", "--run", run, "--corpus", str(tmp_path / "text.txt"), "--threads", "1", "--device", "cpu"]
+    assert main([*flags, "--quant", "int8", "--json"]) == 0
+    int8 = json.loads(capsys.readouterr().out)
+    assert main([*flags, "--json"]) == 0
+    float32 = json.loads(capsys.readouterr().out)
+    expected = evaluate_model(quantized_copy(trained), corpus_text(str(tmp_path / "text.txt"), byte_tokenizer),
+                              byte_tokenizer, block_size=128, device="cpu")
+    assert int8["quant"] == "int8" and "quant" not in float32
+    assert int8["loss"] == pytest.approx(expected.loss, rel=1e-4)
+    assert int8["loss"] != float32["loss"] and int8["loss"] == pytest.approx(float32["loss"], rel=0.05)
+    assert main([*flags, "--quant", "int8"]) == 0
+    assert "with int8 weights on the corpus" in capsys.readouterr().out
+    assert main([*flags, "--quant", "int8", "--task", "tasks:add"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--quant goes with the loss evaluation" in err

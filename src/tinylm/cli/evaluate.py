@@ -84,20 +84,24 @@ def cmd_eval(args: argparse.Namespace) -> int:
         raise TinyLMError("give the run to evaluate: tinylm eval --run DIR (a run folder or an n-gram .npz file)")
     if args.run_flag and args.run and args.run_flag != args.run:
         raise TinyLMError("give the run once, with --run or as the argument, not both")
+    if args.quant is not None and (args.task is not None or args.harness is not None):
+        raise TinyLMError("--quant goes with the loss evaluation (no --task or --harness): it measures what int8 "
+                          "weights cost in loss and bits per byte")
     if args.task is not None:
         return _eval_tasks(args, run)
     if args.harness is not None:
         return _eval_harness(args, run)
-    result = evaluate_run(run, args.split, checkpoint=args.checkpoint, max_tokens=args.tokens or 0,
+    result = evaluate_run(run, args.split, checkpoint=args.checkpoint, max_tokens=args.tokens or 0, quant=args.quant,
                           stride=args.stride, batch_size=args.batch_size, data_dir=args.data_dir,
                           corpus=load_corpus_from(args), tokenizer=args.tokenizer, device=_device(args.device),
                           progress=sys.stderr.isatty(), threads=args.threads, log=_to_stderr)
     if args.json:
-        print(json.dumps({"run": str(run), **result.report()}))
+        print(json.dumps({"run": str(run), **({"quant": args.quant} if args.quant else {}), **result.report()}))
         return 0
     scope = "bytes prorated from a subset" if result.prorated else "all of it"
     where = f"the corpus {args.corpus}" if args.corpus else f"the {args.split} split"
-    print(f"{run} on {where} ({result.describe_windows()}): loss {result.loss:.4f} nats per token, "
+    weights = " with int8 weights" if args.quant else ""
+    print(f"{run}{weights} on {where} ({result.describe_windows()}): loss {result.loss:.4f} nats per token, "
           f"perplexity {result.perplexity:.2f}, {result.bits_per_byte:.4f} bits per byte")
     print(f"  {result.tokens:,} tokens, {result.bytes:,.0f} bytes ({scope}), {result.seconds:.1f} s")
     if result.unknown_tokens:
@@ -245,6 +249,10 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--include-path", metavar="DIR", help="with --harness: a folder of task YAMLs of your own "
                    "(e.g. examples/harness)")
     p.add_argument("--limit", type=positive_int, metavar="N", help="with --harness: the first N items of each task")
+    p.add_argument("--quant", choices=["int8"],
+                   help="evaluate the model as `tinylm sample --quant int8` decodes it: its block matrices and head "
+                   "stored as int8 with one scale per row, to see what int8 costs in loss (GPT runs on a CPU only; "
+                   "default: float32)")
     p.add_argument("--json", action="store_true", help="print the numbers as one JSON object (for scripts)")
     add_threads_flag(p)
 

@@ -11,8 +11,10 @@ Exporting and compiling take 15 to 60 seconds, so the package is kept on disk, i
 (``$TINYLM_CACHE/decode``, else ``~/.cache/tinylm/decode``), named by a digest of everything it depends
 on: the weights, the model's settings, the input shapes, the thread count it was compiled for, the
 torch version and the CPU's vector instructions. The next `tinylm sample --compile` of the same model
-loads it in well under a second. The weights live inside the package (as constants of the graph);
-a model whose weights change gets a new digest, hence a new package.
+loads it in well under a second. The package holds the code, not the weights: loading it hands it the
+decoding layout's own tensors (`DecodeWeights` registers each under a name of its own), so the weights
+are in memory once (a package with its own copy doubled GPT-2's memory). The digest still covers the
+weights, since the compiler may fold what it computes from them into the code.
 
 Where AOTInductor cannot build the package (no C++ compiler, an operator it does not cover), the
 decoder falls back to `torch.compile`'s step, with one warning.
@@ -22,16 +24,17 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import os
 import tempfile
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
-AOT_FORMAT = 1  # raised when the graph changes, so packages written by older code are not loaded
+AOT_FORMAT = 2  # raised when the graph changes, so packages written by older code are not loaded
 FOLDER = "decode"
 
 
@@ -47,22 +50,10 @@ class _OneToken(nn.Module):
         return self.weights.step(tokens, slots, positions, key_mask, k, v, written_out=True)
 
 
-def _tensors(weights: nn.Module) -> Iterator[tuple[str, Tensor]]:
-    """Every tensor the step reads besides its inputs, each under a stable name (the digest's input)."""
-    yield from sorted(weights.state_dict().items())
-    for i, layer in enumerate(weights.layers):
-        for name, value in layer.items():
-            for j, part in enumerate(value if isinstance(value, tuple) else (value,)):
-                if isinstance(part, Tensor):
-                    yield f"layers.{i}.{name}.{j}", part
-                elif part is not None:  # an Int8Matrix
-                    yield f"layers.{i}.{name}.{j}.q", part.q
-                    yield f"layers.{i}.{name}.{j}.scale", part.scale
-    head = weights.head
-    yield from ((("head.q", head.q), ("head.scale", head.scale)) if hasattr(head, "q") else (("head", head),))
-    for name in ("rope", "rope_local"):
-        for j, table in enumerate(getattr(weights, name) or ()):
-            yield f"{name}.{j}", table
+def _tensors(weights: nn.Module) -> list[tuple[str, Tensor]]:
+    """Every tensor the step reads besides its inputs, by its name in the layout (the names the package asks for,
+    less the ``weights.`` prefix)."""
+    return sorted(itertools.chain(weights.named_parameters(), weights.named_buffers()), key=lambda item: item[0])
 
 
 def package_key(weights: nn.Module, args: tuple[Tensor, ...]) -> str:
@@ -86,13 +77,13 @@ def package_folder() -> Path:
 class AOTStep:
     """A loaded package: called with the step's inputs, returns the logits (B, 1, V), the caches written in place."""
 
-    def __init__(self, runner: Callable, path: Path) -> None:
+    def __init__(self, runner, path: Path) -> None:
         self.runner = runner
+        self.run = runner.loader.boxed_run  # the C++ call itself: the runner's __call__ parses its input spec each time
         self.path = path
 
     def __call__(self, *args: Tensor) -> Tensor:
-        out = self.runner(*args)
-        return out[0] if isinstance(out, (list, tuple)) else out
+        return self.run(list(args))[0]
 
 
 def one_token_step(weights: nn.Module, args: tuple[Tensor, ...], options: dict) -> AOTStep | None:
@@ -102,7 +93,9 @@ def one_token_step(weights: nn.Module, args: tuple[Tensor, ...], options: dict) 
     try:
         if not path.exists():
             _build(_OneToken(weights), args, options, path)
-        return AOTStep(torch._inductor.aoti_load_package(str(path)), path)
+        runner = torch._inductor.aoti_load_package(str(path))
+        _give_weights(runner, weights)
+        return AOTStep(runner, path)
     except Exception as error:  # noqa: BLE001 (any failure of export or the C++ build means: use torch.compile)
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         warnings.warn(f"the ahead-of-time decoding step could not be built ({first[:200]}); "
@@ -136,6 +129,16 @@ def _int8_matrices(module: nn.Module) -> Iterator[nn.Module]:
         yield weights.head
 
 
+def _give_weights(runner, weights: nn.Module) -> None:
+    """Point the package at the layout's own tensors (it was built without copies of them): one copy in memory."""
+    ours = {f"weights.{name}": tensor for name, tensor in _tensors(weights)}
+    wanted = runner.get_constant_fqns()
+    missing = [name for name in wanted if name not in ours]
+    if missing:
+        raise RuntimeError(f"the package reads tensors the decoding layout does not have: {', '.join(missing[:5])}")
+    runner.load_constants({name: ours[name] for name in wanted}, check_full_update=True, user_managed=True)
+
+
 def _build(module: nn.Module, args: tuple[Tensor, ...], options: dict, path: Path) -> None:
     """Export ``module`` on ``args`` and compile it into a package at ``path`` (written whole, then renamed)."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -146,7 +149,9 @@ def _build(module: nn.Module, args: tuple[Tensor, ...], options: dict, path: Pat
     fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=".building-", suffix=".pt2")
     os.close(fd)
     try:
-        torch._inductor.aoti_compile_and_package(program, package_path=temporary, inductor_configs=dict(options))
+        # the weights stay out of the package: `_give_weights` hands it the layout's tensors when it is loaded
+        configs = {**options, "aot_inductor.package_constants_in_so": False}
+        torch._inductor.aoti_compile_and_package(program, package_path=temporary, inductor_configs=configs)
         os.chmod(temporary, 0o644)  # (mkstemp made it private; the cache folder's other files are not)
         os.replace(temporary, path)
     finally:

@@ -144,6 +144,42 @@ def _write_slots(cache: Tensor, layer: int, slots: Tensor, values: Tensor) -> No
     torch.ops.aten.index_put_(cache, [layers, None, None, slots], values.permute(2, 0, 1, 3))  # values (T, B, n_kv, hs)
 
 
+def _keep(module: nn.Module, name: str, value: Tensor | Int8Matrix | None) -> None:
+    """``value`` as ``module``'s buffer (a tensor, or None) or submodule (an `Int8Matrix`) called ``name``."""
+    if isinstance(value, nn.Module):
+        module.add_module(name, value)
+    else:
+        module.register_buffer(name, value)
+
+
+class _Layer(nn.Module):
+    """One block's laid-out matrices and vectors. ``layer["qkv"]`` is (weight, bias); ``layer["q_norm"]`` a vector
+    or None. They are registered buffers (or submodules), so that each has a name of its own: the name the
+    ahead-of-time step (`tinylm.generate.aot`) is given the tensor by."""
+
+    def __init__(self, entries: dict) -> None:
+        super().__init__()
+        self.keys = tuple(entries)
+        self.pairs = {key for key, value in entries.items() if isinstance(value, tuple)}
+        for key, value in entries.items():
+            if key in self.pairs:
+                _keep(self, key, value[0])
+                _keep(self, f"{key}_bias", value[1])
+            else:
+                _keep(self, key, value)
+
+    def __getitem__(self, key: str):
+        if key in self.pairs:
+            return getattr(self, key), getattr(self, f"{key}_bias")
+        return getattr(self, key)
+
+    def items(self) -> list[tuple[str, object]]:
+        return [(key, self[key]) for key in self.keys]
+
+    def values(self) -> list:
+        return [self[key] for key in self.keys]
+
+
 class DecodeWeights(nn.Module):
     """A GPT's weights for decoding (module docstring) and the step over a static cache."""
 
@@ -185,18 +221,26 @@ class DecodeWeights(nn.Module):
                     "k_norm": attn.k_norm.weight.detach() if attn.k_norm is not None else None,
                     "ve": attn.ve_weight.detach() if attn.ve_weight is not None else None,
                 })
-            self.layers = layers
-            self.head = _fused((model.lm_head,), in_out)[0]  # (d, V) or (V, d)
-            self.rope: tuple[Tensor, Tensor] | None = None
-            self.rope_local: tuple[Tensor, Tensor] | None = None  # the windowed layers' (Gemma 3), else rope
+            self.layers = nn.ModuleList(_Layer(entries) for entries in layers)
+            _keep(self, "head", _fused((model.lm_head,), in_out)[0])  # (d, V) or (V, d)
             every = torch.arange(cfg.block_size, device=self.head.device)[None]
             for name, rotary in (("rope", model.rope), ("rope_local", model.rope_local or model.rope)):
-                if rotary is not None:
-                    cos, sin = rotary(every)  # 2 x (1, 1, S, hs)
-                    setattr(self, name, (cos[0, 0].to(self.head.dtype), sin[0, 0].to(self.head.dtype)))  # 2 x (S, hs)
+                cos, sin = rotary(every) if rotary is not None else (None, None)  # 2 x (1, 1, S, hs)
+                for part, table in (("cos", cos), ("sin", sin)):  # (S, hs)
+                    self.register_buffer(f"{name}_{part}", None if table is None else table[0, 0].to(self.head.dtype))
         self.eps = cfg.norm_eps
         self._compiled: dict[tuple, Callable] = {}
         self.faster: dict[tuple, bool] = {}  # by shape: whether the compiled step beat the eager one
+
+    @property
+    def rope(self) -> tuple[Tensor, Tensor] | None:
+        """RoPE's cos and sin for every position, 2 x (S, hs); None without RoPE."""
+        return None if self.rope_cos is None else (self.rope_cos, self.rope_sin)
+
+    @property
+    def rope_local(self) -> tuple[Tensor, Tensor] | None:
+        """The windowed layers' tables (Gemma 3's own base), else `rope`'s."""
+        return None if self.rope_local_cos is None else (self.rope_local_cos, self.rope_local_sin)
 
     # -- the step ----------------------------------------------------------------------------
 
