@@ -109,8 +109,9 @@ def test_run_then_truncate_forgets_the_slots_past_the_cut():
 
 @pytest.mark.slow
 def test_the_compiled_steps_give_the_eager_steps_tokens_in_the_engine_and_in_speculative_rounds(monkeypatch, tmp_path):
-    """Compiles three graphs (tens of seconds): one token (the engine's, ahead of time), and the padded round and
-    one token of speculative decoding; each computes what the eager step does (used even where it is slower)."""
+    """Compiles four graphs (tens of seconds): one token and four greedy tokens a call (the engine's, ahead of time),
+    and the padded round and one token of speculative decoding; each computes what the eager step does (used even
+    where it is slower)."""
     monkeypatch.setenv("TINYLM_CACHE", str(tmp_path))
     monkeypatch.setattr(fast, "MEASURE_COMPILED", False)
     model = tiny_gpt(n_kv_head=2, qk_norm=True)
@@ -120,6 +121,15 @@ def test_the_compiled_steps_give_the_eager_steps_tokens_in_the_engine_and_in_spe
     compiled = Engine(model, params, compile=True).generate([prompt])[0]
     assert compiled.token_ids == eager.token_ids
     assert compiled.logprobs == pytest.approx(eager.logprobs, abs=1e-4)
+    assert list(fast.decode_weights(model, compiled=True).ahead_faster.values()) == [True]  # 4 tokens a call ran
+    # a stop token inside a call of 4: the same tokens, and the cache keeps exactly the tokens before it
+    # (the first token comes from the prompt's logits, the next four from one call)
+    at = next(j for j, token in enumerate(eager.token_ids) if j >= 2 and token not in eager.token_ids[:j])
+    stopping = SamplingParams(max_new_tokens=24, temperature=0, stop_ids=[eager.token_ids[at]])
+    engine = Engine(model, stopping, compile=True)
+    got = engine.generate([prompt])[0]
+    assert got.token_ids == Engine(model, stopping).generate([prompt])[0].token_ids == eager.token_ids[:at + 1]
+    assert engine.decoder.length == len(prompt) + at
     spec, stats = speculative_generate(model, prompt, params, PromptLookupDraft(), k=3, compile=True, adaptive=False)
     assert spec.token_ids == eager.token_ids and stats.proposed > stats.accepted > 0
     assert spec.logprobs == pytest.approx(eager.logprobs, abs=1e-4)
@@ -198,6 +208,18 @@ def test_where_the_ahead_of_time_step_cannot_be_built_torch_compile_decodes_with
         got = Engine(model, params, compile=True).generate([[4, 5, 6]])[0].token_ids
     assert got == Engine(model, params).generate([[4, 5, 6]])[0].token_ids
     assert not any(isinstance(s, aot.AOTStep) for s in decode_weights(model, compiled=True)._compiled.values())
+
+
+def test_large_matrices_move_to_huge_pages_unchanged_and_small_ones_stay():
+    big, small = torch.randn(1024, 1024), torch.randn(16, 16)  # 4 MiB and 1 KiB
+    moved = fast.on_huge_pages(big)
+    assert torch.equal(moved, big) and moved.shape == big.shape
+    assert fast.on_huge_pages(small) is small
+    if hasattr(__import__("mmap"), "MADV_HUGEPAGE"):
+        assert moved.data_ptr() != big.data_ptr()  # a copy, in its own mapping (on Linux)
+    model = tiny_gpt(d_model=512, vocab_size=2048)  # a head of 4 MiB
+    weights = decode_weights(model)
+    torch.testing.assert_close(weights.head, model.lm_head.weight.T)
 
 
 def test_the_package_digest_changes_with_the_weights_shapes_and_threads():

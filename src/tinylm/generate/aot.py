@@ -50,16 +50,39 @@ class _OneToken(nn.Module):
         return self.weights.step(tokens, slots, positions, key_mask, k, v, written_out=True)
 
 
+class _GreedyRun(nn.Module):
+    """``n`` greedy tokens in one call: the last token is written to the cache, the next is the argmax of its
+    logits (ids in ``excluded`` never chosen), and so on; the tokens (B, n) and their log-probabilities (B, n)."""
+
+    def __init__(self, weights: nn.Module, n: int) -> None:
+        super().__init__()
+        self.weights = weights
+        self.n = n
+
+    def forward(self, token: Tensor, slot: Tensor, position: Tensor, key_mask: Tensor, k: Tensor, v: Tensor,
+                excluded: Tensor) -> tuple[Tensor, Tensor]:
+        tokens, logprobs = [], []
+        for i in range(self.n):
+            slots = slot + i  # (1,)
+            key_mask.index_fill_(1, slots, True)
+            logits = self.weights.step(token, slots, position + i, key_mask, k, v, written_out=True)[:, -1]  # (B, V)
+            logits = logits.masked_fill(excluded, float("-inf"))
+            token = logits.argmax(-1, keepdim=True)  # (B, 1): the first index wins a tie, as in `sample`
+            tokens.append(token)
+            logprobs.append(torch.log_softmax(logits.float(), dim=-1).gather(-1, token))
+        return torch.cat(tokens, dim=1), torch.cat(logprobs, dim=1)
+
+
 def _tensors(weights: nn.Module) -> list[tuple[str, Tensor]]:
     """Every tensor the step reads besides its inputs, by its name in the layout (the names the package asks for,
     less the ``weights.`` prefix)."""
     return sorted(itertools.chain(weights.named_parameters(), weights.named_buffers()), key=lambda item: item[0])
 
 
-def package_key(weights: nn.Module, args: tuple[Tensor, ...]) -> str:
-    """The digest that names a package: weights, settings, shapes and dtypes, threads, torch and the CPU."""
+def package_key(weights: nn.Module, args: tuple[Tensor, ...], graph: str = "one token") -> str:
+    """The digest that names a package: the graph, weights, settings, shapes and dtypes, threads, torch and the CPU."""
     digest = hashlib.sha256()
-    facts = (AOT_FORMAT, torch.__version__, torch.backends.cpu.get_cpu_capability(), torch.get_num_threads(),
+    facts = (AOT_FORMAT, graph, torch.__version__, torch.backends.cpu.get_cpu_capability(), torch.get_num_threads(),
              repr(weights.config), [(tuple(a.shape), str(a.dtype)) for a in args])
     digest.update(repr(facts).encode())
     for name, tensor in _tensors(weights):
@@ -77,25 +100,37 @@ def package_folder() -> Path:
 class AOTStep:
     """A loaded package: called with the step's inputs, returns the logits (B, 1, V), the caches written in place."""
 
-    def __init__(self, runner, path: Path) -> None:
+    def __init__(self, runner, path: Path, outputs: int = 1) -> None:
         self.runner = runner
         self.run = runner.loader.boxed_run  # the C++ call itself: the runner's __call__ parses its input spec each time
         self.path = path
+        self.outputs = outputs
 
-    def __call__(self, *args: Tensor) -> Tensor:
-        return self.run(list(args))[0]
+    def __call__(self, *args: Tensor) -> Tensor | list[Tensor]:
+        out = self.run(list(args))
+        return out[0] if self.outputs == 1 else out
 
 
 def one_token_step(weights: nn.Module, args: tuple[Tensor, ...], options: dict) -> AOTStep | None:
     """The package for ``weights``' one-token step on inputs shaped like ``args``, loaded from disk or built
     (and kept); None, with a warning, where it cannot be built."""
-    path = package_folder() / f"{package_key(weights, args)}.pt2"
+    return _package(_OneToken(weights), weights, args, options, "one token", 1)
+
+
+def greedy_run(weights: nn.Module, args: tuple[Tensor, ...], n: int, options: dict) -> AOTStep | None:
+    """The package that makes ``n`` greedy tokens a call (`_GreedyRun`), as `one_token_step` makes its own."""
+    return _package(_GreedyRun(weights, n), weights, args, options, f"greedy {n}", 2)
+
+
+def _package(module: nn.Module, weights: nn.Module, args: tuple[Tensor, ...], options: dict, graph: str,
+             outputs: int) -> AOTStep | None:
+    path = package_folder() / f"{package_key(weights, args, graph)}.pt2"
     try:
         if not path.exists():
-            _build(_OneToken(weights), args, options, path)
+            _build(module, args, options, path)
         runner = torch._inductor.aoti_load_package(str(path))
         _give_weights(runner, weights)
-        return AOTStep(runner, path)
+        return AOTStep(runner, path, outputs)
     except Exception as error:  # noqa: BLE001 (any failure of export or the C++ build means: use torch.compile)
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         warnings.warn(f"the ahead-of-time decoding step could not be built ({first[:200]}); "
