@@ -236,9 +236,11 @@ def test_the_package_digest_changes_with_the_weights_shapes_and_threads():
     with torch.inference_mode():
         assert package_key(weights, _one_token_args(longer, 3)) != key  # another cache size
     threads = torch.get_num_threads()
+    shape = decoder._shape(args[0])
     try:
         torch.set_num_threads(threads + 1)
         assert package_key(weights, args) != key
+        assert decoder._shape(args[0]) != shape  # so the decoder keeps (and chooses) a step per thread count
     finally:
         torch.set_num_threads(threads)
     with torch.no_grad():

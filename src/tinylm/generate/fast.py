@@ -445,7 +445,9 @@ class StaticDecoder:
         return self.capacity
 
     def _shape(self, tokens: Tensor) -> tuple[int, ...]:
-        return (*tokens.shape, self.k.size(3))
+        """What a compiled step is made and chosen for: (B, T, S) and the thread count (a package built for one
+        thread runs on one thread, and which step is faster changes with the count)."""
+        return (*tokens.shape, self.k.size(3), torch.get_num_threads())
 
     def _compiled_is_faster(self, args: tuple) -> bool:
         """Whether the compiled step beats the eager one for this shape: measured once per model and shape.
