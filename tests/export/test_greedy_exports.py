@@ -13,11 +13,10 @@ import json
 import pytest
 import torch
 from exportkit import make_tokenizer, tiny_model
+from runkit import write_model_run
 
 from tinylm.cli import main
-from tinylm.config import Config, TrainConfig, dump_toml
 from tinylm.export import export_run
-from tinylm.run import checkpoint_path, save_checkpoint, write_run_info
 
 import transformers
 
@@ -28,15 +27,7 @@ N = 16
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     """A run folder as `tinylm train` writes it (packed documents: the separator starts a prompt)."""
-    folder = tmp_path_factory.mktemp("run")
-    tok = make_tokenizer()
-    model = tiny_model("llama-gqa")
-    config = Config(model.config, TrainConfig())
-    save_checkpoint(checkpoint_path(folder, "best"), model_state=model.state_dict(), optimizer_state=None,
-                    rng_state={}, state={"step": 0}, config=config, tokenizer=tok)
-    (folder / "config.toml").write_text(dump_toml(config.to_dict()), encoding="utf-8")
-    write_run_info(folder, {"status": "complete"})
-    return folder
+    return write_model_run(tmp_path_factory.mktemp("run"), tiny_model("llama-gqa"), make_tokenizer())
 
 
 @pytest.fixture

@@ -58,6 +58,18 @@ def generate(model, ids, cache=None, params=GREEDY, **options):
     return engine.generate([ids])[0], engine
 
 
+def resumed_equals_recomputed(model, counted: Counted, ids: list[int], cache: PrefixCache):
+    """Generate from ``ids`` through ``cache`` and afresh, check both give the same tokens and log-probabilities;
+    the engine that used the cache, the one that did not, and the positions the cached run fed the model."""
+    before = counted.tokens
+    again, engine = generate(model, ids, cache)
+    ran = counted.tokens - before
+    fresh, plain = generate(model, ids)
+    assert again.token_ids == fresh.token_ids
+    assert again.logprobs == pytest.approx(fresh.logprobs, abs=1e-4)
+    return engine, plain, ran
+
+
 def test_a_second_turn_reuses_the_first_and_equals_recomputation(layout):
     model = tiny_gpt()
     counted = Counted(model)
@@ -66,12 +78,7 @@ def test_a_second_turn_reuses_the_first_and_equals_recomputation(layout):
     one, _ = generate(model, first, cache)
     assert len(cache) == 1
     second = first + one.token_ids + prompt(7, 2)  # the history, then a new message
-    before = counted.tokens
-    again, engine = generate(model, second, cache)
-    ran = counted.tokens - before
-    fresh, plain = generate(model, second)
-    assert again.token_ids == fresh.token_ids
-    assert again.logprobs == pytest.approx(fresh.logprobs, abs=1e-4)
+    engine, plain, ran = resumed_equals_recomputed(model, counted, second, cache)
     # the first turn's cache held its prompt and every reply token but the last (never fed)
     reused = len(first) + len(one.token_ids) - 1
     assert engine.prompt_tokens_run == len(second) - reused and plain.prompt_tokens_run == len(second)
@@ -109,12 +116,7 @@ def test_a_prompt_that_diverges_midway_reuses_only_the_common_prefix(layout):
     first = prompt(24, 5)
     generate(model, first, cache)
     diverging = first[:10] + [(t + 1) % 97 for t in first[10:16]] + prompt(5, 6)
-    before = counted.tokens
-    again, engine = generate(model, diverging, cache)
-    ran = counted.tokens - before
-    fresh, _ = generate(model, diverging)
-    assert again.token_ids == fresh.token_ids
-    assert again.logprobs == pytest.approx(fresh.logprobs, abs=1e-4)
+    engine, _, ran = resumed_equals_recomputed(model, counted, diverging, cache)
     assert engine.prompt_tokens_run == len(diverging) - 10
     assert ran == len(diverging) - 10 + GREEDY.max_new_tokens - 1
     assert len(cache) == 2  # the first sequence still serves prompts that follow it further

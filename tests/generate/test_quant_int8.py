@@ -27,10 +27,11 @@ import textwrap
 import pytest
 import torch
 import torch.nn.functional as F
+from runkit import write_model_run
 from toys import tiny_gpt
 
 from tinylm.cli import main
-from tinylm.config import Config, GPTConfig, TrainConfig, dump_toml
+from tinylm.config import GPTConfig
 from tinylm.errors import TinyLMError
 from tinylm.generate.engine import Engine, generate
 from tinylm.generate.fast import make_decoder
@@ -49,7 +50,6 @@ from tinylm.model.quant import (
     quantize_rows,
     quantized_copy,
 )
-from tinylm.run import checkpoint_path, save_checkpoint, write_run_info
 
 LOGIT_TOLERANCE = {WEIGHT_ONLY: 0.05, BF16: 0.05, DYNAMIC: 0.10}  # relative L2 error of the logits vs float32
 
@@ -213,18 +213,8 @@ def test_greedy_int8_tokens_are_mostly_float32s(trained, byte_tokenizer):
 # ----- 5. the command line, and what is refused ----------------------------------------------------------------
 
 
-def write_run(folder, model, tokenizer) -> str:
-    """A loadable run folder (config.toml, run.json, checkpoints/best) holding ``model``."""
-    config = Config(model.config, TrainConfig())
-    save_checkpoint(checkpoint_path(folder, "best"), model_state=model.state_dict(), optimizer_state=None,
-                    rng_state={}, state={"step": 0}, config=config, tokenizer=tokenizer)
-    (folder / "config.toml").write_text(dump_toml(config.to_dict()), encoding="utf-8")
-    write_run_info(folder, {"status": "complete"})
-    return str(folder)
-
-
 def test_sample_quant_int8_end_to_end(tmp_path, trained, byte_tokenizer, capsys):
-    run = write_run(tmp_path / "run", trained, byte_tokenizer)
+    run = str(write_model_run(tmp_path / "run", trained, byte_tokenizer))
     flags = ["sample", "--run", run, "--prompt", "def wrap(", "--temperature", "0", "--max-new-tokens", "24",
              "--threads", "1"]
     assert main([*flags, "--quant", "int8"]) == 0
@@ -237,7 +227,7 @@ def test_sample_quant_int8_end_to_end(tmp_path, trained, byte_tokenizer, capsys)
 def test_misuse_is_refused_in_one_line(tmp_path, trained, byte_tokenizer, capsys):
     rnn = RecurrentLM(GPTConfig(family="lstm", vocab_size=byte_tokenizer.vocab_size, block_size=32, n_layer=1,
                                 d_model=16))
-    run = write_run(tmp_path / "lstm", rnn, byte_tokenizer)
+    run = str(write_model_run(tmp_path / "lstm", rnn, byte_tokenizer))
     assert main(["sample", "--run", run, "--prompt", "a", "--quant", "int8", "--threads", "1"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--quant int8 quantizes a GPT" in err
@@ -264,7 +254,7 @@ def test_eval_quant_int8_scores_the_int8_model_and_says_so(tmp_path, trained, by
 
     from tinylm.evaluate import corpus_text, evaluate_model
 
-    run = write_run(tmp_path / "run", trained, byte_tokenizer)
+    run = str(write_model_run(tmp_path / "run", trained, byte_tokenizer))
     text = inspect.getsource(textwrap)[:3000]
     (tmp_path / "text.txt").write_text(text, encoding="utf-8")
     flags = ["eval", "--run", run, "--corpus", str(tmp_path / "text.txt"), "--threads", "1", "--device", "cpu"]
