@@ -412,7 +412,8 @@ def bench_int8(args: argparse.Namespace) -> None:
 
     run = load_run(args.run)
     qmodel = quantized_copy(run.model)
-    ahead_model = copy.deepcopy(run.model)  # its own decoding layout, whose run-ahead choice the table overrides
+    # its own decoding layout, whose run-ahead choice the table overrides (only the --compile rows use it)
+    ahead_model = copy.deepcopy(run.model) if args.compile else None
     prompts = held_out_prompts(run, args.prompts, args.prompt_tokens)
     folder = Path(tempfile.mkdtemp(prefix="tinylm-bench-"))
     ggufs = {quant: export_run(args.run, folder / f"m-{quant}.gguf", "gguf", dtype=quant) for quant in ("f32", "q8_0")}

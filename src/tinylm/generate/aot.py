@@ -28,6 +28,7 @@ import itertools
 import os
 import tempfile
 import warnings
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -81,14 +82,24 @@ def _tensors(weights: nn.Module) -> list[tuple[str, Tensor]]:
 
 def package_key(weights: nn.Module, args: tuple[Tensor, ...], graph: str = "one token") -> str:
     """The digest that names a package: the graph, weights, settings, shapes and dtypes, threads, torch and the CPU."""
-    digest = hashlib.sha256()
     facts = (AOT_FORMAT, graph, torch.__version__, torch.backends.cpu.get_cpu_capability(), torch.get_num_threads(),
-             repr(weights.config), [(tuple(a.shape), str(a.dtype)) for a in args])
-    digest.update(repr(facts).encode())
-    for name, tensor in _tensors(weights):
-        digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
-        digest.update(tensor.detach().contiguous().view(torch.uint8).reshape(-1).numpy().tobytes())
-    return digest.hexdigest()[:32]
+             repr(weights.config), [(tuple(a.shape), str(a.dtype)) for a in args], weights_digest(weights))
+    return hashlib.sha256(repr(facts).encode()).hexdigest()[:32]
+
+
+# a layout's weights never change (`tinylm.generate.fast.decode_weights` makes a new one when the model's do)
+_WEIGHT_DIGESTS: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
+
+
+def weights_digest(weights: nn.Module) -> str:
+    """SHA-256 of every tensor the layout holds, with its name, shape and dtype: read once per layout."""
+    if weights not in _WEIGHT_DIGESTS:
+        digest = hashlib.sha256()
+        for name, tensor in _tensors(weights):
+            digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
+            digest.update(tensor.detach().contiguous().view(torch.uint8).reshape(-1).numpy())  # (no bytes copy)
+        _WEIGHT_DIGESTS[weights] = digest.hexdigest()
+    return _WEIGHT_DIGESTS[weights]
 
 
 def package_folder() -> Path:
@@ -144,8 +155,7 @@ def _without_packed_int8(module: nn.Module) -> Iterator[None]:
     set it aside while exporting; the written-out product never reads it."""
     from tinylm.model.quant import Int8Matrix
 
-    matrices = {id(m): m for m in _int8_matrices(module)}.values()
-    kept = [(m, m._packed) for m in matrices if isinstance(m, Int8Matrix)]
+    kept = [(m, m._packed) for m in module.modules() if isinstance(m, Int8Matrix)]
     for m, _ in kept:
         m._packed = None
     try:
@@ -153,15 +163,6 @@ def _without_packed_int8(module: nn.Module) -> Iterator[None]:
     finally:
         for m, packed in kept:
             m._packed = packed
-
-
-def _int8_matrices(module: nn.Module) -> Iterator[nn.Module]:
-    weights = module.weights
-    for layer in weights.layers:
-        yield from (v for v in layer.values() if hasattr(v, "q"))
-        yield from (v[0] for v in layer.values() if isinstance(v, tuple) and hasattr(v[0], "q"))
-    if hasattr(weights.head, "q"):
-        yield weights.head
 
 
 def _give_weights(runner, weights: nn.Module) -> None:

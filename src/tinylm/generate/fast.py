@@ -191,7 +191,6 @@ class _Layer(nn.Module):
 
     def __init__(self, entries: dict) -> None:
         super().__init__()
-        self.keys = tuple(entries)
         self.pairs = {key for key, value in entries.items() if isinstance(value, tuple)}
         for key, value in entries.items():
             if key in self.pairs:
@@ -205,11 +204,6 @@ class _Layer(nn.Module):
             return getattr(self, key), getattr(self, f"{key}_bias")
         return getattr(self, key)
 
-    def items(self) -> list[tuple[str, object]]:
-        return [(key, self[key]) for key in self.keys]
-
-    def values(self) -> list:
-        return [self[key] for key in self.keys]
 
 
 class DecodeWeights(nn.Module):
@@ -462,16 +456,8 @@ class StaticDecoder:
         if shape not in chosen:
             step = self.compiled_weights.compiled_step(shape, args)
             step(*args)  # compiles (guards evaluated)
-            if not MEASURE_COMPILED:
-                chosen[shape] = True
-                return True
-            times: dict[bool, list[float]] = {True: [], False: []}
-            for _ in range(COMPARE_ROUNDS):
-                for compiled in (True, False):
-                    started = time.perf_counter()
-                    _call_warm(step, args) if compiled else self.weights.step(*args)
-                    times[compiled].append(time.perf_counter() - started)
-            chosen[shape] = statistics.median(times[True]) < statistics.median(times[False])
+            chosen[shape] = not MEASURE_COMPILED or _first_is_faster(lambda: _call_warm(step, args),
+                                                                     lambda: self.weights.step(*args))
         return chosen[shape]
 
     def greedy_ahead(self, token: Tensor, excluded: Tensor | None) -> tuple[list[int], list[float]] | None:
@@ -514,20 +500,15 @@ class StaticDecoder:
             else:
                 one_step = self.weights.step
             ahead(*args)
-            times: dict[bool, list[float]] = {True: [], False: []}
-            for _ in range(COMPARE_ROUNDS):
-                for together in (True, False):
-                    started = time.perf_counter()
-                    if together:
-                        ahead(*args)[0].tolist()
-                    else:  # the step, and what the engine does with its logits (`Engine._decode`)
-                        for _ in range(n):
-                            logits = one_step(*one)[:, -1].masked_fill(args[-1], float("-inf"))
-                            token = logits.argmax(-1)
-                            torch.log_softmax(logits, dim=-1).gather(-1, token[:, None]).tolist()
-                            token.tolist()
-                    times[together].append(time.perf_counter() - started)
-            chosen[shape] = not MEASURE_COMPILED or statistics.median(times[True]) < statistics.median(times[False])
+
+            def one_at_a_time() -> None:  # the step, and what the engine does with its logits (`Engine._decode`)
+                for _ in range(n):
+                    logits = one_step(*one)[:, -1].masked_fill(args[-1], float("-inf"))
+                    token = logits.argmax(-1)
+                    torch.log_softmax(logits, dim=-1).gather(-1, token[:, None]).tolist()
+                    token.tolist()
+
+            chosen[shape] = not MEASURE_COMPILED or _first_is_faster(lambda: ahead(*args)[0].tolist(), one_at_a_time)
         return chosen[shape]
 
     def reset(self) -> None:
@@ -614,6 +595,18 @@ class StaticDecoder:
         self.length = end
         self.next_position = positions[:, -1:] + 1
         return logits
+
+
+def _first_is_faster(first: Callable[[], object], second: Callable[[], object]) -> bool:
+    """Whether ``first`` has the lower median time over `COMPARE_ROUNDS` calls of each, taken in turns (a change of
+    load on a shared machine hits both alike)."""
+    times: tuple[list[float], list[float]] = ([], [])
+    for _ in range(COMPARE_ROUNDS):
+        for which, call in enumerate((first, second)):
+            started = time.perf_counter()
+            call()
+            times[which].append(time.perf_counter() - started)
+    return statistics.median(times[0]) < statistics.median(times[1])
 
 
 def _call_warm(step: Callable, args: tuple) -> Tensor:
