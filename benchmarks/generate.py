@@ -482,9 +482,59 @@ def bench_int8(args: argparse.Namespace) -> None:
     for threads, name, seconds, vs_q8, vs_float in rows:
         print(f"| {threads} | {name} | {1000 * seconds:.2f} | {1 / seconds:.0f} | {vs_q8:.2f}x | {vs_float:.2f}x |")
     print()
+    if args.measured_threads:
+        bench_measured_threads(args, run, qmodel, prompts[0])
     q8 = llama("q8_0", args.thread_counts[-1])
     int8_quality(run, qmodel, prompts, args.quality_tokens,
                  llama_q8=lambda ps, n: [llama_tokens(q8, p, n) for p in ps], eval_tokens=args.eval_tokens)
+
+
+def bench_measured_threads(args: argparse.Namespace, run, qmodel, prompt: list[int]) -> None:
+    """``--measured-threads``: each tinylm decoder at each of ``--thread-counts`` and with the setting it measures
+    itself (`tinylm.generate.threads`: what a command without --threads does), taking turns, in one `use_threads`
+    block with the command's own count."""
+    import tinylm.generate.fast as fast
+    from tinylm import device
+    from tinylm.generate.fast import decode_weights
+
+    decoders = {"float32": (run.model, False), "int8": (qmodel, False)}
+    if args.compile:
+        decoders.update({"float32 --compile": (run.model, True), "int8 --compile": (qmodel, True)})
+    with device.use_threads("cpu", log=lambda line: print(f"  {line}")) as choice:
+
+        def engine(model, compile: bool, n: int, threads: int | None):  # threads None: measured
+            params = SamplingParams(max_new_tokens=n, temperature=0, stop_ids=[])
+
+            def go():
+                fast.CHOOSE_THREADS = threads is None
+                if threads is not None:
+                    torch.set_num_threads(threads)
+                    device.pin_threads(None)
+                return Engine(model, params, compile=compile).generate([prompt])[0].token_ids
+
+            return go
+
+        counts = [*args.thread_counts, None]
+        fns = {(name, t, n): engine(model, compile, n, t) for name, (model, compile) in decoders.items()
+               for t in counts for n in (args.short, args.long)}
+        for fn in fns.values():
+            fn()
+        timed = alternating(fns, args.repeats)
+    fast.CHOOSE_THREADS = True
+    print(f"the command's count: {choice.threads}; measured settings: "
+          + "; ".join(f"{name}: {settings[1].describe() if settings else None}" for name, (model, compile) in
+                      decoders.items() for key, settings in decode_weights(model).thread_settings.items()
+                      if key[1] == compile))
+    print()
+    print("| decoder | " + " | ".join(f"{t} thread{'s' if t > 1 else ''}" for t in args.thread_counts)
+          + " | measured | measured vs the best fixed count |")
+    print("|---|" + "---:|" * (len(args.thread_counts) + 2))
+    for name in decoders:
+        ms = {t: 1000 * (timed[(name, t, args.long)][0] - timed[(name, t, args.short)][0]) / (args.long - args.short)
+              for t in counts}
+        best = min(ms[t] for t in args.thread_counts)
+        print(f"| {name} | " + " | ".join(f"{ms[t]:.2f}" for t in counts) + f" | {best / ms[None]:.2f}x |")
+    print()
 
 
 def main() -> None:
@@ -509,6 +559,9 @@ def main() -> None:
     parser.add_argument("--quality-tokens", type=int, default=100,
                         help="with --int8: greedy tokens per prompt compared with float32 (default 100)")
     parser.add_argument("--compile", action="store_true", help="with --int8: also the compiled steps (float32 and int8)")
+    parser.add_argument("--measured-threads", action="store_true",
+                        help="with --int8: each tinylm decoder at each --thread-counts and with the thread setting "
+                        "it measures itself, as a command without --threads does")
     parser.add_argument("--eval-tokens", type=int, default=8192,
                         help="with --int8: val tokens the perplexities are measured on (default 8192)")
     parser.add_argument("--make-gpt2-run", metavar="DIR",

@@ -169,27 +169,75 @@ def choose_threads(setting: int | None, device: torch.device | str = "cpu", proc
                         device=str(device))
 
 
-_active: list[ThreadChoice] = []  # the `use_threads` blocks this process is inside, innermost last
+# the `use_threads` blocks this process is inside, innermost last, with the function each says its lines to
+_active: list[tuple[ThreadChoice, Callable[[str], None] | None]] = []
 
 
 @contextlib.contextmanager
 def use_threads(device: torch.device | str = "cpu", setting: int | None = None, processes: int = 1,
                 log: Callable[[str], None] | None = None) -> Iterator[ThreadChoice]:
     """Run the block with the thread policy's count (`choose_threads`), said in one line to ``log`` (a count the
-    caller set is not repeated back); PyTorch's count before is restored after. Inside another `use_threads`
-    block, one without a ``setting`` keeps the outer choice (nothing measured, nothing said again)."""
+    caller set is not repeated back); PyTorch's count before is restored after, and the cores the process may
+    run on, if something inside pinned it (`pin_threads`). Inside another `use_threads` block, one without a
+    ``setting`` keeps the outer choice (nothing measured, nothing said again)."""
     if setting is None and _active:
-        yield _active[-1]
+        yield _active[-1][0]
         return
     choice = choose_threads(setting, device, processes)
     if log is not None and setting is None:
         log(choice.line())
+    pinned = pinned_cores()
     with threads(choice.threads):
-        _active.append(choice)
+        _active.append((choice, log))
         try:
             yield choice
         finally:
             _active.pop()
+            if pinned_cores() != pinned:
+                pin_threads(pinned)
+
+
+def active_choice() -> ThreadChoice | None:
+    """The thread choice of the innermost `use_threads` block this process is inside, if any."""
+    return _active[-1][0] if _active else None
+
+
+def say(line: str) -> None:
+    """Say ``line`` where the innermost `use_threads` block says its choice (nothing outside such a block)."""
+    if _active and _active[-1][1] is not None:
+        _active[-1][1](line)
+
+
+# while pinned: [the process's cores before `pin_threads` narrowed them, the cores it is held to now]
+_pinned: list[set[int]] = []
+
+
+def pin_threads(cores: set[int] | None) -> bool:
+    """Every thread of this process (PyTorch's pool, the server's, this one) allowed on ``cores`` only; None: back
+    to the cores it had before the first pin. Whether it took effect (Linux only; elsewhere nothing changes).
+
+    Threads started later inherit the calling thread's set. A thread that ends while it is being set is skipped.
+    """
+    if cores is None and not _pinned:
+        return True
+    try:
+        if cores is not None and not _pinned:
+            _pinned.append(set(os.sched_getaffinity(0)))
+        target = cores if cores is not None else _pinned[0]
+        for tid in os.listdir("/proc/self/task"):
+            with contextlib.suppress(ProcessLookupError):
+                os.sched_setaffinity(int(tid), target)
+    except (AttributeError, OSError, ValueError):
+        return False
+    _pinned[1:] = [set(target)]
+    if cores is None:
+        _pinned.clear()
+    return True
+
+
+def pinned_cores() -> set[int] | None:
+    """The cores `pin_threads` holds the process to now; None when it is not pinned."""
+    return _pinned[1] if _pinned else None
 
 
 def busy_cores(window: float = 0.25) -> float:

@@ -60,6 +60,7 @@ from tinylm.errors import TinyLMError
 from tinylm.generate.aot import AOTStep
 from tinylm.generate.cache import merge_rows
 from tinylm.generate.steps import CachedDecoder, real_positions
+from tinylm.generate.threads import DecodeThreads, decode_settings
 from tinylm.model import GPT
 from tinylm.model.attention import causal_visible, soft_cap
 from tinylm.model.gpt import mlp_activation
@@ -83,6 +84,9 @@ ONE_TOKEN_INDUCTOR_OPTIONS = {"realize_reads_threshold": 1, "realize_cpu_opcount
 AHEAD_OF_TIME = True
 # greedy tokens a call of the compiled run-ahead package (`StaticDecoder.greedy_ahead`); 0: one a call
 GREEDY_TOKENS = 4
+# one-token steps run with the thread count and pinning measured fastest (`tinylm.generate.threads`) where the
+# command chose its count itself; False: the command's count
+CHOOSE_THREADS = True
 
 
 def supports(model: nn.Module) -> bool:
@@ -258,6 +262,8 @@ class DecodeWeights(nn.Module):
         self._compiled: dict[tuple, Callable] = {}
         self.faster: dict[tuple, bool] = {}  # by shape: whether the compiled step beat the eager one
         self.ahead_faster: dict[tuple, bool] = {}  # by shape: whether greedy tokens a few a call beat one a call
+        # by (rows, compiled, the command's thread choice): (the prompt's setting, one-token steps'), or None
+        self.thread_settings: dict[tuple, tuple[DecodeThreads, DecodeThreads] | None] = {}
 
     @property
     def rope(self) -> tuple[Tensor, Tensor] | None:
@@ -432,6 +438,8 @@ class StaticDecoder:
         self.v = torch.zeros(size, dtype=dtype, device=device)
         self.mask = torch.zeros(batch, capacity + extra, dtype=torch.bool, device=device)  # real tokens' slots
         self.device = device
+        self.settings: tuple[DecodeThreads, DecodeThreads] | None = None  # (prompt, one-token steps): `_thread_settings`
+        self.settled = False
         self.reset()
 
     @property
@@ -475,6 +483,9 @@ class StaticDecoder:
                                                                                device=self.device)
         args = (token.view(1, 1), torch.tensor([self.length], device=self.device), self.next_position, self.mask,
                 self.k, self.v, banned)
+        settings = self._thread_settings(args[:6])
+        if settings is not None:
+            settings[1].apply()
         if not self._ahead_is_faster(args, n):
             return None
         tokens, logprobs = self.compiled_weights.greedy_step(self._shape(args[0]), args, n)(*args)
@@ -586,7 +597,12 @@ class StaticDecoder:
         self.mask[:, start:end] = True if real is None else real
         slots = torch.arange(start, end, device=self.device)
         args = (tokens, slots, positions, self.mask, self.k, self.v)
-        if compiled and self.compiled_weights is not None and self._compiled_is_faster(args):
+        settings = self._thread_settings(args if T == 1 else None)
+        if settings is not None:
+            settings[T == 1].apply()  # one token: the step's setting; several: the prompt's
+        if T == 1:
+            logits = self._one_token(args, compiled)
+        elif compiled and self.compiled_weights is not None and self._compiled_is_faster(args):
             logits = _call_warm(self.compiled_weights.compiled_step(self._shape(tokens), args), args)
         elif last:
             logits = self.weights.logits(self.weights.hidden(*args)[:, -1:])
@@ -595,6 +611,33 @@ class StaticDecoder:
         self.length = end
         self.next_position = positions[:, -1:] + 1
         return logits
+
+    def _one_token(self, args: tuple[Tensor, ...], compiled: bool) -> Tensor:
+        """One token per row (``args`` as `run` makes them) by the step that is faster at the present thread count:
+        compiled (with ``compiled``, where it measured faster) or eager."""
+        if compiled and self.compiled_weights is not None and self._compiled_is_faster(args):
+            return _call_warm(self.compiled_weights.compiled_step(self._shape(args[0]), args), args)
+        return self.weights.step(*args)
+
+    def _thread_settings(self, args: tuple[Tensor, ...] | None) -> tuple[DecodeThreads, DecodeThreads] | None:
+        """(the prompt's thread setting, one-token steps') where the command chose its thread count itself: measured
+        (`tinylm.generate.threads`) once per model, row count and kind of step under the command's choice, on ``args``
+        (a one-token step's inputs; the measuring calls write the same slot again). Without ``args`` nothing is
+        measured: None until a one-token step has been."""
+        if self.settled:
+            return self.settings
+        from tinylm.device import active_choice
+
+        key = (self.k.size(1), self.compile, active_choice())
+        chosen = self.weights.thread_settings
+        if not CHOOSE_THREADS or key[-1] is None or self.device.type != "cpu":
+            self.settled = True
+        elif key in chosen:
+            self.settings, self.settled = chosen[key], True
+        elif args is not None:
+            chosen[key] = self.settings = decode_settings(lambda: self._one_token(args, self.compile))
+            self.settled = True
+        return self.settings
 
 
 def _first_is_faster(first: Callable[[], object], second: Callable[[], object]) -> bool:

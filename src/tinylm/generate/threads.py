@@ -1,0 +1,151 @@
+"""How many CPU threads decode a token, and on which cores: chosen by timing the step, not assumed.
+
+A command's thread count (`tinylm.device.use_threads`) is one per core not busy now. That is right for
+training and for reading a prompt, where each product is large enough to split. Decoding one token is a
+string of small products, and whether a second thread helps depends on the model and the machine: on the
+default run here, one thread made the eager step faster than two (1.84 against 1.93 ms a token), while
+the compiled step was faster on two (0.42 against 0.58). llama.cpp keeps two counts for this reason (its
+``-t`` and ``-tb``).
+
+So the decoder times its own one-token step (`tinylm.generate.fast.StaticDecoder`) before it decodes:
+
+- the counts from the command's count halving down to one (8, 4, 2, 1), the next smaller tried only while
+  the last one won: each count runs the step that count is fastest with (a compiled step is built for one
+  thread count);
+- then, at the winning count when it leaves cores idle, pinned to the cores that were least busy
+  (`tinylm.device.pin_threads`) against left where the kernel puts them.
+
+Each comparison runs the candidates in turns (a change of load on a shared machine hits them alike), and
+the lower median wins. The choice is said in one line and kept for the model and shape; the prompt is
+still read with the command's count, unpinned (`DecodeThreads.apply` switches between them).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from tinylm import device as devices
+
+ROUNDS = 5  # timed turns per candidate; the median decides
+SAMPLE_SECONDS = 0.004  # one timed turn repeats the step until about this long (a small model's step is 0.3 ms)
+
+
+@dataclass(frozen=True)
+class DecodeThreads:
+    """A thread count and, optionally, the cores the process is held to while it decodes (None: not held)."""
+
+    threads: int
+    cores: tuple[int, ...] | None = None
+
+    def apply(self) -> None:
+        """Make this the setting now (a no-op where it already is)."""
+        if torch.get_num_threads() != self.threads:
+            torch.set_num_threads(self.threads)
+        wanted = set(self.cores) if self.cores is not None else None
+        if devices.pinned_cores() != wanted:
+            devices.pin_threads(wanted)
+
+    def describe(self) -> str:
+        text = f"{self.threads} thread{'s' if self.threads > 1 else ''}"
+        if self.cores is not None:
+            text += f" pinned to core{'s' if len(self.cores) > 1 else ''} {', '.join(map(str, self.cores))}"
+        return text
+
+
+def median_times(candidates: list[DecodeThreads], call: Callable[[], object], rounds: int = ROUNDS) -> list[float]:
+    """The median seconds of one ``call`` under each candidate setting, taken in turns after one warm call each
+    (which builds what a count needs). A turn repeats the call until about `SAMPLE_SECONDS` have passed."""
+    repeats = []
+    for candidate in candidates:
+        candidate.apply()
+        call()  # warm: a compiled step for this count is built (or loaded) here
+        started = time.perf_counter()
+        call()
+        repeats.append(max(1, round(SAMPLE_SECONDS / max(time.perf_counter() - started, 1e-6))))
+    times: list[list[float]] = [[] for _ in candidates]
+    for _ in range(rounds):
+        for i, candidate in enumerate(candidates):
+            candidate.apply()
+            started = time.perf_counter()
+            for _ in range(repeats[i]):
+                call()
+            times[i].append((time.perf_counter() - started) / repeats[i])
+    return [statistics.median(t) for t in times]
+
+
+def halvings(n: int) -> list[int]:
+    """n, n // 2, n // 4, ..., 1 (each once)."""
+    counts = [n]
+    while counts[-1] > 1:
+        counts.append(counts[-1] // 2)
+    return counts
+
+
+def fastest(call: Callable[[], object], threads: int, free_cores: list[int] | None,
+            rounds: int = ROUNDS) -> tuple[DecodeThreads, dict[DecodeThreads, float]]:
+    """The setting ``call`` runs fastest under, and the median seconds of each setting timed.
+
+    ``threads``: the most threads to try (the command's count); ``free_cores``: the process's cores, least busy
+    first (None: pinning is not tried). Counts halve while the smaller one wins; then pinning to the winning
+    count's least busy cores is timed against not pinning, where that leaves a core out.
+    """
+    measured: dict[DecodeThreads, float] = {}
+    counts = halvings(threads)
+    best = DecodeThreads(counts[0])
+    for count in counts[1:]:
+        smaller = DecodeThreads(count)
+        times = median_times([best, smaller], call, rounds)
+        measured.update({best: times[0], smaller: times[1]})
+        if times[1] >= times[0]:
+            break
+        best = smaller
+    if free_cores is not None and best.threads < len(free_cores):
+        pinned = DecodeThreads(best.threads, tuple(sorted(free_cores[:best.threads])))
+        times = median_times([best, pinned], call, rounds)
+        measured.update({best: times[0], pinned: times[1]})
+        if times[1] < times[0]:
+            best = pinned
+    return best, measured
+
+
+def report(best: DecodeThreads, measured: dict[DecodeThreads, float]) -> str:
+    """One line: what was chosen, and the times it was chosen by."""
+    others = "; ".join(f"{setting.describe()} {seconds * 1e3:.3g}" for setting, seconds in measured.items()
+                       if setting != best)
+    return (f"decoding with {best.describe()}: measured fastest, {measured[best] * 1e3:.3g} ms a step"
+            + (f" (against {others})" if others else ""))
+
+
+def free_cores_now(choice: devices.ThreadChoice) -> list[int] | None:
+    """The process's cores with the ones the thread policy counted busy last (None where it could not tell which)."""
+    try:
+        cores = sorted(devices.os.sched_getaffinity(0))
+    except AttributeError:
+        return None
+    if choice.busy and not choice.left_out:
+        return None
+    return [c for c in cores if c not in choice.left_out] + list(choice.left_out)
+
+
+def decode_settings(call: Callable[[], object]) -> tuple[DecodeThreads, DecodeThreads] | None:
+    """(the prompt's setting, the decoding step's) inside a `use_threads` block that chose its count itself (no
+    ``--threads``) on a CPU, the latter measured with ``call`` (one decoding step) and said in one line; None
+    elsewhere (a count the user set is kept as it is)."""
+    choice = devices.active_choice()
+    if choice is None or choice.setting is not None or choice.threads is None:
+        return None
+    prompt = DecodeThreads(choice.threads)
+    free = free_cores_now(choice)
+    if choice.threads == 1 and (free is None or len(free) == 1):
+        return None
+    try:
+        best, measured = fastest(call, choice.threads, free)
+    finally:
+        prompt.apply()
+    devices.say(report(best, measured))
+    return prompt, best
