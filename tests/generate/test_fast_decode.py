@@ -140,7 +140,8 @@ def _one_token_args(decoder: StaticDecoder, token: int) -> tuple:
     """The inputs `StaticDecoder.run` gives a one-token step after the cached tokens (the slot marked real)."""
     decoder.mask[:, decoder.length] = True
     slots = torch.tensor([decoder.length])
-    return torch.tensor([[token]]), slots, decoder.next_position.clone(), decoder.mask, decoder.k, decoder.v
+    return (torch.tensor([[token]]), slots, decoder.next_position.clone(), decoder._written(decoder.length + 1),
+            decoder.k, decoder.v)
 
 
 @pytest.mark.slow

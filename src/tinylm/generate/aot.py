@@ -35,8 +35,9 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-AOT_FORMAT = 2  # raised when the graph changes, so packages written by older code are not loaded
+AOT_FORMAT = 3  # raised when the graph changes, so packages written by older code are not loaded
 FOLDER = "decode"
+MASK = 3  # the inputs' place of the key mask (B, L), whose width L, the slots attention reads, varies from call to call
 
 
 class _OneToken(nn.Module):
@@ -81,9 +82,11 @@ def _tensors(weights: nn.Module) -> list[tuple[str, Tensor]]:
 
 
 def package_key(weights: nn.Module, args: tuple[Tensor, ...], graph: str = "one token") -> str:
-    """The digest that names a package: the graph, weights, settings, shapes and dtypes, threads, torch and the CPU."""
+    """The digest that names a package: the graph, weights, settings, shapes and dtypes (not the mask's width: any
+    width is one package), threads, torch and the CPU."""
+    shapes = [(tuple(a.shape) if i != MASK else (a.size(0), "live"), str(a.dtype)) for i, a in enumerate(args)]
     facts = (AOT_FORMAT, graph, torch.__version__, torch.backends.cpu.get_cpu_capability(), torch.get_num_threads(),
-             repr(weights.config), [(tuple(a.shape), str(a.dtype)) for a in args], weights_digest(weights))
+             repr(weights.config), shapes, weights_digest(weights))
     return hashlib.sha256(repr(facts).encode()).hexdigest()[:32]
 
 
@@ -178,10 +181,15 @@ def _give_weights(runner, weights: nn.Module) -> None:
 def _build(module: nn.Module, args: tuple[Tensor, ...], options: dict, path: Path) -> None:
     """Export ``module`` on ``args`` and compile it into a package at ``path`` (written whole, then renamed)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with torch.inference_mode(False), torch.no_grad(), _without_packed_int8(module):
+    with torch.inference_mode(False), torch.no_grad(), _without_packed_int8(module), warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # (torch's own: a deprecated pytree check inside export)
         # export traces on copies of the inputs (ordinary tensors, not inference ones): the caches stay as they are
         example = tuple(torch.empty_like(a).copy_(a) for a in args)
-        program = torch.export.export(module, example, strict=False)
+        # the slots read: any width from 2 (a width of 1 would be taken for a constant) to one less than the cache's
+        # (the whole cache is a case of its own to the exporter; a compiled decoder has slots past its window)
+        live = torch.export.Dim("live", min=2, max=args[4].size(3) - 1)
+        dynamic = tuple({1: live} if i == MASK else None for i in range(len(args)))
+        program = torch.export.export(module, example, dynamic_shapes=dynamic, strict=False)
     fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=".building-", suffix=".pt2")
     os.close(fd)
     try:

@@ -282,13 +282,14 @@ class DecodeWeights(nn.Module):
         """The final hidden states (B, T, d) of ``tokens`` (B, T) written into cache ``slots`` (T,).
 
         ``positions`` (B, T) are the tokens' positions (rows count their real tokens from 0);
-        ``key_mask`` (B, S) marks the slots holding real tokens; ``k_cache`` and ``v_cache`` are
-        (n_layer, B, n_kv, S, hs), updated in place. ``written_out`` computes attention as the
+        ``key_mask`` (B, L) marks the slots holding real tokens among the first L, the slots attention reads (the
+        written ones: L may be less than the cache's S); ``k_cache`` and ``v_cache`` are (n_layer, B, n_kv, S, hs),
+        updated in place (``slots`` < L). ``written_out`` computes attention as the
         plain formula instead of the fused kernel (faster once compiled).
         """
         B, T = tokens.shape
         nh, n_kv, hs = self.n_head, self.n_kv, self.hs
-        S = k_cache.size(3)
+        S = key_mask.size(1)  # the slots attention reads: 0..S-1
         # the written-out product only for one token: over several, inductor fuses each product into the
         # next and recomputes it per output row (a round of 6 tokens took 20x a single one)
         product = _product_reduced if written_out and B * T == 1 else self.product
@@ -334,13 +335,14 @@ class DecodeWeights(nn.Module):
             # compiled: plain products and a softmax, which inductor fuses; capped scores (Gemma 2) too,
             # since the fused kernel has no place for the cap
             if written_out or self.attn_softcap is not None:
-                kk, vv = k_cache[i], v_cache[i]  # (B, n_kv, S, hs)
+                kk, vv = k_cache[i, :, :, :S], v_cache[i, :, :, :S]  # (B, n_kv, S, hs)
                 if n_kv != nh:
                     kk, vv = kk.repeat_interleave(nh // n_kv, dim=1), vv.repeat_interleave(nh // n_kv, dim=1)
                 scores = soft_cap((q @ kk.transpose(-2, -1)) * self.scale, self.attn_softcap)  # (B, nh, T, S)
                 y = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1) @ vv  # (B, nh, T, hs)
             else:
-                y = F.scaled_dot_product_attention(q, k_cache[i], v_cache[i], attn_mask=mask, scale=self.scale,
+                y = F.scaled_dot_product_attention(q, k_cache[i, :, :, :S], v_cache[i, :, :, :S], attn_mask=mask,
+                                                   scale=self.scale,
                                                    enable_gqa=n_kv != nh)  # (B, nh, T, hs)
             a = product(y.transpose(1, 2).reshape(B, T, nh * hs), *layer["o"])  # (B, T, d)
             h = h + self.norm_1_out[i](a) if self.pre_norm else self.norm_1[i](h + a)
@@ -437,6 +439,8 @@ class StaticDecoder:
         self.k = torch.zeros(size, dtype=dtype, device=device)
         self.v = torch.zeros(size, dtype=dtype, device=device)
         self.mask = torch.zeros(batch, capacity + extra, dtype=torch.bool, device=device)  # real tokens' slots
+        self.slots = torch.arange(capacity + extra, device=device)  # a step's slots are a slice (no new tensor a token)
+        self.nothing_banned: Tensor | None = None  # (1, V) all False: `greedy_ahead` without excluded ids
         self.device = device
         self.settings: tuple[DecodeThreads, DecodeThreads] | None = None  # (prompt, one-token steps): `_thread_settings`
         self.settled = False
@@ -463,8 +467,9 @@ class StaticDecoder:
         chosen = self.compiled_weights.faster
         if shape not in chosen:
             step = self.compiled_weights.compiled_step(shape, args)
-            step(*args)  # compiles (guards evaluated)
-            chosen[shape] = not MEASURE_COMPILED or _first_is_faster(lambda: _call_warm(step, args),
+            compiled_args = self._compiled_args(step, args)
+            step(*compiled_args)  # compiles (guards evaluated)
+            chosen[shape] = not MEASURE_COMPILED or _first_is_faster(lambda: _call_warm(step, compiled_args),
                                                                      lambda: self.weights.step(*args))
         return chosen[shape]
 
@@ -479,10 +484,11 @@ class StaticDecoder:
         if not (n and self.compile and AHEAD_OF_TIME and self.mask.size(0) == 1 and self.length + n <= self.capacity):
             return None
         V = self.weights.config.vocab_size
-        banned = excluded.view(1, V) if excluded is not None else torch.zeros(1, V, dtype=torch.bool,
-                                                                               device=self.device)
-        args = (token.view(1, 1), torch.tensor([self.length], device=self.device), self.next_position, self.mask,
-                self.k, self.v, banned)
+        if excluded is None and self.nothing_banned is None:
+            self.nothing_banned = torch.zeros(1, V, dtype=torch.bool, device=self.device)
+        banned = excluded.view(1, V) if excluded is not None else self.nothing_banned
+        args = (token.view(1, 1), self.slots[self.length:self.length + 1], self.next_position,
+                self._written(self.length + n), self.k, self.v, banned)
         settings = self._thread_settings(args[:6])
         if settings is not None:
             settings[1].apply()
@@ -504,10 +510,10 @@ class StaticDecoder:
             if ahead is None:
                 chosen[shape] = False
                 return False
-            one = (args[0], args[1], args[2], self.mask, self.k, self.v)
+            one = (args[0], args[1], args[2], self._written(self.length + 1), self.k, self.v)
             if self._compiled_is_faster(one):
                 compiled = self.compiled_weights.compiled_step(shape, one)
-                one_step = lambda *inputs: _call_warm(compiled, inputs)  # noqa: E731
+                one_step = lambda *inputs: _call_warm(compiled, self._compiled_args(compiled, inputs))  # noqa: E731
             else:
                 one_step = self.weights.step
             ahead(*args)
@@ -595,15 +601,16 @@ class StaticDecoder:
         if end > self.k.size(3):
             raise TinyLMError(f"the cache holds {self.k.size(3)} slots; {end} do not fit")
         self.mask[:, start:end] = True if real is None else real
-        slots = torch.arange(start, end, device=self.device)
-        args = (tokens, slots, positions, self.mask, self.k, self.v)
+        slots = self.slots[start:end]
+        args = (tokens, slots, positions, self._written(end), self.k, self.v)
         settings = self._thread_settings(args if T == 1 else None)
         if settings is not None:
             settings[T == 1].apply()  # one token: the step's setting; several: the prompt's
         if T == 1:
             logits = self._one_token(args, compiled)
         elif compiled and self.compiled_weights is not None and self._compiled_is_faster(args):
-            logits = _call_warm(self.compiled_weights.compiled_step(self._shape(tokens), args), args)
+            step = self.compiled_weights.compiled_step(self._shape(tokens), args)
+            logits = _call_warm(step, self._compiled_args(step, args))
         elif last:
             logits = self.weights.logits(self.weights.hidden(*args)[:, -1:])
         else:
@@ -616,8 +623,20 @@ class StaticDecoder:
         """One token per row (``args`` as `run` makes them) by the step that is faster at the present thread count:
         compiled (with ``compiled``, where it measured faster) or eager."""
         if compiled and self.compiled_weights is not None and self._compiled_is_faster(args):
-            return _call_warm(self.compiled_weights.compiled_step(self._shape(args[0]), args), args)
+            step = self.compiled_weights.compiled_step(self._shape(args[0]), args)
+            return _call_warm(step, self._compiled_args(step, args))
         return self.weights.step(*args)
+
+    def _written(self, end: int) -> Tensor:
+        """The mask of the slots a step attends over when slots 0..end-1 are written: those alone (the slots past
+        them hold no token yet, so reading them is wasted time), at least 2 (a compiled step's shapes are
+        exported for 2 or more)."""
+        return self.mask[:, :max(end, 2)]
+
+    def _compiled_args(self, step: Callable, args: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+        """``args`` for a compiled step: an ahead-of-time package reads as many slots as the mask is wide (it is
+        built for any width); `torch.compile`'s graphs are made for one width, the whole cache."""
+        return args if isinstance(step, AOTStep) else (*args[:3], self.mask, *args[4:])
 
     def _thread_settings(self, args: tuple[Tensor, ...] | None) -> tuple[DecodeThreads, DecodeThreads] | None:
         """(the prompt's thread setting, one-token steps') where the command chose its thread count itself: measured
