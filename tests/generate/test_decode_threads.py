@@ -176,3 +176,4 @@ def test_tinylm_sample_says_the_measured_setting_unless_threads_is_given(tmp_pat
     assert len(said) == 1 and said[0].startswith("tinylm: decoding with ") and "measured fastest" in said[0]
     assert "decoding with" not in given.stderr
     assert chosen.stdout == given.stdout  # the same greedy text whatever the setting
+

@@ -282,3 +282,21 @@ def test_models_the_layout_does_not_cover_decode_through_their_own_forward():
     assert isinstance(make_decoder(tiny_gpt(), 1, 16), StaticDecoder)
     with pytest.raises(Exception, match="bigram-hash"):
         DecodeWeights(bigram)
+
+
+def test_the_package_folder_keeps_the_most_recently_used_packages_within_its_budget(tmp_path):
+    import os
+
+    from tinylm.generate.aot import prune
+
+    paths = []
+    for i in range(5):  # 0 used longest ago ... 4 most recently
+        path = tmp_path / f"{i}.pt2"
+        path.write_bytes(b"x" * 100)
+        os.utime(path, (1000 + i, 1000 + i))
+        paths.append(path)
+    (tmp_path / "notes.txt").write_bytes(b"y" * 1000)  # not a package: never touched
+    removed = prune(tmp_path, keep=paths[0], budget=250)  # the one just made is kept, however old its time
+    assert removed == paths[1:4]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["0.pt2", "4.pt2", "notes.txt"]
+    assert prune(tmp_path, keep=paths[4], budget=250) == []

@@ -7,10 +7,15 @@ runtime wrapper. On the default run that was 0.33 ms of a 0.92 ms token (one thr
 (`DecodeWeights.step` with the written-out products) into a shared library whose runner is C++ too,
 so a call costs the kernel and little else.
 
-Exporting and compiling take 15 to 60 seconds, so the package is kept on disk, in the cache folder
+The key mask's width is the one size left free when the graph is exported: a step reads as many
+cache slots as have been written (any number from 2 to one less than the cache's), so one package serves
+every length, and attention costs what the sequence's length asks, not the whole context's.
+
+Exporting and compiling take 15 to 90 seconds, so the package is kept on disk, in the cache folder
 (``$TINYLM_CACHE/decode``, else ``~/.cache/tinylm/decode``), named by a digest of everything it depends
 on: the weights, the model's settings, the input shapes, the thread count it was compiled for, the
-torch version and the CPU's vector instructions. The next `tinylm sample --compile` of the same model
+torch version and the CPU's vector instructions. The folder keeps the most recently used packages up to
+512 MB (`prune`; a package is 2 to 6 MB). The next `tinylm sample --compile` of the same model
 loads it in well under a second. The package holds the code, not the weights: loading it hands it the
 decoding layout's own tensors (`DecodeWeights` registers each under a name of its own), so the weights
 are in memory once (a package with its own copy doubled GPT-2's memory). The digest still covers the
@@ -37,6 +42,7 @@ from torch import Tensor, nn
 
 AOT_FORMAT = 3  # raised when the graph changes, so packages written by older code are not loaded
 FOLDER = "decode"
+KEEP_BYTES = 512 * 2**20  # the packages kept in the folder: the least recently used go past this (`prune`)
 MASK = 3  # the inputs' place of the key mask (B, L), whose width L, the slots attention reads, varies from call to call
 
 
@@ -140,8 +146,11 @@ def _package(module: nn.Module, weights: nn.Module, args: tuple[Tensor, ...], op
              outputs: int) -> AOTStep | None:
     path = package_folder() / f"{package_key(weights, args, graph)}.pt2"
     try:
-        if not path.exists():
+        if path.exists():
+            os.utime(path)  # used now: `prune` removes the least recently used first
+        else:
             _build(module, args, options, path)
+            prune(path.parent, keep=path)
         runner = torch._inductor.aoti_load_package(str(path))
         _give_weights(runner, weights)
         return AOTStep(runner, path, outputs)
@@ -150,6 +159,28 @@ def _package(module: nn.Module, weights: nn.Module, args: tuple[Tensor, ...], op
         warnings.warn(f"the ahead-of-time decoding step could not be built ({first[:200]}); "
                       "using torch.compile's step instead", stacklevel=2)
         return None
+
+
+def prune(folder: Path, keep: Path, budget: int = KEEP_BYTES) -> list[Path]:
+    """Remove the least recently used packages in ``folder`` until the rest fit in ``budget`` bytes (one per model,
+    shape, graph and thread count, and an older tinylm's never used again: they would pile up); never ``keep``, the
+    one just made. The paths removed."""
+    packages = []
+    for path in folder.glob("*.pt2"):
+        with contextlib.suppress(OSError):  # (another process may be pruning too)
+            packages.append((path.stat().st_mtime, path.stat().st_size, path))
+    total = sum(size for _, size, _ in packages)
+    removed = []
+    for _, size, path in sorted(packages):
+        if total <= budget:
+            break
+        if path == keep:
+            continue
+        with contextlib.suppress(OSError):
+            path.unlink()
+            removed.append(path)
+        total -= size
+    return removed
 
 
 @contextlib.contextmanager
