@@ -51,14 +51,14 @@ def test_counts_halve_while_the_smaller_one_is_faster():
     call, _ = sleeps_by_threads({4: 0.004, 2: 0.002, 1: 0.0002})
     best, measured = threads.fastest(call, 4, None, rounds=3)
     assert best == DecodeThreads(1)
-    assert set(measured) == {DecodeThreads(4), DecodeThreads(2), DecodeThreads(1)}
-    assert measured[DecodeThreads(1)] < measured[DecodeThreads(2)] < measured[DecodeThreads(4)]
+    assert [(a.threads, b.threads) for a, _, b, _ in measured] == [(4, 2), (2, 1)]
+    assert all(tb < ta for _, ta, _, tb in measured)
 
 
 def test_halving_stops_at_the_first_smaller_count_that_loses():
     call, calls = sleeps_by_threads({4: 0.0003, 2: 0.003, 1: 0.0001})  # 1 would win, but 2 lost to 4 first
     best, measured = threads.fastest(call, 4, None, rounds=3)
-    assert best == DecodeThreads(4) and set(measured) == {DecodeThreads(4), DecodeThreads(2)}
+    assert best == DecodeThreads(4) and [(a.threads, b.threads) for a, _, b, _ in measured] == [(4, 2)]
     assert 1 not in calls
 
 
@@ -76,7 +76,7 @@ def test_pinning_to_the_least_busy_cores_is_timed_against_not_pinning():
         time.sleep(0.0002 if device.pinned_cores() == {CORES[1]} else 0.003)
 
     best, measured = threads.fastest(pinned_is_faster, 1, free, rounds=3)
-    assert best == DecodeThreads(1, (CORES[1],)) and set(measured) == {DecodeThreads(1), best}
+    assert best == DecodeThreads(1, (CORES[1],)) and [(a, b) for a, _, b, _ in measured] == [(DecodeThreads(1), best)]
 
     def unpinned_is_faster():
         time.sleep(0.003 if device.pinned_cores() else 0.0002)
@@ -125,7 +125,7 @@ def test_the_engine_measures_once_says_it_and_reads_the_prompt_with_the_commands
     def one_thread_wins(call, most, free, rounds=threads.ROUNDS):
         call()  # the decoder's own step runs here
         asked.append(most)
-        return DecodeThreads(1), {DecodeThreads(2): 2e-4, DecodeThreads(1): 1e-4}
+        return DecodeThreads(1), [(DecodeThreads(2), 2e-4, DecodeThreads(1), 1e-4)]
 
     monkeypatch.setattr(threads, "fastest", one_thread_wins)
     counts = []  # (tokens a row, threads) of each pass through the layout
@@ -141,7 +141,7 @@ def test_the_engine_measures_once_says_it_and_reads_the_prompt_with_the_commands
             tokens = Engine(model, GREEDY, vocab_size=model.config.vocab_size).generate([[5, 6, 7]])[0].token_ids
         assert tokens == expected
     assert asked == [2]  # measured once for the model, from the command's count
-    assert said == ["decoding with 1 thread: measured fastest, 0.1 ms a step (against 2 threads 0.2)"]
+    assert said == ["decoding with 1 thread, measured fastest (ms a step: 2 threads 0.2 against 1 thread 0.1)"]
     prompts = [n for T, n in counts if T > 1]
     assert len(prompts) == 2 and set(prompts) == {2}  # each prompt read with the command's 2 threads
     assert {n for T, n in counts[counts.index((1, 1)):] if T == 1} == {1}  # the steps after the choice with 1

@@ -441,6 +441,7 @@ class StaticDecoder:
         self.mask = torch.zeros(batch, capacity + extra, dtype=torch.bool, device=device)  # real tokens' slots
         self.slots = torch.arange(capacity + extra, device=device)  # a step's slots are a slice (no new tensor a token)
         self.nothing_banned: Tensor | None = None  # (1, V) all False: `greedy_ahead` without excluded ids
+        self.ahead_slower = False  # `greedy_ahead` measured slower than one token a call
         self.device = device
         self.settings: tuple[DecodeThreads, DecodeThreads] | None = None  # (prompt, one-token steps): `_thread_settings`
         self.settled = False
@@ -481,7 +482,8 @@ class StaticDecoder:
         never chosen. Only for one row, with ``compile``, while the window has room for them all.
         """
         n = GREEDY_TOKENS
-        if not (n and self.compile and AHEAD_OF_TIME and self.mask.size(0) == 1 and self.length + n <= self.capacity):
+        if not (n and self.compile and AHEAD_OF_TIME and self.mask.size(0) == 1 and self.length + n <= self.capacity) \
+                or self.ahead_slower:
             return None
         V = self.weights.config.vocab_size
         if excluded is None and self.nothing_banned is None:
@@ -493,6 +495,7 @@ class StaticDecoder:
         if settings is not None:
             settings[1].apply()
         if not self._ahead_is_faster(args, n):
+            self.ahead_slower = True  # (for this decoder's life: its thread setting and shape stay)
             return None
         tokens, logprobs = self.compiled_weights.greedy_step(self._shape(args[0]), args, n)(*args)
         self.length += n

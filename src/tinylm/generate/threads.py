@@ -86,39 +86,41 @@ def halvings(n: int) -> list[int]:
     return counts
 
 
+Comparison = tuple[DecodeThreads, float, DecodeThreads, float]  # (the setting before, its time, the one tried, its)
+
+
 def fastest(call: Callable[[], object], threads: int, free_cores: list[int] | None,
-            rounds: int = ROUNDS) -> tuple[DecodeThreads, dict[DecodeThreads, float]]:
-    """The setting ``call`` runs fastest under, and the median seconds of each setting timed.
+            rounds: int = ROUNDS) -> tuple[DecodeThreads, list[Comparison]]:
+    """The setting ``call`` runs fastest under, and the comparisons that chose it, in order (median seconds a call).
 
     ``threads``: the most threads to try (the command's count); ``free_cores``: the process's cores, least busy
     first (None: pinning is not tried). Counts halve while the smaller one wins; then pinning to the winning
     count's least busy cores is timed against not pinning, where that leaves a core out.
     """
-    measured: dict[DecodeThreads, float] = {}
-    counts = halvings(threads)
-    best = DecodeThreads(counts[0])
-    for count in counts[1:]:
-        smaller = DecodeThreads(count)
-        times = median_times([best, smaller], call, rounds)
-        measured.update({best: times[0], smaller: times[1]})
-        if times[1] >= times[0]:
+    measured: list[Comparison] = []
+
+    def beats(tried: DecodeThreads, setting: DecodeThreads) -> bool:
+        times = median_times([setting, tried], call, rounds)
+        measured.append((setting, times[0], tried, times[1]))
+        return times[1] < times[0]
+
+    best = DecodeThreads(threads)
+    for count in halvings(threads)[1:]:
+        if not beats(DecodeThreads(count), best):
             break
-        best = smaller
+        best = DecodeThreads(count)
     if free_cores is not None and best.threads < len(free_cores):
         pinned = DecodeThreads(best.threads, tuple(sorted(free_cores[:best.threads])))
-        times = median_times([best, pinned], call, rounds)
-        measured.update({best: times[0], pinned: times[1]})
-        if times[1] < times[0]:
+        if beats(pinned, best):
             best = pinned
     return best, measured
 
 
-def report(best: DecodeThreads, measured: dict[DecodeThreads, float]) -> str:
-    """One line: what was chosen, and the times it was chosen by."""
-    others = "; ".join(f"{setting.describe()} {seconds * 1e3:.3g}" for setting, seconds in measured.items()
-                       if setting != best)
-    return (f"decoding with {best.describe()}: measured fastest, {measured[best] * 1e3:.3g} ms a step"
-            + (f" (against {others})" if others else ""))
+def report(best: DecodeThreads, measured: list[Comparison]) -> str:
+    """One line: what was chosen, and the comparisons it was chosen by (ms a step, each pair timed together)."""
+    pairs = "; ".join(f"{a.describe()} {ta * 1e3:.3g} against {b.describe()} {tb * 1e3:.3g}"
+                      for a, ta, b, tb in measured)
+    return f"decoding with {best.describe()}, measured fastest (ms a step: {pairs})"
 
 
 def free_cores_now(choice: devices.ThreadChoice) -> list[int] | None:
