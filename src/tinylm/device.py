@@ -221,18 +221,26 @@ def pin_threads(cores: set[int] | None) -> bool:
     if cores is None and not _pinned:
         return True
     try:
-        if cores is not None and not _pinned:
-            _pinned.append(set(os.sched_getaffinity(0)))
-        target = cores if cores is not None else _pinned[0]
-        for tid in os.listdir("/proc/self/task"):
-            with contextlib.suppress(ProcessLookupError):
-                os.sched_setaffinity(int(tid), target)
+        start = process_cores()
+        target = set(cores) if cores is not None else start
+        _set_affinity(target)
     except (AttributeError, OSError, ValueError):
+        with contextlib.suppress(AttributeError, OSError, ValueError):  # undo a pin that reached some threads only
+            _set_affinity(_pinned[1] if _pinned else start)
         return False
-    _pinned[1:] = [set(target)]
-    if cores is None:
-        _pinned.clear()
+    _pinned[:] = [start, target] if cores is not None else []
     return True
+
+
+def _set_affinity(cores: set[int]) -> None:
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(ProcessLookupError):  # (a thread that ended meanwhile)
+            os.sched_setaffinity(int(tid), cores)
+
+
+def process_cores() -> set[int]:
+    """The cores this process may run on when it is not pinned (`pin_threads`): its affinity set before the pin."""
+    return set(_pinned[0]) if _pinned else set(os.sched_getaffinity(0))
 
 
 def pinned_cores() -> set[int] | None:

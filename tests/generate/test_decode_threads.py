@@ -48,7 +48,7 @@ def sleeps_by_threads(seconds: dict[int, float]):
 
 
 def test_counts_halve_while_the_smaller_one_is_faster():
-    call, _ = sleeps_by_threads({4: 0.004, 2: 0.002, 1: 0.0002})
+    call, _ = sleeps_by_threads({4: 0.02, 2: 0.002, 1: 0.0002})
     best, measured = threads.fastest(call, 4, None, rounds=3)
     assert best == DecodeThreads(1)
     assert [(a.threads, b.threads) for a, _, b, _ in measured] == [(4, 2), (2, 1)]
@@ -86,6 +86,14 @@ def test_pinning_to_the_least_busy_cores_is_timed_against_not_pinning():
     assert device.pinned_cores() is not None  # the last setting timed stays until someone applies another
     DecodeThreads(1).apply()
     assert device.pinned_cores() is None and set(os.sched_getaffinity(0)) == set(CORES)
+
+
+def test_a_pin_that_fails_changes_nothing():
+    before = os.sched_getaffinity(0)
+    assert device.pin_threads({10**6}) is False  # no such core
+    assert device.pinned_cores() is None and os.sched_getaffinity(0) == before
+    DecodeThreads(1).apply()  # and the next setting applies as usual
+    assert device.pinned_cores() is None
 
 
 @two_cores
@@ -145,6 +153,7 @@ def test_the_engine_measures_once_says_it_and_reads_the_prompt_with_the_commands
     prompts = [n for T, n in counts if T > 1]
     assert len(prompts) == 2 and set(prompts) == {2}  # each prompt read with the command's 2 threads
     assert {n for T, n in counts[counts.index((1, 1)):] if T == 1} == {1}  # the steps after the choice with 1
+    assert torch.get_num_threads() == 2  # back to the command's count once the engine is done
 
 
 def test_a_count_set_by_the_user_is_used_as_it_is(monkeypatch):
@@ -160,6 +169,8 @@ def test_a_count_set_by_the_user_is_used_as_it_is(monkeypatch):
 def test_without_a_command_block_nothing_is_measured(monkeypatch):
     model = tiny_gpt()
     monkeypatch.setattr(threads, "fastest", lambda *a, **k: pytest.fail("measured outside a command"))
+    monkeypatch.setattr(device, "_active", [])  # (the suite runs each test inside a one-thread block)
+    assert device.active_choice() is None
     with torch.inference_mode():
         Engine(model, GREEDY, vocab_size=model.config.vocab_size).generate([[5, 6, 7]])
 

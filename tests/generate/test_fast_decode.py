@@ -233,6 +233,7 @@ def test_the_package_digest_changes_with_the_weights_shapes_and_threads():
     weights = decode_weights(model, compiled=True)
     key = package_key(weights, args)
     assert package_key(weights, args) == key
+    assert package_key(weights, (*args[:3], decoder._written(9), *args[4:])) == key  # any width read: one package
     longer = StaticDecoder(model, 1, 20)
     with torch.inference_mode():
         assert package_key(weights, _one_token_args(longer, 3)) != key  # another cache size

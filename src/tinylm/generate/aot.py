@@ -147,7 +147,8 @@ def _package(module: nn.Module, weights: nn.Module, args: tuple[Tensor, ...], op
     path = package_folder() / f"{package_key(weights, args, graph)}.pt2"
     try:
         if path.exists():
-            os.utime(path)  # used now: `prune` removes the least recently used first
+            with contextlib.suppress(OSError):  # used now: `prune` removes the least recently used first
+                os.utime(path)  # (a folder this user may not write to, or the package pruned meanwhile)
         else:
             _build(module, args, options, path)
             prune(path.parent, keep=path)
@@ -167,6 +168,8 @@ def prune(folder: Path, keep: Path, budget: int = KEEP_BYTES) -> list[Path]:
     one just made. The paths removed."""
     packages = []
     for path in folder.glob("*.pt2"):
+        if path.name.startswith("."):  # another process's package being built
+            continue
         with contextlib.suppress(OSError):  # (another process may be pruning too)
             packages.append((path.stat().st_mtime, path.stat().st_size, path))
     total = sum(size for _, size, _ in packages)

@@ -204,6 +204,8 @@ class Engine:
             raise
         finally:
             self.model.train(was_training)
+            if isinstance(self.decoder, StaticDecoder):
+                self.decoder.command_threads()
 
     def _decode(self, rows: list[_Row], generators: list[torch.Generator] | None) -> Iterator[TokenEvent]:
         """The decoding loop: the first window, then a sample and a step per new token until every row is done."""

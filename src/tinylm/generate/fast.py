@@ -22,12 +22,14 @@ depends on the model and the machine (twice as fast on the default run, a third 
 
 `StaticDecoder` is the cache that goes with it, static as in gpt-fast: keys and values for
 every slot of the window, allocated once, and a mask of the slots that hold real tokens. A
-step writes its tokens' keys and values into their slots and attends over the whole buffer
-with the mask (key j is seen by the query in slot i when j <= i, j holds a real token and, with
-a sliding window, i - j < W), so every step has the same shapes. That makes the step a fixed
-graph `torch.compile` can turn into fused C++ (``compile=True``), and it makes rolling back
-free: slots past the current length are never visible to a query, so forgetting them is
-setting the length (speculative decoding does that after a rejected draft).
+step writes its tokens' keys and values into their slots and attends over the slots written so
+far with the mask (key j is seen by the query in slot i when j <= i, j holds a real token and,
+with a sliding window, i - j < W): the cache's shapes never change, only how many slots are read.
+The one-token step compiled ahead of time takes that count as its one free size
+(`tinylm.generate.aot`); `torch.compile`'s graphs (a padded speculative round) read the whole
+buffer, so they too keep their shapes. Rolling back is free: slots past the current length are
+never visible to a query, so forgetting them is setting the length (speculative decoding does
+that after a rejected draft).
 
 What the step computes is `GPT.forward` with a KV cache, term for term; the products are summed
 in another order, so logits agree to float rounding (the tests pin them to the model's), and
@@ -60,7 +62,7 @@ from tinylm.errors import TinyLMError
 from tinylm.generate.aot import AOTStep
 from tinylm.generate.cache import merge_rows
 from tinylm.generate.steps import CachedDecoder, real_positions
-from tinylm.generate.threads import DecodeThreads, decode_settings
+from tinylm.generate.threads import DecodeThreads, command_setting, decode_settings
 from tinylm.model import GPT
 from tinylm.model.attention import causal_visible, soft_cap
 from tinylm.model.gpt import mlp_activation
@@ -289,7 +291,7 @@ class DecodeWeights(nn.Module):
         """
         B, T = tokens.shape
         nh, n_kv, hs = self.n_head, self.n_kv, self.hs
-        S = key_mask.size(1)  # the slots attention reads: 0..S-1
+        L = key_mask.size(1)  # the slots attention reads: 0..L-1
         # the written-out product only for one token: over several, inductor fuses each product into the
         # next and recomputes it per output row (a round of 6 tokens took 20x a single one)
         product = _product_reduced if written_out and B * T == 1 else self.product
@@ -305,12 +307,12 @@ class DecodeWeights(nn.Module):
                 ropes[windowed] = (table[0][positions][:, None], table[1][positions][:, None])
         # which slots each query sees: the past (its own slot included), real tokens only, within the window
         # (one mask per window size among the layers: Gemma's alternate)
-        j = torch.arange(S, device=tokens.device)
-        own = j[None, :] == slots[:, None]  # (T, S): a padding query sees itself, so its row stays finite
+        j = torch.arange(L, device=tokens.device)
+        own = j[None, :] == slots[:, None]  # (T, L): a padding query sees itself, so its row stays finite
         masks = {}
         for window in set(self.windows):
-            visible = causal_visible(slots, j, window)  # (T, S)
-            masks[window] = ((visible[None] & key_mask[:, None, :]) | own[None])[:, None]  # (B, 1, T, S)
+            visible = causal_visible(slots, j, window)  # (T, L)
+            masks[window] = ((visible[None] & key_mask[:, None, :]) | own[None])[:, None]  # (B, 1, T, L)
         for i, layer in enumerate(self.layers):
             mask, rope = masks[self.windows[i]], ropes.get(self.windows[i] is not None)
             x = self.norm_1[i](h) if self.pre_norm else h
@@ -335,13 +337,13 @@ class DecodeWeights(nn.Module):
             # compiled: plain products and a softmax, which inductor fuses; capped scores (Gemma 2) too,
             # since the fused kernel has no place for the cap
             if written_out or self.attn_softcap is not None:
-                kk, vv = k_cache[i, :, :, :S], v_cache[i, :, :, :S]  # (B, n_kv, S, hs)
+                kk, vv = k_cache[i, :, :, :L], v_cache[i, :, :, :L]  # (B, n_kv, L, hs)
                 if n_kv != nh:
                     kk, vv = kk.repeat_interleave(nh // n_kv, dim=1), vv.repeat_interleave(nh // n_kv, dim=1)
-                scores = soft_cap((q @ kk.transpose(-2, -1)) * self.scale, self.attn_softcap)  # (B, nh, T, S)
+                scores = soft_cap((q @ kk.transpose(-2, -1)) * self.scale, self.attn_softcap)  # (B, nh, T, L)
                 y = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1) @ vv  # (B, nh, T, hs)
             else:
-                y = F.scaled_dot_product_attention(q, k_cache[i, :, :, :S], v_cache[i, :, :, :S], attn_mask=mask,
+                y = F.scaled_dot_product_attention(q, k_cache[i, :, :, :L], v_cache[i, :, :, :L], attn_mask=mask,
                                                    scale=self.scale,
                                                    enable_gqa=n_kv != nh)  # (B, nh, T, hs)
             a = product(y.transpose(1, 2).reshape(B, T, nh * hs), *layer["o"])  # (B, T, d)
@@ -643,23 +645,33 @@ class StaticDecoder:
 
     def _thread_settings(self, args: tuple[Tensor, ...] | None) -> tuple[DecodeThreads, DecodeThreads] | None:
         """(the prompt's thread setting, one-token steps') where the command chose its thread count itself: measured
-        (`tinylm.generate.threads`) once per model, row count and kind of step under the command's choice, on ``args``
-        (a one-token step's inputs; the measuring calls write the same slot again). Without ``args`` nothing is
-        measured: None until a one-token step has been."""
+        (`tinylm.generate.threads`) once per model, for one row and for batches, and kind of step under the
+        command's choice, on ``args`` (a one-token step's inputs; the measuring calls write the same slot again).
+        Without ``args`` nothing is measured: the command's count for both until a one-token step has been. Kept for
+        the decoder's life (a batch that `reorder` shrinks to one row keeps the batch's)."""
         if self.settled:
             return self.settings
         from tinylm.device import active_choice
 
-        key = (self.k.size(1), self.compile, active_choice())
+        key = (self.k.size(1) == 1, self.compile, active_choice())  # one row or a batch
         chosen = self.weights.thread_settings
-        if not CHOOSE_THREADS or key[-1] is None or self.device.type != "cpu":
+        if not CHOOSE_THREADS or command_setting() is None or self.device.type != "cpu":
             self.settled = True
         elif key in chosen:
             self.settings, self.settled = chosen[key], True
         elif args is not None:
             chosen[key] = self.settings = decode_settings(lambda: self._one_token(args, self.compile))
             self.settled = True
+        else:  # a prompt before anything was measured: the command's count (a step may have left another)
+            command = command_setting()
+            return command, command
         return self.settings
+
+    def command_threads(self) -> None:
+        """Back to the command's thread setting, once decoding is over (what comes next in the command, an evaluation
+        say, runs with the command's count, not the one-token steps')."""
+        if self.settings is not None:
+            self.settings[0].apply()
 
 
 def _first_is_faster(first: Callable[[], object], second: Callable[[], object]) -> bool:

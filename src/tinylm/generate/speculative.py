@@ -397,3 +397,5 @@ def _rounds(model: nn.Module, request: PreparedRequest, params: SamplingParams, 
                     return
     finally:
         model.train(was_training)
+        if isinstance(decoder, StaticDecoder):
+            decoder.command_threads()

@@ -16,8 +16,10 @@ So the decoder times its own one-token step (`tinylm.generate.fast.StaticDecoder
   (`tinylm.device.pin_threads`) against left where the kernel puts them.
 
 Each comparison runs the candidates in turns (a change of load on a shared machine hits them alike), and
-the lower median wins. The choice is said in one line and kept for the model and shape; the prompt is
-still read with the command's count, unpinned (`DecodeThreads.apply` switches between them).
+the lower median wins. The choice is said in one line and kept for the model, for one row and for
+batches, and the kind of step (compiled or not). The prompt is still read with the command's count,
+unpinned, and the engine goes back to it when it is done (`DecodeThreads.apply` switches between them).
+With a compiled step each count timed builds its own package the first time (15 to 90 s each).
 """
 
 from __future__ import annotations
@@ -126,7 +128,7 @@ def report(best: DecodeThreads, measured: list[Comparison]) -> str:
 def free_cores_now(choice: devices.ThreadChoice) -> list[int] | None:
     """The process's cores with the ones the thread policy counted busy last (None where it could not tell which)."""
     try:
-        cores = sorted(devices.os.sched_getaffinity(0))
+        cores = sorted(devices.process_cores())  # (not the cores of a pin in force now)
     except AttributeError:
         return None
     if choice.busy and not choice.left_out:
@@ -134,14 +136,22 @@ def free_cores_now(choice: devices.ThreadChoice) -> list[int] | None:
     return [c for c in cores if c not in choice.left_out] + list(choice.left_out)
 
 
-def decode_settings(call: Callable[[], object]) -> tuple[DecodeThreads, DecodeThreads] | None:
-    """(the prompt's setting, the decoding step's) inside a `use_threads` block that chose its count itself (no
-    ``--threads``) on a CPU, the latter measured with ``call`` (one decoding step) and said in one line; None
-    elsewhere (a count the user set is kept as it is)."""
+def command_setting() -> DecodeThreads | None:
+    """The command's own thread count, where decoding may choose another: inside a `use_threads` block that chose
+    its count itself (no ``--threads``) on a CPU; else None (a count the user set is kept as it is)."""
     choice = devices.active_choice()
     if choice is None or choice.setting is not None or choice.threads is None:
         return None
-    prompt = DecodeThreads(choice.threads)
+    return DecodeThreads(choice.threads)
+
+
+def decode_settings(call: Callable[[], object]) -> tuple[DecodeThreads, DecodeThreads] | None:
+    """(the prompt's setting, the decoding step's) where `command_setting` allows a choice, the latter measured with
+    ``call`` (one decoding step) and said in one line; None elsewhere."""
+    choice = devices.active_choice()
+    prompt = command_setting()
+    if choice is None or prompt is None:
+        return None
     free = free_cores_now(choice)
     if choice.threads == 1 and (free is None or len(free) == 1):
         return None
