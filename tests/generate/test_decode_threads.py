@@ -188,3 +188,26 @@ def test_tinylm_sample_says_the_measured_setting_unless_threads_is_given(tmp_pat
     assert "decoding with" not in given.stderr
     assert chosen.stdout == given.stdout  # the same greedy text whatever the setting
 
+
+
+def test_the_setting_is_measured_before_the_first_token_is_given(monkeypatch):
+    """So that the line saying it comes before streamed text, not inside it."""
+    model = tiny_gpt()
+    asked = []
+
+    def two_threads_win(call, most, free, rounds=threads.ROUNDS):
+        call()
+        asked.append(most)
+        return DecodeThreads(2), [(DecodeThreads(2), 1e-4, DecodeThreads(1), 2e-4)]
+
+    monkeypatch.setattr(threads, "fastest", two_threads_win)
+    monkeypatch.setattr(device, "_active", [(device.ThreadChoice(2, 2), None)])
+    torch.set_num_threads(2)
+    with torch.inference_mode():
+        events = Engine(model, GREEDY, vocab_size=model.config.vocab_size).events([[5, 6, 7]])
+        first = next(events)
+        assert asked == [2]
+        rest = [event.token for event in events]
+    with torch.inference_mode():
+        expected = Engine(model, GREEDY, vocab_size=model.config.vocab_size).generate([[5, 6, 7]])[0].token_ids
+    assert [first.token, *rest] == expected  # the measuring steps left no trace in the cache

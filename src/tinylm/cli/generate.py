@@ -150,12 +150,15 @@ def _sample(args: Any, out: TextIO | None, threads: contextlib.ExitStack) -> int
     if args.stream:
         if len(prompts) != 1:
             raise TinyLMError("--stream shows one sample as it is written: give one prompt")
-        out.write(prompts[0])
+        shown = False  # the prompt goes out with the first piece: after what the engine says on stderr as it starts
         for piece in stream(run.model, run.tokenizer, prompts[0], params, start_ids=start,
                             compile=compile_flag(args)):
+            if not shown:
+                out.write(prompts[0])
+                shown = True
             out.write(piece)
             out.flush()
-        out.write("\n")
+        out.write(("" if shown else prompts[0]) + "\n")
         return 0
     completions = generate(run.model, run.tokenizer, prompts, params, start_ids=start,
                            compile=compile_flag(args))

@@ -285,8 +285,12 @@ class Engine:
             if self.prefix_cache is not None and B == 1:
                 logits, reused = self.prefix_cache.resume(self.decoder, windows[0])
                 self.prompt_tokens_run += T - reused
-                return logits
-            self.prompt_tokens_run += int(mask.sum())
+            else:
+                logits = self.decoder.start(idx, mask)
+                self.prompt_tokens_run += int(mask.sum())
+            if isinstance(self.decoder, StaticDecoder) and self.params.max_new_tokens > 1:
+                self.decoder.prepare_steps()  # (a thread setting measured now is said before the first token)
+            return logits
         return self.decoder.start(idx, mask)
 
     def _step(self, tokens: Tensor) -> Tensor:

@@ -667,6 +667,20 @@ class StaticDecoder:
             return command, command
         return self.settings
 
+    def prepare_steps(self) -> None:
+        """Measure the one-token steps' thread setting now (`_thread_settings`), after the prompt and before the first
+        token is shown, so that the line saying it does not land in the middle of streamed text. It times a step of
+        token 0 in the next slot, which the real step writes again."""
+        end = self.length + 1
+        if self.settled or end > self.k.size(3):
+            return
+        rows = self.mask.size(0)
+        tokens = torch.zeros(rows, 1, dtype=torch.long, device=self.device)
+        self._thread_settings((tokens, self.slots[self.length:end], self.next_position, self._written(end), self.k,
+                               self.v))
+        if self.settings is not None:
+            self.settings[0].apply()  # (the first token is chosen before any step: the command's count till then)
+
     def command_threads(self) -> None:
         """Back to the command's thread setting, once decoding is over (what comes next in the command, an evaluation
         say, runs with the command's count, not the one-token steps')."""
