@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-AOT_FORMAT = 3  # raised when the graph changes, so packages written by older code are not loaded
+AOT_FORMAT = 4  # raised when the graph changes, so packages written by older code are not loaded
 FOLDER = "decode"
 KEEP_BYTES = 512 * 2**20  # the packages kept in the folder: the least recently used go past this (`prune`)
 MASK = 3  # the inputs' place of the key mask (B, L), whose width L, the slots attention reads, varies from call to call

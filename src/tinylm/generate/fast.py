@@ -81,7 +81,12 @@ COMPARE_ROUNDS = 7
 HUGE_PAGE = 2 * 2**20
 USE_HUGE_PAGES = True
 
-ONE_TOKEN_INDUCTOR_OPTIONS = {"realize_reads_threshold": 1, "realize_cpu_opcount_threshold": 1}
+# the compiled one-token step: every intermediate vector kept in memory rather than recomputed inside the products
+# that read it (inductor's default for cheap producers, which doubled their time); and the C++ compiler free to fuse
+# each multiply-add and reorder the sums (a product's row sums in one chain of vector additions otherwise: the 49
+# int8 products of GPT-2's shape took 7.6 ms with it against 8.0-8.6 without, one thread)
+ONE_TOKEN_INDUCTOR_OPTIONS = {"realize_reads_threshold": 1, "realize_cpu_opcount_threshold": 1,
+                              "cpp.enable_unsafe_math_opt_flag": True, "cpp.enable_floating_point_contract_flag": "fast"}
 # the compiled one-token step as an ahead-of-time package (`tinylm.generate.aot`); False: torch.compile's
 AHEAD_OF_TIME = True
 # greedy tokens a call of the compiled run-ahead package (`StaticDecoder.greedy_ahead`); 0: one a call
@@ -390,8 +395,6 @@ class DecodeWeights(nn.Module):
             if step is not None:
                 self._compiled[shape] = step
         if shape not in self._compiled:
-            # one token: keep every intermediate vector in memory rather than recompute it inside the
-            # products that read it (inductor's default for cheap producers), which doubled their time
             options = ONE_TOKEN_INDUCTOR_OPTIONS if shape[0] * shape[1] == 1 else {}
             self._compiled[shape] = torch.compile(functools.partial(self.step, written_out=True),
                                                   dynamic=False, fullgraph=True, options=options)
