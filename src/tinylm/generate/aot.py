@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-AOT_FORMAT = 4  # raised when the graph changes, so packages written by older code are not loaded
+AOT_FORMAT = 4  # raised when the graph changes, so packages written by older code are not loaded (options are keyed)
 FOLDER = "decode"
 KEEP_BYTES = 512 * 2**20  # the packages kept in the folder: the least recently used go past this (`prune`)
 MASK = 3  # the inputs' place of the key mask (B, L), whose width L, the slots attention reads, varies from call to call
@@ -87,12 +87,14 @@ def _tensors(weights: nn.Module) -> list[tuple[str, Tensor]]:
     return sorted(itertools.chain(weights.named_parameters(), weights.named_buffers()), key=lambda item: item[0])
 
 
-def package_key(weights: nn.Module, args: tuple[Tensor, ...], graph: str = "one token") -> str:
+def package_key(weights: nn.Module, args: tuple[Tensor, ...], graph: str = "one token",
+                options: dict | None = None) -> str:
     """The digest that names a package: the graph, weights, settings, shapes and dtypes (not the mask's width: any
-    width is one package), threads, torch and the CPU."""
+    width is one package), the compiler's options, threads, torch and the CPU."""
     shapes = [(tuple(a.shape) if i != MASK else (a.size(0), "live"), str(a.dtype)) for i, a in enumerate(args)]
-    facts = (AOT_FORMAT, graph, torch.__version__, torch.backends.cpu.get_cpu_capability(), torch.get_num_threads(),
-             repr(weights.config), shapes, weights_digest(weights))
+    facts = (AOT_FORMAT, graph, sorted((options or {}).items()), torch.__version__,
+             torch.backends.cpu.get_cpu_capability(), torch.get_num_threads(), repr(weights.config), shapes,
+             weights_digest(weights))
     return hashlib.sha256(repr(facts).encode()).hexdigest()[:32]
 
 
@@ -144,7 +146,7 @@ def greedy_run(weights: nn.Module, args: tuple[Tensor, ...], n: int, options: di
 
 def _package(module: nn.Module, weights: nn.Module, args: tuple[Tensor, ...], options: dict, graph: str,
              outputs: int) -> AOTStep | None:
-    path = package_folder() / f"{package_key(weights, args, graph)}.pt2"
+    path = package_folder() / f"{package_key(weights, args, graph, options)}.pt2"
     try:
         if path.exists():
             with contextlib.suppress(OSError):  # used now: `prune` removes the least recently used first

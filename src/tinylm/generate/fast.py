@@ -82,11 +82,9 @@ HUGE_PAGE = 2 * 2**20
 USE_HUGE_PAGES = True
 
 # the compiled one-token step: every intermediate vector kept in memory rather than recomputed inside the products
-# that read it (inductor's default for cheap producers, which doubled their time); and the C++ compiler free to fuse
-# each multiply-add and reorder the sums (a product's row sums in one chain of vector additions otherwise: the 49
-# int8 products of GPT-2's shape took 7.6 ms with it against 8.0-8.6 without, one thread)
-ONE_TOKEN_INDUCTOR_OPTIONS = {"realize_reads_threshold": 1, "realize_cpu_opcount_threshold": 1,
-                              "cpp.enable_unsafe_math_opt_flag": True, "cpp.enable_floating_point_contract_flag": "fast"}
+# that read it (inductor's default for cheap producers, which doubled their time). Letting the C++ compiler fuse
+# multiply-adds and reorder sums as well made the whole step no faster (`benchmarks/decode_step.py`), so it does not.
+ONE_TOKEN_INDUCTOR_OPTIONS = {"realize_reads_threshold": 1, "realize_cpu_opcount_threshold": 1}
 # the compiled one-token step as an ahead-of-time package (`tinylm.generate.aot`); False: torch.compile's
 AHEAD_OF_TIME = True
 # greedy tokens a call of the compiled run-ahead package (`StaticDecoder.greedy_ahead`); 0: one a call
